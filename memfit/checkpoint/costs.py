@@ -1,0 +1,69 @@
+"""The planner's input: a tree of candidate units with their measured costs.
+
+Plain dataclasses with no torch in them, so the solvers (``solve.py``) can serve any
+framework's recompute primitive. ``profile.py`` fills them in from one measured step.
+
+Cost model (docs/planner.md has the full statement and its assumptions):
+
+* ``keep``      - the unit's own ops save what they save; its child units decide for themselves.
+                  kept = own saved bytes + children's kept; transient = max of children's.
+* ``recompute`` - checkpoint the whole unit: keep its inputs, re-run its forward in backward.
+                  kept = input bytes; transient = the subtree's total saved bytes;
+                  extra time = the subtree's forward time.
+* ``selective`` - checkpoint, but save the outputs of matmul-like ops and recompute the rest.
+                  kept = input bytes + matmul saved bytes; transient = total saved - matmul saved;
+                  extra time = forward time of the non-matmul ops.
+* segment i..j  - for ``sequential`` units: children i..j (j > i) checkpointed as one piece.
+                  kept = child i's input bytes; transient = sum of their total saved bytes;
+                  extra time = sum of their forward times.
+
+Predicted peak = static bytes + kept(root) + transient(root), where the transient of a
+tree is the largest transient of any one recomputed piece (only one is rebuilt at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class UnitCost:
+    """Costs of one candidate unit (a module), measured under the training precision."""
+
+    name: str
+    """Qualified module name (``""`` for the root)."""
+    children: list[UnitCost] = field(default_factory=list)
+    """Candidate sub-units, in forward order."""
+    fwd_flops: float = 0.0
+    """FLOPs of one forward of the whole subtree."""
+    fwd_seconds: float = 0.0
+    """Time of one forward of the whole subtree."""
+    bwd_seconds: float = 0.0
+    """Time of the backward of the whole subtree."""
+    own_saved_bytes: float = 0.0
+    """Bytes saved for backward by ops of this unit that lie in no child unit (deduplicated)."""
+    input_bytes: float = 0.0
+    """Bytes of the tensors the unit receives; a checkpoint keeps them."""
+    output_bytes: float = 0.0
+    """Bytes of the tensors the unit returns."""
+    matmul_saved_bytes: float = 0.0
+    """Bytes of the whole subtree's saved tensors that are outputs of matmul-like ops."""
+    non_matmul_fwd_flops: float = 0.0
+    """Forward FLOPs of the subtree's ops that selective recompute re-runs."""
+    non_matmul_fwd_seconds: float = 0.0
+    """Forward time of the subtree's ops that selective recompute re-runs."""
+    can_recompute: bool = True
+    """False when re-running the unit is unsafe (side effects, non-determinism) or impossible."""
+    sequential: bool = False
+    """True when memfit controls the iteration over the children (segments allowed)."""
+
+    def total_saved_bytes(self) -> float:
+        """Bytes the whole subtree saves for backward when nothing is recomputed."""
+        return self.own_saved_bytes + sum(c.total_saved_bytes() for c in self.children)
+
+    def walk(self) -> Iterator[UnitCost]:
+        """This unit and every unit below it, parents before children."""
+        yield self
+        for child in self.children:
+            yield from child.walk()

@@ -1,0 +1,176 @@
+"""Precision policies: which dtype computes, which dtype the weights live in, what stays fp32.
+
+Five modes, one alias table (in the spirit of Lightning's precision strings):
+
+====================  ===========  ==============  ============  ============
+mode                  weights      compute         master copy   loss scaling
+====================  ===========  ==============  ============  ============
+``fp32``              fp32         fp32            no            no
+``bf16-mixed``        fp32         bf16 autocast   no            no
+``fp16-mixed``        fp32         fp16 autocast   no            dynamic
+``bf16-master``       bf16         bf16 autocast   fp32          no
+``fp16-master``       fp16         fp16 autocast   fp32          dynamic
+====================  ===========  ==============  ============  ============
+
+fp32 islands are module types that always run in fp32 with their inputs cast up and
+autocast off inside them (default: normalization layers). Under autocast, torch already
+runs losses like ``cross_entropy`` in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError
+
+Mode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+#: Every accepted spelling, mapped to its mode. Lightning's and Apex's names are included.
+ALIASES: dict[str, str] = {
+    "fp32": "fp32",
+    "32": "fp32",
+    "32-true": "fp32",
+    "float32": "fp32",
+    "O0": "fp32",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bfloat16": "bf16-mixed",
+    "fp16": "fp16-mixed",
+    "16": "fp16-mixed",
+    "16-mixed": "fp16-mixed",
+    "fp16-mixed": "fp16-mixed",
+    "float16": "fp16-mixed",
+    "O1": "fp16-mixed",
+    "bf16-master": "bf16-master",
+    "bf16-true": "bf16-master",
+    "fp16-master": "fp16-master",
+    "16-true": "fp16-master",
+    "O2": "fp16-master",
+}
+
+#: Module types kept in fp32 by default: their statistics lose accuracy in 16 bits.
+DEFAULT_FP32_ISLANDS: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.LocalResponseNorm,
+        nn.modules.batchnorm._BatchNorm,
+        nn.modules.instancenorm._InstanceNorm,
+        getattr(nn, "RMSNorm", None),
+    )
+    if t is not None
+)
+
+
+def resolve_mode(name: str) -> str:
+    """Map a mode name or alias to one of :data:`MODES`; raise with the valid names if unknown."""
+    if isinstance(name, PrecisionPolicy):
+        return name.mode
+    key = str(name).strip()
+    mode = ALIASES.get(key) or ALIASES.get(key.lower())
+    if mode is None:
+        aliases = ", ".join(sorted(a for a in ALIASES if a not in MODES))
+        raise ConfigError(
+            f"unknown precision {name!r}. Valid modes: {', '.join(MODES)}; aliases: {aliases}"
+        )
+    return mode
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How a model trains: compute dtype, weight dtype, master copy, loss scaling, fp32 islands.
+
+    Example::
+
+        policy = memfit.PrecisionPolicy("bf16-mixed")
+        with policy.autocast("cpu"):
+            loss = model(x).float().mean()
+    """
+
+    mode: str = "bf16-mixed"
+    """A mode from :data:`MODES` or an alias from :data:`ALIASES`; stored resolved."""
+    fp32_islands: tuple[type[nn.Module], ...] = field(default=DEFAULT_FP32_ISLANDS)
+    """Module types that run in fp32 (inputs cast up, autocast off inside). ``()`` for none."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", resolve_mode(self.mode))
+        islands = tuple(self.fp32_islands)
+        for t in islands:
+            if not (isinstance(t, type) and issubclass(t, nn.Module)):
+                raise ConfigError(f"fp32_islands must be nn.Module subclasses, got {t!r}")
+        object.__setattr__(self, "fp32_islands", islands)
+
+    @classmethod
+    def of(cls, value: str | PrecisionPolicy | None) -> PrecisionPolicy:
+        """A policy from a mode string, a policy (returned as is) or None (fp32)."""
+        if isinstance(value, PrecisionPolicy):
+            return value
+        return cls("fp32" if value is None else value)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls and convolutions run in."""
+        if self.mode == "fp32":
+            return torch.float32
+        return torch.bfloat16 if self.mode.startswith("bf16") else torch.float16
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the model's working weights (fp32 except in the master modes)."""
+        return self.compute_dtype if self.master_weights else torch.float32
+
+    @property
+    def master_weights(self) -> bool:
+        """True when the model holds low-precision weights and the optimizer an fp32 copy."""
+        return self.mode.endswith("-master")
+
+    @property
+    def loss_scaling(self) -> bool:
+        """True for the fp16 modes, whose small gradients underflow without a loss scale."""
+        return self.mode.startswith("fp16")
+
+    @property
+    def mixed(self) -> bool:
+        """True for every mode that computes in 16 bits."""
+        return self.mode != "fp32"
+
+    def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+        """The autocast context of this policy on ``device_type`` (a no-op for fp32)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
+
+    def is_island(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of this policy's fp32 islands."""
+        return bool(self.fp32_islands) and isinstance(module, self.fp32_islands)
+
+    def check_device(self, device: torch.device | str) -> None:
+        """Raise if ``device`` cannot compute in this policy's dtype; warn when it is slow."""
+        import warnings
+
+        device = torch.device(device)
+        if not self.mixed:
+            return
+        if device.type == "cuda":
+            if self.compute_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                name = torch.cuda.get_device_name(device)
+                raise ConfigError(
+                    f"{name} cannot compute in bf16 (needs compute capability 8.0+); "
+                    f"use precision='fp16-mixed' instead of {self.mode!r}"
+                )
+        elif device.type == "cpu" and self.compute_dtype is torch.float16:
+            warnings.warn(
+                f"precision {self.mode!r} on CPU: fp16 matmul is very slow on most CPUs; "
+                "use 'bf16-mixed' unless you are testing the fp16 path",
+                stacklevel=3,
+            )
+
+    def __str__(self) -> str:
+        return self.mode
