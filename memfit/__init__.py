@@ -1,5 +1,6 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
+from memfit.engine import Engine
 from memfit.errors import (
     BudgetError,
     CheckpointError,
@@ -9,7 +10,7 @@ from memfit.errors import (
     PlanError,
     ScalerStateError,
 )
-from memfit.precision.policy import PrecisionPolicy
+from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
 from memfit.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -18,11 +19,15 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "ConfigError",
+    "Engine",
+    "LossScaler",
     "MemfitError",
     "NonFiniteError",
     "PlanError",
     "PrecisionPolicy",
     "ScalerStateError",
+    "apply_precision",
     "format_bytes",
     "parse_bytes",
+    "remove_precision",
 ]

@@ -1,0 +1,443 @@
+"""The training engine: precision, checkpoint plan, accumulation, clipping, skipping, saving.
+
+One :meth:`Engine.train_step` is one optimizer step over ``accumulation_steps``
+micro-batches. In every precision mode a step whose gradients are not finite is skipped
+(never written into the weights, the optimizer state or the LR schedule) and counted.
+
+Host syncs: none per micro-batch. Per optimizer step: one inside ``LossScaler.step`` unless
+the optimizer is fused (see :mod:`memfit.precision.scaler`), and one when an LR scheduler is
+given (torch's schedulers run on the host and must not advance on a skipped step). Metrics
+are read every ``log_every`` steps. On CPU the skip counter is also read every step, which
+costs nothing there.
+
+Example::
+
+    engine = memfit.Engine(model, torch.optim.AdamW(model.parameters(), fused=True),
+                           precision="bf16-mixed", accumulation_steps=4, clip_grad_norm=1.0)
+    for batch in loader:
+        loss = engine.train_step(batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    engine.save("run/last.pt")
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError, NonFiniteError
+from memfit.precision.apply import apply_precision
+from memfit.precision.master import MasterWeights
+from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.scaler import LossScaler
+from memfit.savefile import atomic_save, safe_load
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class EngineSettings:
+    """The settings an Engine was made with; saved in every checkpoint."""
+
+    precision: str = "bf16-mixed"
+    """Precision mode (resolved name)."""
+    checkpoint: str = "none"
+    """Checkpoint spec: "none", "auto", "full", "uniform:k", "sqrt", or "plan" for a given Plan."""
+    memory_budget: int | None = None
+    """Peak memory budget of a whole step in bytes, for planning; None = no budget."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    clip_grad_norm: float | None = None
+    """Clip the unscaled gradients' total norm to this value; None = no clipping."""
+    log_every: int = 10
+    """Read metrics from the device every this many steps."""
+    max_consecutive_skips: int = 50
+    """Raise NonFiniteError after this many skipped steps in a row."""
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Split a tensor, or a tuple/list/dict of tensors, into ``parts`` along dim 0."""
+    size = batch_size(batch)
+    if size < parts:
+        raise ConfigError(
+            f"batch of {size} samples cannot be split into accumulation_steps={parts} "
+            "micro-batches; use a larger batch or fewer accumulation steps"
+        )
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, parts, dim=0))
+    if isinstance(batch, Mapping):
+        pieces = {
+            k: split_batch(v, parts) if _has_tensor(v) else [v] * parts for k, v in batch.items()
+        }
+        return [{k: pieces[k][i] for k in batch} for i in range(parts)]
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        columns = [split_batch(v, parts) if _has_tensor(v) else [v] * parts for v in batch]
+        return [
+            type(batch)(col[i] for col in columns)
+            if isinstance(batch, tuple)
+            else [col[i] for col in columns]
+            for i in range(parts)
+        ]
+    raise ConfigError(f"cannot split a batch of type {type(batch).__name__}; give tensors")
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def batch_size(batch: Batch) -> int:
+    """Size of dim 0 shared by every tensor of the batch."""
+    sizes: set[int] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
+            sizes.add(value.shape[0])
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, Sequence) and not isinstance(value, str):
+            for v in value:
+                visit(v)
+
+    visit(batch)
+    if not sizes:
+        raise ConfigError("the batch holds no tensor; give a tensor or a tuple/list/dict of them")
+    if len(sizes) > 1:
+        raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
+    return sizes.pop()
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class Engine:
+    """Train a model with a precision policy, a checkpoint plan, accumulation and clipping.
+
+    Example::
+
+        engine = memfit.Engine(model, optimizer, precision="bf16-mixed", accumulation_steps=2)
+        loss = engine.train_step(batch, loss_fn)   # loss_fn(model, micro_batch) -> scalar
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: str | PrecisionPolicy = "bf16-mixed",
+        checkpoint: Any = "none",
+        memory_budget: str | int | float | None = None,
+        accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        scaler: LossScaler | None = None,
+        lr_scheduler: Any = None,
+        log_every: int = 10,
+        log_dir: str | Path | None = None,
+        max_consecutive_skips: int = 50,
+    ) -> None:
+        from memfit.units import parse_bytes
+
+        if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+            raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+        if clip_grad_norm is not None and not (
+            clip_grad_norm > 0 and math.isfinite(clip_grad_norm)
+        ):
+            raise ConfigError(
+                f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}"
+            )
+        if int(log_every) != log_every or log_every < 1:
+            raise ConfigError(f"log_every must be an int >= 1, got {log_every}")
+        if max_consecutive_skips < 1:
+            raise ConfigError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
+        self.policy = PrecisionPolicy.of(precision)
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.device = _model_device(model)
+        self.policy.check_device(self.device)
+        budget = None if memory_budget is None else parse_bytes(memory_budget, self.device)
+        self.settings = EngineSettings(
+            precision=self.policy.mode,
+            checkpoint=checkpoint if isinstance(checkpoint, str) else "plan",
+            memory_budget=budget,
+            accumulation_steps=int(accumulation_steps),
+            clip_grad_norm=clip_grad_norm,
+            log_every=int(log_every),
+            max_consecutive_skips=int(max_consecutive_skips),
+        )
+        self.master: MasterWeights | None = None
+        if self.policy.master_weights:
+            self.master = MasterWeights(
+                model, optimizer, self.policy.compute_dtype, self.policy.is_island
+            )
+        self.islands = apply_precision(model, self.policy)
+        if scaler is None:
+            scaler = (
+                LossScaler()
+                if self.policy.loss_scaling
+                else LossScaler(init_scale=1.0, dynamic=False)
+            )
+        self.scaler = scaler
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._checkpoint_request = checkpoint
+        self.plan: Any = None
+        self.steps = 0  # optimizer steps attempted
+        self.micro_steps = 0
+        self._applied_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._last_loss: torch.Tensor | None = None
+        self._grad_norm: torch.Tensor | None = None
+        self._window_start = time.perf_counter()
+        self._window_samples = 0
+        self._window_steps = 0
+        self.metrics: dict[str, float] = {}
+        self.extra: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates (fp32 masters in the ``*-master`` modes)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps that were applied, not skipped (syncs)."""
+        return int(self._applied_steps.item())
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        """One optimizer step over ``accumulation_steps`` micro-batches of ``batch``.
+
+        ``loss_fn(model, micro_batch)`` returns the mean loss of the micro-batch; it runs
+        under the precision's autocast. Returns the batch's mean loss as a detached device
+        tensor (no sync).
+        """
+        micro_batches = split_batch(batch, self.settings.accumulation_steps)
+        total = batch_size(batch)
+        if self._checkpoint_request is not None:
+            self._setup_checkpointing(micro_batches[0], loss_fn)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in micro_batches:
+            # Weight by size so k micro-batches give the gradient of one batch of k*b.
+            weight = batch_size(micro) / total
+            with self.policy.autocast(self.device.type):
+                loss = loss_fn(self.model, micro)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(
+                    "loss_fn(model, micro_batch) must return a scalar tensor, got "
+                    f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+                )
+            if not loss.requires_grad:
+                raise ConfigError(
+                    "the loss does not require grad: loss_fn must compute it from the model's "
+                    "output, not under torch.no_grad()"
+                )
+            loss = loss.reshape(()).float() * weight
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+            self.micro_steps += 1
+        self._last_loss = loss_sum
+        self.scaler.unscale_(self.optimizer)
+        if self.settings.clip_grad_norm is not None:
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.params, self.settings.clip_grad_norm, foreach=True
+            )
+        else:
+            self._grad_norm = None
+        applied = self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.master is not None:
+            self.master.copy_to_model()
+        self._applied_steps += applied
+        if self.lr_scheduler is not None and bool(applied):  # host sync, see module doc
+            self.lr_scheduler.step()
+        self.steps += 1
+        self._window_samples += total
+        self._window_steps += 1
+        check_now = self.device.type == "cpu" or self.steps % self.settings.log_every == 0
+        if check_now:
+            self._check_skips()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.steps % self.settings.log_every == 0:
+            self._read_metrics()
+        return loss_sum
+
+    def _setup_checkpointing(self, micro_batch: Batch, loss_fn: LossFn) -> None:
+        request = self._checkpoint_request
+        self._checkpoint_request = None
+        if request is None or (isinstance(request, str) and request == "none"):
+            return
+        from memfit.checkpoint.api import plan_for_engine
+
+        self.plan = plan_for_engine(self, request, micro_batch, loss_fn)
+
+    def _check_skips(self) -> None:
+        consecutive = self.scaler.consecutive_skips_tensor
+        if consecutive is None or int(consecutive.item()) < self.settings.max_consecutive_skips:
+            return
+        raise NonFiniteError(self._diagnose(int(consecutive.item())))
+
+    def _diagnose(self, skips: int) -> str:
+        head = f"{skips} optimizer steps in a row were skipped because of non-finite values"
+        if self._last_loss is not None and not torch.isfinite(self._last_loss).all():
+            return (
+                f"{head}: the loss itself is {self._last_loss.item()} (the forward pass "
+                "overflowed or the data holds inf/nan). Check the inputs, lower the learning "
+                "rate, or use precision='bf16-mixed' (fp16's range ends at 65504)."
+            )
+        names = self.master.names if self.master is not None else None
+        named = (
+            dict(zip(names, self.master.masters)) if names else dict(self.model.named_parameters())
+        )
+        for name, param in named.items():
+            if param.grad is not None and not torch.isfinite(param.grad).all():
+                remedy = (
+                    "lower the learning rate, set clip_grad_norm, or keep that module in fp32 "
+                    "(PrecisionPolicy(fp32_islands=...))"
+                )
+                if self.policy.loss_scaling:
+                    remedy = (
+                        f"lower LossScaler(init_scale=...) (now {self.scaler.get_scale():g}), "
+                        + remedy
+                    )
+                return f"{head}: the first parameter with a non-finite gradient is {name!r}. Remedy: {remedy}."
+        return f"{head}. Lower the learning rate or set clip_grad_norm."
+
+    def _read_metrics(self) -> dict[str, float]:
+        stats = self.scaler.stats
+        elapsed = time.perf_counter() - self._window_start
+        metrics = {
+            "step": float(self.steps),
+            "applied_steps": float(self.applied_steps),
+            "loss": float(self._last_loss.item()) if self._last_loss is not None else math.nan,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "amp/scale": stats.scale,
+            "amp/skipped": float(stats.skipped),
+            "amp/overflow_rate": stats.overflow_rate,
+            "amp/consecutive_skips": float(stats.consecutive_skips),
+            "time/step_seconds": elapsed / max(self._window_steps, 1),
+            "throughput/samples_per_second": self._window_samples / elapsed if elapsed > 0 else 0.0,
+        }
+        if self._grad_norm is not None:
+            metrics["grad/norm"] = float(self._grad_norm.item())
+        self.metrics = metrics
+        self._window_start = time.perf_counter()
+        self._window_samples = 0
+        self._window_steps = 0
+        return metrics
+
+    # ------------------------------------------------------------------ save / resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: weights, masters, optimizer, scaler, RNG, counters."""
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": _python_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        plan = (
+            self.plan.to_json() if self.plan is not None and hasattr(self.plan, "to_json") else None
+        )
+        return {
+            "settings": asdict(self.settings),
+            "model": self.model.state_dict(),
+            "master": self.master.state_dict() if self.master is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict()
+            if self.lr_scheduler is not None
+            else None,
+            "rng": rng,
+            "counters": {
+                "steps": self.steps,
+                "micro_steps": self.micro_steps,
+                "applied_steps": self.applied_steps,
+            },
+            "plan": plan,
+        }
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint atomically (temp file, fsync, rename). ``extra`` is saved as is."""
+        state = self.state_dict()
+        state["extra"] = extra or {}
+        return atomic_save(state, path)
+
+    @classmethod
+    def resume(
+        cls,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any = None,
+        **overrides: Any,
+    ) -> Engine:
+        """Rebuild an Engine from a checkpoint with its saved settings and every state.
+
+        ``model`` and ``optimizer`` are freshly built the same way as for the saved run.
+        ``overrides`` replace saved settings (e.g. ``log_every``). The saved ``extra`` dict
+        is available as ``engine.extra``.
+        """
+        state = safe_load(path)
+        settings = dict(state["settings"])
+        plan = state.get("plan")
+        checkpoint: Any = settings.pop("checkpoint")
+        if plan is not None:
+            from memfit.checkpoint.plan import Plan
+
+            checkpoint = Plan.from_json(plan)
+        settings.update(overrides)
+        engine = cls(model, optimizer, checkpoint=checkpoint, lr_scheduler=lr_scheduler, **settings)
+        try:
+            model.load_state_dict(state["model"])
+            if engine.master is not None:
+                engine.master.load_state_dict(state["master"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"checkpoint {path} does not fit this model/optimizer ({exc}); build them the "
+                "same way as for the saved run"
+            ) from exc
+        engine.scaler.load_state_dict(state["scaler"])
+        if lr_scheduler is not None and state["lr_scheduler"] is not None:
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+        counters = state["counters"]
+        engine.steps = int(counters["steps"])
+        engine.micro_steps = int(counters["micro_steps"])
+        engine._applied_steps.fill_(int(counters["applied_steps"]))
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_to_tuple(rng["python"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        engine.extra = state.get("extra", {})
+        return engine
+
+
+def _python_rng_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _to_tuple(state: list[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
