@@ -1,0 +1,437 @@
+"""``memfit train``: train a built-in model for a short run and report what it cost.
+
+With no arguments: the built-in GPT on the standard-library byte corpus, ``bf16-mixed``.
+A run directory holds ``config.json`` (what was asked), ``checkpoint.pt`` (the latest state,
+written atomically; the one before it is kept as ``checkpoint.prev.pt``), ``metrics.jsonl``
+and ``summary.json``. ``--resume DIR`` continues a run exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.cli.main import UsageError
+from memfit.errors import CheckpointError
+
+CONFIG = "config.json"
+CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+EVAL_SEED = 1_000_003
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a built-in model (default: GPT on a byte corpus, bf16-mixed)",
+        description="Train a built-in model and report loss, memory, throughput and skipped steps.",
+    )
+    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    p.add_argument("--data", default=None, help="corpus | synthetic (default: the model's first)")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias)",
+    )
+    p.add_argument(
+        "--steps", type=_positive_int, default=300, help="optimizer steps in all (default: 300)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        help="samples per optimizer step (default: 16)",
+    )
+    p.add_argument(
+        "--accumulation",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per optimizer step (default: 1)",
+    )
+    p.add_argument(
+        "--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)"
+    )
+    p.add_argument(
+        "--warmup", type=_nonneg_int, default=20, help="linear warmup steps (default: 20)"
+    )
+    p.add_argument(
+        "--clip",
+        type=_positive_float,
+        default=1.0,
+        help="clip the gradient norm to this (default: 1.0)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config field, e.g. --set n_layer=6 (repeatable)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="none",
+        help="activation checkpointing: none | auto | full | uniform:K | sqrt | optimal",
+    )
+    p.add_argument(
+        "--budget", default=None, help="peak memory budget of a step for planning, e.g. 2GiB"
+    )
+    p.add_argument(
+        "--out", default=None, help="run directory (default: runs/<model>-<precision>-<time>)"
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run in DIR (its settings are reused; --steps may extend it)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        default=100,
+        help="validation loss every N steps (default: 100)",
+    )
+    p.add_argument(
+        "--eval-batches", type=_positive_int, default=8, help="validation batches (default: 8)"
+    )
+    p.add_argument(
+        "--save-every",
+        type=_positive_int,
+        default=100,
+        help="checkpoint every N steps (default: 100)",
+    )
+    p.add_argument(
+        "--log-every",
+        type=_positive_int,
+        default=10,
+        help="read metrics every N steps (default: 10)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parse_overrides(items: list[str], config_cls: type) -> dict[str, Any]:
+    """``["n_layer=6", "dropout=0.1"]`` → typed values for the config dataclass's fields."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    defaults = config_cls()
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise UsageError(
+                f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}"
+            )
+        current = getattr(defaults, key)
+        try:
+            if isinstance(current, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("true", "1")
+            elif isinstance(current, int):
+                value = int(text)
+            elif isinstance(current, float):
+                value = float(text)
+            elif isinstance(current, tuple):
+                value = tuple(int(v) for v in text.split(","))
+            else:
+                value = text
+        except ValueError:
+            raise UsageError(f"--set {item!r}: {key} needs a {type(current).__name__}") from None
+        out[key] = value
+    return out
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    # Written to a temp file and renamed, so a crash never leaves half a file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _prepare_run_dir(args: argparse.Namespace) -> tuple[Path, dict[str, Any], bool]:
+    """The run directory and its settings; refuses to overwrite another run."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        if run_dir.is_file():
+            run_dir = run_dir.parent
+        config_path = run_dir / CONFIG
+        if not config_path.is_file():
+            raise UsageError(
+                f"--resume {args.resume}: no {CONFIG} there; is it a memfit run directory?"
+            )
+        settings = json.loads(config_path.read_text())
+        if args.steps != 300:
+            settings["steps"] = args.steps
+        return run_dir, settings, True
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "model",
+            "data",
+            "precision",
+            "steps",
+            "batch_size",
+            "accumulation",
+            "lr",
+            "warmup",
+            "clip",
+            "overrides",
+            "checkpoint",
+            "budget",
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "log_every",
+            "seed",
+        )
+    }
+    name = args.out or f"runs/{args.model}-{args.precision}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(name)
+    if (run_dir / CHECKPOINT).exists() or (run_dir / CONFIG).exists():
+        raise UsageError(
+            f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
+            "or --out to start a new one"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"cannot write to run directory {run_dir}: {exc}") from None
+    return run_dir, settings, False
+
+
+def _lr_lambda(warmup: int, total: int) -> Any:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _batch(batch_fn: Any, size: int, seed: int, split: str = "train") -> Any:
+    try:
+        return batch_fn(size, generator=seed, split=split)
+    except TypeError:
+        return batch_fn(size, generator=seed)
+
+
+@torch.no_grad()
+def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches: int) -> float:
+    """Mean validation loss over fixed batches, under the training precision."""
+    model = engine.model
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for i in range(batches):
+            batch = _batch(batch_fn, batch_size, EVAL_SEED + i, split="val")
+            with engine.policy.autocast(engine.device.type):
+                total += float(loss_fn(model, batch).float())
+    finally:
+        model.train(was_training)
+    return total / batches
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    import memfit
+    from memfit.models import MODELS, build_model
+    from memfit.units import format_bytes
+
+    console = Console(stderr=False)
+    run_dir, s, resuming = _prepare_run_dir(args)
+    if s["model"] not in MODELS:
+        raise UsageError(f"unknown --model {s['model']!r}; valid: {', '.join(MODELS)}")
+    memfit.PrecisionPolicy(s["precision"])  # a bad name fails here, before any work
+    overrides = parse_overrides(s["overrides"], MODELS[s["model"]].config_cls)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
+    if not resuming:
+        _write_json(run_dir / CONFIG, s)
+
+    torch.manual_seed(s["seed"])
+    model, loss_fn, batch_fn = build_model(s["model"], data=s["data"], device=device, **overrides)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
+    checkpoint: Any = s["checkpoint"]
+    if resuming:
+        path = run_dir / CHECKPOINT
+        try:
+            engine = memfit.Engine.resume(path, model, optimizer, lr_scheduler=scheduler)
+        except CheckpointError as exc:
+            hint = (
+                f" The previous checkpoint {run_dir / PREVIOUS} may still load: copy it over {path} to resume from it."
+                if (run_dir / PREVIOUS).exists()
+                else ""
+            )
+            raise CheckpointError(f"{exc}{hint}") from None
+        console.print(f"resumed {run_dir} at step {engine.steps}")
+    else:
+        engine = memfit.Engine(
+            model,
+            optimizer,
+            precision=s["precision"],
+            checkpoint=checkpoint,
+            memory_budget=s["budget"],
+            accumulation_steps=s["accumulation"],
+            clip_grad_norm=s["clip"],
+            lr_scheduler=scheduler,
+            log_every=s["log_every"],
+        )
+    seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
+    tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
+        f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
+    )
+
+    metrics_path = run_dir / "metrics.jsonl"
+    peak_bytes: int | None = None
+    val_loss = math.nan
+    train_losses: list[float] = []
+    start_step = engine.steps
+    started = time.perf_counter()
+    samples_done = 0
+    progress = Progress(
+        TextColumn("step {task.completed:>5}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[speed]}"),
+        TextColumn("scale {task.fields[scale]}"),
+        TextColumn("mem {task.fields[mem]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress, open(metrics_path, "a") as log:
+        task = progress.add_task(
+            "train", total=s["steps"], completed=start_step, loss="-", speed="-", scale="-", mem="-"
+        )
+        while engine.steps < s["steps"]:
+            batch = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
+            if peak_bytes is None and engine.steps - start_step == 1:
+                report = memfit.measure(
+                    lambda b=batch: engine.train_step(b, loss_fn), model=model, optimizer=optimizer
+                )
+                peak_bytes = report.peak_bytes
+            else:
+                engine.train_step(batch, loss_fn)
+            samples_done += s["batch_size"]
+            step = engine.steps
+            if step % s["log_every"] == 0 or step == s["steps"]:
+                m = engine.metrics if step % s["log_every"] == 0 else engine._read_metrics()
+                train_losses.append(m["loss"])
+                sps = m["throughput/samples_per_second"]
+                speed = (
+                    f"{sps * tokens_per_sample:,.0f} tok/s"
+                    if tokens_per_sample
+                    else f"{sps:,.1f} samples/s"
+                )
+                if peak_bytes is not None:
+                    m["memory/peak_bytes"] = float(peak_bytes)
+                progress.update(
+                    task,
+                    loss=f"{m['loss']:.4f}",
+                    speed=speed,
+                    scale=f"{m['amp/scale']:g}",
+                    mem=format_bytes(peak_bytes) if peak_bytes else "-",
+                )
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+            if step % s["eval_every"] == 0 or step == s["steps"]:
+                val_loss = evaluate(engine, loss_fn, batch_fn, s["batch_size"], s["eval_batches"])
+                log.write(json.dumps({"step": float(step), "val/loss": val_loss}) + "\n")
+                log.flush()
+                progress.console.print(f"step {step}: validation loss {val_loss:.4f}")
+            if step % s["save_every"] == 0 or step == s["steps"]:
+                _save(engine, run_dir)
+            progress.update(task, completed=step)
+    elapsed = time.perf_counter() - started
+    stats = engine.scaler.stats
+    summary = {
+        "steps": engine.steps,
+        "applied_steps": engine.applied_steps,
+        "skipped_steps": stats.skipped,
+        "final_train_loss": train_losses[-1] if train_losses else math.nan,
+        "final_val_loss": val_loss,
+        "peak_memory_bytes": peak_bytes,
+        "samples_per_second": samples_done / elapsed if elapsed > 0 else 0.0,
+        "tokens_per_second": samples_done * tokens_per_sample / elapsed
+        if tokens_per_sample and elapsed > 0
+        else None,
+        "wall_seconds": elapsed,
+        "precision": engine.policy.mode,
+        "loss_scale": stats.scale,
+    }
+    _write_json(run_dir / "summary.json", summary)
+    table = Table(title="summary", show_header=False)
+    table.add_row(
+        "steps (applied / skipped)", f"{engine.steps} ({engine.applied_steps} / {stats.skipped})"
+    )
+    table.add_row("final train loss", f"{summary['final_train_loss']:.4f}")
+    table.add_row("final validation loss", f"{val_loss:.4f}")
+    table.add_row(
+        "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
+    )
+    if tokens_per_sample:
+        table.add_row("throughput", f"{summary['tokens_per_second']:,.0f} tokens/s")
+    else:
+        table.add_row("throughput", f"{summary['samples_per_second']:,.1f} samples/s")
+    table.add_row("precision / loss scale", f"{engine.policy.mode} / {stats.scale:g}")
+    table.add_row("wall time", f"{elapsed:.1f} s")
+    table.add_row("run directory", str(run_dir))
+    console.print(table)
+    return 0
+
+
+def _save(engine: Any, run_dir: Path) -> None:
+    # The new checkpoint is complete on disk before the last good one is moved aside.
+    path = run_dir / CHECKPOINT
+    fresh = engine.save(run_dir / (CHECKPOINT + ".new"))
+    if path.exists():
+        os.replace(path, run_dir / PREVIOUS)
+    os.replace(fresh, path)
