@@ -10,6 +10,7 @@ from memfit.errors import (
     PlanError,
     ScalerStateError,
 )
+from memfit.memory import MemoryReport, measure
 from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
 from memfit.units import format_bytes, parse_bytes
 
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigError",
     "Engine",
     "LossScaler",
+    "MemoryReport",
     "MemfitError",
     "NonFiniteError",
     "PlanError",
@@ -28,6 +30,7 @@ __all__ = [
     "ScalerStateError",
     "apply_precision",
     "format_bytes",
+    "measure",
     "parse_bytes",
     "remove_precision",
 ]

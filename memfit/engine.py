@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,12 +83,12 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
         return [{k: pieces[k][i] for k in batch} for i in range(parts)]
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         columns = [split_batch(v, parts) if _has_tensor(v) else [v] * parts for v in batch]
-        return [
-            type(batch)(col[i] for col in columns)
-            if isinstance(batch, tuple)
-            else [col[i] for col in columns]
-            for i in range(parts)
-        ]
+        rows = [[col[i] for col in columns] for i in range(parts)]
+        if hasattr(batch, "_fields"):  # a NamedTuple takes its fields as arguments
+            return [type(batch)(*row) for row in rows]
+        if isinstance(batch, tuple):
+            return [type(batch)(row) for row in rows]
+        return rows
     raise ConfigError(f"cannot split a batch of type {type(batch).__name__}; give tensors")
 
 
@@ -235,6 +236,49 @@ class Engine:
         total = batch_size(batch)
         if self._checkpoint_request is not None:
             self._setup_checkpointing(micro_batches[0], loss_fn)
+        try:
+            loss_sum = self._accumulate(micro_batches, total, loss_fn)
+        except BaseException:
+            # A failed micro-batch (out of memory, a bad batch, Ctrl-C) must not leave
+            # half-accumulated gradients for the next step to add to.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            self.scaler.discard_step()
+            raise
+        self._last_loss = loss_sum
+        self.scaler.unscale_(self.optimizer)
+        self._grad_norm = None
+        if self.settings.clip_grad_norm is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            self._grad_norm = norm
+            # A non-finite norm means this step is skipped: leave the gradients as they are
+            # so the diagnosis can still find the parameter that overflowed.
+            safe_norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+            torch.nn.utils.clip_grads_with_norm_(
+                self.params, self.settings.clip_grad_norm, safe_norm, foreach=True
+            )
+        applied = self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.master is not None:
+            self.master.copy_to_model()
+        self._applied_steps += applied
+        if self.lr_scheduler is not None and bool(applied):  # host sync, see module doc
+            self.lr_scheduler.step()
+        self.steps += 1
+        self._window_samples += total
+        self._window_steps += 1
+        error: NonFiniteError | None = None
+        if self.device.type == "cpu" or self.steps % self.settings.log_every == 0:
+            error = self._check_skips()
+        self.optimizer.zero_grad(set_to_none=True)
+        if error is not None:
+            raise error
+        if self.steps % self.settings.log_every == 0:
+            self._read_metrics()
+        return loss_sum
+
+    def _accumulate(self, micro_batches: list[Batch], total: int, loss_fn: LossFn) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in micro_batches:
             # Weight by size so k micro-batches give the gradient of one batch of k*b.
@@ -255,30 +299,6 @@ class Engine:
             self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             self.micro_steps += 1
-        self._last_loss = loss_sum
-        self.scaler.unscale_(self.optimizer)
-        if self.settings.clip_grad_norm is not None:
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.params, self.settings.clip_grad_norm, foreach=True
-            )
-        else:
-            self._grad_norm = None
-        applied = self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.master is not None:
-            self.master.copy_to_model()
-        self._applied_steps += applied
-        if self.lr_scheduler is not None and bool(applied):  # host sync, see module doc
-            self.lr_scheduler.step()
-        self.steps += 1
-        self._window_samples += total
-        self._window_steps += 1
-        check_now = self.device.type == "cpu" or self.steps % self.settings.log_every == 0
-        if check_now:
-            self._check_skips()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.steps % self.settings.log_every == 0:
-            self._read_metrics()
         return loss_sum
 
     def _setup_checkpointing(self, micro_batch: Batch, loss_fn: LossFn) -> None:
@@ -290,11 +310,14 @@ class Engine:
 
         self.plan = plan_for_engine(self, request, micro_batch, loss_fn)
 
-    def _check_skips(self) -> None:
+    def _check_skips(self) -> NonFiniteError | None:
         consecutive = self.scaler.consecutive_skips_tensor
-        if consecutive is None or int(consecutive.item()) < self.settings.max_consecutive_skips:
-            return
-        raise NonFiniteError(self._diagnose(int(consecutive.item())))
+        if consecutive is None:
+            return None
+        skips = int(consecutive.item())
+        if skips < self.settings.max_consecutive_skips:
+            return None
+        return NonFiniteError(self._diagnose(skips))
 
     def _diagnose(self, skips: int) -> str:
         head = f"{skips} optimizer steps in a row were skipped because of non-finite values"
@@ -304,11 +327,9 @@ class Engine:
                 "overflowed or the data holds inf/nan). Check the inputs, lower the learning "
                 "rate, or use precision='bf16-mixed' (fp16's range ends at 65504)."
             )
-        names = self.master.names if self.master is not None else None
-        named = (
-            dict(zip(names, self.master.masters)) if names else dict(self.model.named_parameters())
-        )
-        for name, param in named.items():
+        masters = dict(zip(self.master.names, self.master.masters)) if self.master else {}
+        for name, working in self.model.named_parameters():
+            param = masters.get(name, working)
             if param.grad is not None and not torch.isfinite(param.grad).all():
                 remedy = (
                     "lower the learning rate, set clip_grad_norm, or keep that module in fp32 "
@@ -420,6 +441,12 @@ class Engine:
         engine.scaler.load_state_dict(state["scaler"])
         if lr_scheduler is not None and state["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
+        elif state["lr_scheduler"] is not None:
+            warnings.warn(
+                f"checkpoint {path} holds LR scheduler state but no lr_scheduler was given; "
+                "pass lr_scheduler= to continue the schedule",
+                stacklevel=2,
+            )
         counters = state["counters"]
         engine.steps = int(counters["steps"])
         engine.micro_steps = int(counters["micro_steps"])

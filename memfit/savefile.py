@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,23 @@ def digest(payload: Any) -> str:
     return sha.hexdigest()
 
 
+def _file_mode(path: Path) -> int:
+    # The target's own mode when it exists, else 0666 less the process umask (read from
+    # /proc on Linux: os.umask can only be read by setting it, which races other threads).
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
 def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``payload`` to ``path`` atomically with an integrity digest; return the path."""
     path = Path(path)
@@ -61,6 +79,9 @@ def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     record = {"format": FORMAT, "version": VERSION, "sha256": digest(payload), "payload": payload}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates the file private (0600); give it the mode a plain open() would.
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, _file_mode(path))
         with os.fdopen(fd, "wb") as f:
             torch.save(record, f)
             f.flush()

@@ -56,7 +56,7 @@ def parse_bytes(value: str | int | float, device: torch.device | str | None = No
         return value
     if isinstance(value, float):
         if 0 < value <= 1:
-            return int(value * device_memory_bytes(device))
+            return _at_least_one_byte(int(value * device_memory_bytes(device)), value)
         if value > 1 and value.is_integer():
             return int(value)
         raise ConfigError(
@@ -71,13 +71,24 @@ def parse_bytes(value: str | int | float, device: torch.device | str | None = No
                 f"cannot read memory size {value!r}: write a number and a unit such as "
                 "'2GiB', '512MiB', '16GB' or '1.5e9'"
             )
-        number = float(match.group(1))
+        literal = match.group(1)
+        number = float(literal)
         if number <= 0:
             raise ConfigError(f"memory size must be positive, got {value!r}")
-        if unit == "" and number <= 1 and "." in match.group(1):
-            return int(number * device_memory_bytes(device))
-        return int(number * _UNITS[unit])
+        if number == float("inf"):
+            raise ConfigError(f"memory size {value!r} is too large; write e.g. '2GiB'")
+        if unit == "" and any(c in literal for c in ".eE"):
+            # A unitless decimal means what the same float means: "0.5" and "5e-1" are
+            # fractions of device memory, "1.5e9" is bytes, "1.5" is an error.
+            return parse_bytes(number, device)
+        return _at_least_one_byte(int(number * _UNITS[unit]), value)
     raise ConfigError(f"memory size must be a str, int or float, got {type(value).__name__}")
+
+
+def _at_least_one_byte(n: int, value: object) -> int:
+    if n < 1:
+        raise ConfigError(f"memory size {value!r} is less than one byte; give a larger size")
+    return n
 
 
 def format_bytes(n: float) -> str:

@@ -17,7 +17,7 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import train
+    from memfit.cli import report, train
 
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "activation checkpointing, planned together.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train,):
+    for module in (train, report):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,76 @@
+"""Monitoring: metrics read from the device on demand, health checks, sinks, reports.
+
+See ``docs/monitoring.md`` for every metric's name, meaning, cost and host syncs.
+"""
+
+from memfit.monitor.health import (
+    HealthCheck,
+    HealthThresholds,
+    check_health,
+    health_from_dict,
+    health_to_dict,
+    render_health,
+)
+from memfit.monitor.metrics import (
+    FP16_MAX,
+    ActivationRanges,
+    GradNormStats,
+    OverflowWindow,
+    Throughput,
+    UnderflowStats,
+    activation_metrics,
+    count_flops,
+    first_nonfinite,
+    grad_norm_stats,
+    gradient_underflow,
+    memory_metrics,
+    near_fp16_limit,
+    recompute_overhead_from_flops,
+    recompute_overhead_from_time,
+    suggest_initial_scale,
+)
+from memfit.monitor.report import RunLog, load_run, make_report
+from memfit.monitor.sinks import (
+    ConsoleSink,
+    JSONLSink,
+    MultiSink,
+    Sink,
+    TensorBoardSink,
+    check_log_dir,
+    is_rank_zero,
+)
+
+__all__ = [
+    "FP16_MAX",
+    "ActivationRanges",
+    "ConsoleSink",
+    "GradNormStats",
+    "HealthCheck",
+    "HealthThresholds",
+    "JSONLSink",
+    "MultiSink",
+    "OverflowWindow",
+    "RunLog",
+    "Sink",
+    "TensorBoardSink",
+    "Throughput",
+    "UnderflowStats",
+    "activation_metrics",
+    "check_health",
+    "check_log_dir",
+    "count_flops",
+    "first_nonfinite",
+    "grad_norm_stats",
+    "gradient_underflow",
+    "health_from_dict",
+    "health_to_dict",
+    "is_rank_zero",
+    "load_run",
+    "make_report",
+    "memory_metrics",
+    "near_fp16_limit",
+    "recompute_overhead_from_flops",
+    "recompute_overhead_from_time",
+    "render_health",
+    "suggest_initial_scale",
+]

@@ -46,9 +46,9 @@ class MasterWeights:
         self.working: list[nn.Parameter] = []
         self.masters: list[nn.Parameter] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        fp32_params = {
-            id(p) for m in model.modules() if keep_fp32(m) for p in m.parameters(recurse=False)
-        }
+        # Everything inside an island runs in fp32 (apply_precision casts the whole subtree),
+        # so its parameters, however deep, are updated directly rather than mastered.
+        fp32_params = {id(p) for m in model.modules() if keep_fp32(m) for p in m.parameters()}
         names = {id(p): n for n, p in model.named_parameters()}
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if any(

@@ -54,6 +54,9 @@ ALIASES: dict[str, str] = {
     "O2": "fp16-master",
 }
 
+# Case-insensitive lookup, so "o1" and "BF16" work as "O1" and "bf16" do.
+_FOLDED: dict[str, str] = {alias.lower(): mode for alias, mode in ALIASES.items()}
+
 #: Module types kept in fp32 by default: their statistics lose accuracy in 16 bits.
 DEFAULT_FP32_ISLANDS: tuple[type[nn.Module], ...] = tuple(
     t
@@ -74,7 +77,7 @@ def resolve_mode(name: str) -> str:
     if isinstance(name, PrecisionPolicy):
         return name.mode
     key = str(name).strip()
-    mode = ALIASES.get(key) or ALIASES.get(key.lower())
+    mode = ALIASES.get(key) or _FOLDED.get(key.lower())
     if mode is None:
         aliases = ", ".join(sorted(a for a in ALIASES if a not in MODES))
         raise ConfigError(

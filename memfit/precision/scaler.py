@@ -16,7 +16,10 @@ Host syncs: ``scale``, ``unscale_`` and ``update`` never read a device value. ``
 does not either when the optimizer can skip an update on the device (torch's fused
 Adam/AdamW/SGD/Adagrad take a ``found_inf`` tensor); for any other optimizer it reads the
 overflow flag once (``.item()``), as ``torch.amp.GradScaler`` does, to decide whether to
-call ``optimizer.step()``. ``stats``, ``get_scale`` and ``state_dict`` read device values.
+call ``optimizer.step()``. One exception: fused SGD with momentum creates its momentum
+buffers uninitialized on its first step and does not fill them when ``found_inf`` skips that
+step, so until every buffer exists ``step`` takes the one-sync path for it.
+``stats``, ``get_scale`` and ``state_dict`` read device values.
 
 Example::
 
@@ -67,6 +70,21 @@ class ScalerStats:
     def overflow_rate(self) -> float:
         """Skipped steps / steps (0 before the first step)."""
         return self.skipped / self.steps if self.steps else 0.0
+
+
+def _lacks_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    # Fused SGD allocates missing momentum buffers with empty_like and fills them inside the
+    # kernel, which returns early when found_inf is set: a skipped first step would leave
+    # garbage in them. Such a step must be skipped on the host instead.
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    return any(
+        group.get("momentum", 0) != 0
+        and p.grad is not None
+        and "momentum_buffer" not in optimizer.state.get(p, {})
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
 
 
 class LossScaler:
@@ -291,7 +309,9 @@ class LossScaler:
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         found_inf = state["found_inf"]
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not _lacks_momentum(
+            optimizer
+        ):
             # Fused optimizers skip the update on the device when found_inf is set (they
             # also undo their step counter), so no host sync is needed. Gradients are
             # already unscaled: grad_scale stays None.
@@ -314,6 +334,12 @@ class LossScaler:
         backs off. After ``growth_interval`` clean steps in a row the scale grows. The scale
         stays within [min_scale, max_scale]. ``new_scale`` sets the scale directly.
         """
+        if any(s["stage"] is OptState.UNSCALED for s in self._per_optimizer.values()):
+            # Counting this as a step would record an update that never happened.
+            raise ScalerStateError(
+                "update() called after unscale_() but before step() on an optimizer; "
+                "call step(optimizer) first (it skips the update itself on overflow)"
+            )
         flags = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
         if not flags:
             raise ScalerStateError(
@@ -332,6 +358,14 @@ class LossScaler:
             self._scale.copy_(value.reshape(()))
         elif self.dynamic:
             self._update_scale(found)
+        self._per_optimizer.clear()
+        self._scaled_since_update = False
+
+    def discard_step(self) -> None:
+        """Forget the current step's scale/unscale/step calls (after a failed micro-batch).
+
+        The scale and the counters stay as they were; the next ``scale`` starts a new step.
+        """
         self._per_optimizer.clear()
         self._scaled_since_update = False
 

@@ -1,0 +1,727 @@
+"""Training metrics beyond what the engine reads every ``log_every`` steps.
+
+Everything here that touches tensors works on the device and leaves the values there; the
+host reads them only in the methods documented as syncing (``ActivationRanges.read``,
+``gradient_underflow``, ``grad_norm_stats``, ``first_nonfinite``). Those are meant to be
+called at logging time, not every step.
+
+Metric names follow the engine's: ``<group>/<name>``, e.g. ``amp/overflow_rate_recent``,
+``grad/underflow_fraction``, ``memory/kind/activations``. See ``docs/monitoring.md``.
+
+Example::
+
+    ranges = ActivationRanges(model, ["blocks.0", "blocks.1", "head"], every=10)
+    ...  # train
+    values = ranges.read()                 # {"blocks.0": 12.5, ...} (one sync)
+    for unit, value in near_fp16_limit(values):
+        print(f"{unit} reaches {value:g}, close to fp16's 65504")
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError
+
+__all__ = [
+    "FP16_MAX",
+    "FP16_MIN_NORMAL",
+    "FP16_MIN_SUBNORMAL",
+    "ActivationRanges",
+    "GradNormStats",
+    "OverflowWindow",
+    "Throughput",
+    "UnderflowStats",
+    "activation_metrics",
+    "count_flops",
+    "first_nonfinite",
+    "grad_norm_stats",
+    "gradient_underflow",
+    "memory_metrics",
+    "near_fp16_limit",
+    "recompute_overhead_from_flops",
+    "recompute_overhead_from_time",
+    "suggest_initial_scale",
+]
+
+FP16_MAX = 65504.0
+"""Largest finite fp16 value."""
+FP16_MIN_NORMAL = 2.0**-14
+"""Smallest positive normal fp16 value; below it values are subnormal and lose bits."""
+FP16_MIN_SUBNORMAL = 2.0**-24
+"""Smallest positive fp16 value (subnormal)."""
+
+# Headroom the suggested initial scale keeps between the largest scaled gradient and
+# fp16's maximum: gradients grow during training, and a first step that overflows is wasted.
+SCALE_HEADROOM = 8.0
+MIN_SUGGESTED_SCALE = 1.0
+MAX_SUGGESTED_SCALE = 2.0**24
+
+
+# ---------------------------------------------------------------------- activation ranges
+
+
+def _floating_tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.numel() > 0:
+            out.append(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _floating_tensors(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _floating_tensors(v, out)
+    return out
+
+
+class ActivationRanges:
+    """Track each named module's largest absolute output value, on the device.
+
+    Forward hooks on ``units`` (qualified module names, ``""`` for the model itself) record,
+    on every ``every``-th call of ``model``'s forward (the first call included), the largest
+    ``|x|`` over every floating-point tensor in each unit's output (nested tuples, lists
+    and dicts too). The running maximum since the last :meth:`read` stays in a 0-dim fp32
+    tensor on the output's device: no host sync in the hooks.
+
+    The hooks run under ``torch.no_grad()`` and return nothing, so outputs and gradients
+    are unchanged. A sampled forward costs one fused min/max reduction per output tensor
+    and allocates nothing the size of the activation. Modules recomputed by activation
+    checkpointing during backward are recorded again; the maximum is the same value.
+
+    A NaN anywhere in a unit's output makes its value NaN and an inf makes it inf, both of
+    which :func:`near_fp16_limit` reports.
+
+    Example::
+
+        ranges = ActivationRanges(model, ["blocks.0.mlp", "blocks.1.mlp"], every=10)
+        for batch in loader:
+            engine.train_step(batch, loss_fn)
+        print(near_fp16_limit(ranges.read()))   # [("blocks.1.mlp", 41210.0)]
+        ranges.remove()
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[str], every: int = 10) -> None:
+        if int(every) != every or every < 1:
+            raise ConfigError(f"every must be an int >= 1, got {every}")
+        if isinstance(units, str):
+            raise ConfigError(f"units must be a list of module names, got the string {units!r}")
+        names = dict(model.named_modules())
+        unknown = [u for u in units if u not in names]
+        if unknown:
+            sample = ", ".join(repr(n) for n in list(names)[:8])
+            raise ConfigError(
+                f"no module named {unknown} in the model; use qualified names from "
+                f"model.named_modules(), e.g. {sample}"
+            )
+        self.units: list[str] = list(dict.fromkeys(units))
+        self.every = int(every)
+        self.calls = 0
+        """Calls of the model's forward seen so far."""
+        self._active = False
+        self._max: dict[str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        # The root's pre-hook runs before any unit's hook in the same forward, so it decides
+        # for the whole call whether this forward is sampled.
+        self._handles.append(model.register_forward_pre_hook(self._count))
+        for name in self.units:
+            self._handles.append(names[name].register_forward_hook(self._recorder(name)))
+
+    def _count(self, module: nn.Module, args: Any) -> None:
+        self._active = self.calls % self.every == 0
+        self.calls += 1
+
+    def _recorder(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._active:
+                return
+            with torch.no_grad():
+                for t in _floating_tensors(output, []):
+                    # aminmax is one pass without an |x| temporary; it propagates NaN.
+                    low, high = torch.aminmax(t.detach())
+                    value = torch.maximum(low.abs(), high.abs()).float()
+                    prev = self._max.get(name)
+                    if prev is None:
+                        self._max[name] = value
+                    else:
+                        self._max[name] = torch.maximum(prev, value.to(prev.device))
+
+        return hook
+
+    def read(self, reset: bool = True) -> dict[str, float]:
+        """Each recorded unit's largest ``|output|`` since the last reset (one host sync).
+
+        Units not called in a sampled forward since then are left out.
+        """
+        if not self._max:
+            return {}
+        names = list(self._max)
+        device = self._max[names[0]].device
+        values = torch.stack([self._max[n].to(device) for n in names]).tolist()
+        if reset:
+            self._max.clear()
+        return dict(zip(names, values))
+
+    @staticmethod
+    def near_fp16_limit(
+        values: Mapping[str, float], margin: float = 0.5
+    ) -> list[tuple[str, float]]:
+        """See :func:`near_fp16_limit`."""
+        return near_fp16_limit(values, margin)
+
+    def remove(self) -> None:
+        """Remove every hook; recorded values are kept until read."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> ActivationRanges:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def near_fp16_limit(values: Mapping[str, float], margin: float = 0.5) -> list[tuple[str, float]]:
+    """Units whose largest ``|output|`` is at least ``margin × 65504`` (or not finite).
+
+    Sorted by value, largest first. ``margin=0.5`` leaves a factor of two before fp16's
+    maximum, since activations grow as training goes on.
+
+    Example::
+
+        near_fp16_limit({"mlp": 40000.0, "attn": 12.0})   # [("mlp", 40000.0)]
+    """
+    if not 0.0 < margin <= 1.0:
+        raise ConfigError(f"margin must be in (0, 1], got {margin}")
+    limit = margin * FP16_MAX
+    hits = [(k, float(v)) for k, v in values.items() if not math.isfinite(v) or v >= limit]
+    # NaN sorts first: it is the worst case.
+    return sorted(
+        hits, key=lambda kv: (math.isnan(kv[1]), 0.0 if math.isnan(kv[1]) else kv[1]), reverse=True
+    )
+
+
+def activation_metrics(values: Mapping[str, float]) -> dict[str, float]:
+    """``ActivationRanges.read()`` values as metrics: ``act/max/<unit>`` for each unit and
+    ``act/max_fp16_fraction``, the largest of them divided by 65504.
+
+    Example::
+
+        activation_metrics({"mlp": 32752.0})   # {"act/max/mlp": 32752.0, "act/max_fp16_fraction": 0.5}
+    """
+    out = {f"act/max/{k}": float(v) for k, v in values.items()}
+    if values:
+        worst = max(values.values(), key=lambda v: math.inf if math.isnan(v) else v)
+        out["act/max_fp16_fraction"] = float(worst) / FP16_MAX
+    return out
+
+
+# ---------------------------------------------------------------------- gradient underflow
+
+
+@dataclass(frozen=True)
+class UnderflowStats:
+    """How many gradient elements a loss scale leaves below fp16's range.
+
+    Example::
+
+        stats = gradient_underflow([p.grad for p in model.parameters()], scale=8192.0)
+        stats.fraction, stats.suggested_scale
+    """
+
+    nonzero: int
+    """Non-zero gradient elements counted."""
+    below_subnormal: int
+    """Non-zero elements with ``|g × scale| < 2**-24`` (lost in fp16, see :func:`gradient_underflow`)."""
+    below_normal: int
+    """Non-zero elements with ``|g × scale| < 2**-14`` (subnormal or lost: fewer than 11 bits)."""
+    max_abs: float
+    """Largest ``|g|`` (unscaled); inf or NaN when a gradient is not finite."""
+    scale: float
+    """The loss scale the counts are for."""
+    suggested_scale: float
+    """Largest power of two keeping ``max_abs × scale ≤ 65504 / 8``, within ``[1, 2**24]``."""
+
+    @property
+    def fraction(self) -> float:
+        """``below_subnormal / nonzero`` (0 when every gradient is zero)."""
+        return self.below_subnormal / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def fraction_below_normal(self) -> float:
+        """``below_normal / nonzero`` (0 when every gradient is zero)."""
+        return self.below_normal / self.nonzero if self.nonzero else 0.0
+
+    def to_metrics(self) -> dict[str, float]:
+        """As metrics: ``grad/underflow_fraction``, ``grad/subnormal_fraction``,
+        ``grad/max_abs`` and ``amp/suggested_scale``."""
+        return {
+            "grad/underflow_fraction": self.fraction,
+            "grad/subnormal_fraction": self.fraction_below_normal,
+            "grad/max_abs": self.max_abs,
+            "amp/suggested_scale": self.suggested_scale,
+        }
+
+
+def suggest_initial_scale(max_abs_grad: float, headroom: float = SCALE_HEADROOM) -> float:
+    """The largest ``2**k`` with ``max_abs_grad × 2**k ≤ 65504 / headroom``, clamped to ``[1, 2**24]``.
+
+    The largest gradient then sits ``headroom`` times below fp16's maximum, so small
+    gradients keep as many bits as they can without the first steps overflowing. All-zero
+    gradients give ``2**24``; non-finite ones give ``1``.
+
+    Example::
+
+        suggest_initial_scale(0.5)   # 8192.0: 0.5 * 8192 = 4096 <= 65504 / 8 = 8188
+    """
+    if not headroom >= 1.0:
+        raise ConfigError(f"headroom must be >= 1, got {headroom}")
+    if not math.isfinite(max_abs_grad):
+        return MIN_SUGGESTED_SCALE
+    if max_abs_grad <= 0.0:
+        return MAX_SUGGESTED_SCALE
+    k = math.floor(math.log2(FP16_MAX / headroom / max_abs_grad))
+    # log2 can land one off at exact powers of two; step down until the bound holds.
+    while k > -1000 and max_abs_grad * 2.0**k > FP16_MAX / headroom:
+        k -= 1
+    return min(max(2.0**k, MIN_SUGGESTED_SCALE), MAX_SUGGESTED_SCALE)
+
+
+def gradient_underflow(
+    grads: Iterable[torch.Tensor], scale: float | torch.Tensor
+) -> UnderflowStats:
+    """Count the non-zero *unscaled* gradient elements that ``scale`` leaves below fp16's range.
+
+    An element underflows when ``|g × scale| < 2**-24``, fp16's smallest subnormal. Values
+    below ``2**-25`` round to zero and the ones between round to ``2**-24`` itself, an error
+    of up to 100%, so below ``2**-24`` the gradient is lost either way. The count below
+    the smallest *normal*, ``2**-14``, is also given: those survive as subnormals with
+    fewer than 11 significant bits.
+
+    Call it on unscaled gradients (after ``LossScaler.unscale_``, or from an fp32 run when
+    choosing a scale). All counting runs on the device; the result is read in one host
+    sync at the end. It allocates one ``|g|`` temporary per gradient (fp32 for 16-bit ones).
+    ``None`` entries are ignored, sparse gradients count their stored values.
+
+    Example::
+
+        stats = gradient_underflow([p.grad for p in model.parameters()], scaler.get_scale())
+        if stats.fraction > 0.01:
+            print(f"raise the scale to {stats.suggested_scale:g}")
+    """
+    tensors = []
+    for g in grads:
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce().values()
+        if g.is_floating_point() and g.numel() > 0:
+            tensors.append(g.detach())
+    scale_value = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+    if not tensors:
+        value = float(scale_value)
+        return UnderflowStats(0, 0, 0, 0.0, value, MAX_SUGGESTED_SCALE)
+    device = tensors[0].device
+    scale_t = scale_value.detach().to(device=device, dtype=torch.float64).reshape(())
+    # Compare |g| with bound/scale rather than forming g*scale: no second temporary.
+    sub_bound = FP16_MIN_SUBNORMAL / scale_t
+    normal_bound = FP16_MIN_NORMAL / scale_t
+    rows = []
+    for g in tensors:
+        a = g.abs()
+        if a.dtype in (torch.float16, torch.bfloat16):
+            a = a.float()  # bounds like 2**-24/scale may not exist in 16 bits
+        bound_dtype = a.dtype
+        nonzero = a > 0
+        rows.append(
+            torch.stack(
+                [
+                    torch.count_nonzero(nonzero).double(),
+                    torch.count_nonzero(nonzero & (a < sub_bound.to(bound_dtype))).double(),
+                    torch.count_nonzero(nonzero & (a < normal_bound.to(bound_dtype))).double(),
+                    a.amax().double(),
+                ]
+            ).to(device)
+        )
+    table = torch.stack(rows)
+    counts = table[:, :3].sum(dim=0)
+    max_abs = table[:, 3].max()
+    values = torch.cat([counts, max_abs.reshape(1), scale_t.reshape(1)]).tolist()  # the sync
+    nonzero_n, below_sub, below_norm, max_abs_v, scale_v = values
+    return UnderflowStats(
+        nonzero=int(nonzero_n),
+        below_subnormal=int(below_sub),
+        below_normal=int(below_norm),
+        max_abs=max_abs_v,
+        scale=scale_v,
+        suggested_scale=suggest_initial_scale(max_abs_v),
+    )
+
+
+# ---------------------------------------------------------------------- gradient norms
+
+
+@dataclass(frozen=True)
+class GradNormStats:
+    """The total gradient norm and how it spreads over parameters.
+
+    Example::
+
+        stats = grad_norm_stats({n: p.grad for n, p in model.named_parameters()})
+        print(stats.largest, stats.max)
+    """
+
+    total: float
+    """L2 norm of all gradients together (what ``clip_grad_norm_`` computes)."""
+    min: float
+    """Smallest per-parameter L2 norm."""
+    median: float
+    """Median per-parameter L2 norm (linear interpolation)."""
+    p90: float
+    """90th percentile of the per-parameter L2 norms (linear interpolation)."""
+    max: float
+    """Largest per-parameter L2 norm."""
+    largest: str
+    """Name of the parameter with the largest norm (the first non-finite one if any is)."""
+    count: int
+    """Number of gradients counted."""
+
+    def to_metrics(self) -> dict[str, float]:
+        """As metrics: ``grad/norm_total``, ``grad/norm_min``, ``grad/norm_median``,
+        ``grad/norm_p90``, ``grad/norm_max`` (the name is not a number; read ``largest``)."""
+        return {
+            "grad/norm_total": self.total,
+            "grad/norm_min": self.min,
+            "grad/norm_median": self.median,
+            "grad/norm_p90": self.p90,
+            "grad/norm_max": self.max,
+        }
+
+
+def _present(named_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, g in named_grads.items():
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce().values()
+        out[name] = g.detach()
+    return out
+
+
+def _per_tensor_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 L2 norms, one per tensor, on the first tensor's device (no sync)."""
+    device = grads[0].device
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    for (_, _), idx in groups.items():
+        # One fused kernel launch per device/dtype group, as clip_grad_norm_ does.
+        # Accumulate in fp32: a 16-bit sum of squares loses the norm's low bits.
+        results = torch._foreach_norm([grads[i] for i in idx], 2.0, dtype=torch.float32)
+        for i, n in zip(idx, results):
+            norms[i] = n.float().to(device)
+    return torch.stack(norms)  # type: ignore[arg-type]
+
+
+def grad_norm_stats(named_grads: Mapping[str, torch.Tensor | None]) -> GradNormStats:
+    """Total gradient norm, the per-parameter norm distribution and the largest parameter.
+
+    Norms are computed on the device in fp32 and read in one host sync. ``None`` gradients
+    are skipped. Call it after unscaling, before ``zero_grad``.
+
+    Example::
+
+        stats = grad_norm_stats({n: p.grad for n, p in model.named_parameters()})
+        metrics.update(stats.to_metrics())
+    """
+    present = _present(named_grads)
+    if not present:
+        raise ConfigError(
+            "no gradients to measure: every entry is None; call grad_norm_stats after backward "
+            "and before zero_grad"
+        )
+    names = list(present)
+    norms = _per_tensor_norms(list(present.values()))
+    total = torch.linalg.vector_norm(norms)
+    # Ranking by norm with NaN as +inf names a non-finite parameter as the largest.
+    rank = torch.where(torch.isnan(norms), torch.full_like(norms, math.inf), norms)
+    q = torch.quantile(norms, torch.tensor([0.0, 0.5, 0.9, 1.0], device=norms.device))
+    packed = torch.cat([total.reshape(1), q, rank.argmax().float().reshape(1)])
+    total_v, lo, med, p90, hi, index = packed.tolist()  # the sync
+    return GradNormStats(
+        total=total_v,
+        min=lo,
+        median=med,
+        p90=p90,
+        max=hi,
+        largest=names[int(index)],
+        count=len(names),
+    )
+
+
+def first_nonfinite(named_grads: Mapping[str, torch.Tensor | None]) -> str | None:
+    """Name of the first gradient (in the mapping's order) holding an inf or NaN, else None.
+
+    One host sync. Use it to name the module that overflowed after a skipped step.
+
+    Example::
+
+        bad = first_nonfinite({n: p.grad for n, p in model.named_parameters()})
+    """
+    present = _present(named_grads)
+    if not present:
+        return None
+    tensors = list(present.values())
+    device = tensors[0].device
+    flags = []
+    for g in tensors:
+        if not g.is_floating_point() or g.numel() == 0:
+            flags.append(torch.zeros((), dtype=torch.bool, device=device))
+            continue
+        low, high = torch.aminmax(g)  # NaN and inf both show up in min/max
+        flags.append((~torch.isfinite(low) | ~torch.isfinite(high)).to(device))
+    bad = torch.stack(flags).nonzero()
+    if bad.numel() == 0:  # the sync
+        return None
+    return list(present)[int(bad[0, 0])]
+
+
+# ---------------------------------------------------------------------- overflow window
+
+
+class OverflowWindow:
+    """The skip rate over the last ``size`` optimizer steps, kept on the host.
+
+    Feed it per-step flags with :meth:`push`, or the cumulative counters the engine reads
+    every ``log_every`` steps with :meth:`update` (``step`` and ``amp/skipped``). Between
+    two reads only the count of skips is known, not their order; when more steps than
+    ``size`` passed, the window is filled in the same proportion.
+
+    Example::
+
+        window = OverflowWindow(size=100)
+        window.update(steps=m["step"], skipped=m["amp/skipped"])
+        m.update(window.metrics())   # {"amp/overflow_rate_recent": ...}
+    """
+
+    def __init__(self, size: int = 100) -> None:
+        if int(size) != size or size < 1:
+            raise ConfigError(f"size must be an int >= 1, got {size}")
+        self.size = int(size)
+        self._flags: deque[bool] = deque(maxlen=self.size)
+        self._last: tuple[int, int] | None = None
+
+    def push(self, skipped: bool) -> None:
+        """Record one optimizer step: True where it was skipped."""
+        self._flags.append(bool(skipped))
+
+    def update(self, steps: float, skipped: float) -> None:
+        """Record the steps since the last call from the cumulative step and skip counters."""
+        steps_i, skipped_i = int(steps), int(skipped)
+        if skipped_i < 0 or skipped_i > steps_i:
+            raise ConfigError(f"skipped steps ({skipped_i}) must be within 0..steps ({steps_i})")
+        last_steps, last_skipped = self._last if self._last is not None else (0, 0)
+        self._last = (steps_i, skipped_i)
+        d_steps, d_skipped = steps_i - last_steps, skipped_i - last_skipped
+        if d_steps < 0 or d_skipped < 0 or d_skipped > d_steps:
+            # Counters went back (a resumed or restarted run): start the window afresh.
+            self._flags.clear()
+            d_steps, d_skipped = steps_i, skipped_i
+        if d_steps > self.size:
+            d_skipped = round(d_skipped * self.size / d_steps)
+            d_steps = self.size
+        # Skips first, clean steps after: the order is unknown, the count is what matters.
+        self._flags.extend([True] * d_skipped + [False] * (d_steps - d_skipped))
+
+    @property
+    def steps(self) -> int:
+        """Steps in the window (at most ``size``)."""
+        return len(self._flags)
+
+    @property
+    def rate(self) -> float:
+        """Skipped / steps in the window (0 when empty)."""
+        return sum(self._flags) / len(self._flags) if self._flags else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """``{"amp/overflow_rate_recent": rate}``."""
+        return {"amp/overflow_rate_recent": self.rate}
+
+
+# ---------------------------------------------------------------------- throughput
+
+
+def recompute_overhead_from_flops(recompute_flops: float, forward_backward_flops: float) -> float:
+    """Extra work from checkpointing: ``recompute_flops / forward_backward_flops``.
+
+    ``forward_backward_flops`` is one step's forward and backward without checkpointing
+    (count both with ``torch.utils.flop_counter.FlopCounterMode``, see :func:`count_flops`).
+    This is the overhead if every FLOP cost the same time; memory-bound recomputed ops
+    (norms, activations) cost more time per FLOP, so it reads low for them.
+
+    Example::
+
+        recompute_overhead_from_flops(plan.recompute_flops, 3 * forward_flops)
+    """
+    if not forward_backward_flops > 0:
+        raise ConfigError(
+            f"forward_backward_flops must be > 0, got {forward_backward_flops}; count the step first"
+        )
+    if recompute_flops < 0:
+        raise ConfigError(f"recompute_flops must be >= 0, got {recompute_flops}")
+    return float(recompute_flops) / float(forward_backward_flops)
+
+
+def recompute_overhead_from_time(
+    step_seconds_with_plan: float, step_seconds_without: float
+) -> float:
+    """Extra step time from checkpointing: ``with_plan / without - 1``.
+
+    Measure both as the mean over several steps after warm-up, with the device synced at
+    the ends of the window. This is the overhead that matters, but it includes noise; it
+    can come out slightly negative, which means "no measurable overhead".
+
+    Example::
+
+        recompute_overhead_from_time(0.130, 0.100)   # 0.3
+    """
+    if not step_seconds_without > 0:
+        raise ConfigError(f"step_seconds_without must be > 0, got {step_seconds_without}")
+    return float(step_seconds_with_plan) / float(step_seconds_without) - 1.0
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of running ``fn()`` once, counted by ``torch.utils.flop_counter.FlopCounterMode``.
+
+    Counts matmuls, convolutions and attention (what dominates); runs ``fn`` for real.
+
+    Example::
+
+        flops = count_flops(lambda: model(x).sum().backward())
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+class Throughput:
+    """Samples/s, tokens/s and achieved FLOP/s over a window of steps (host-side).
+
+    Give it the samples and wall seconds of each step (or of a window of steps). Timing on
+    an accelerator is only right over windows whose ends were synced (the engine reads
+    metrics every ``log_every`` steps, which syncs). ``tokens_per_sample`` and
+    ``flops_per_sample`` (forward + backward + recompute, e.g. from :func:`count_flops`
+    divided by the batch size) enable the matching metrics; ``peak_flops`` (the device's
+    peak FLOP/s in the training dtype) adds model FLOP utilization.
+
+    Example::
+
+        tp = Throughput(tokens_per_sample=256, flops_per_sample=6 * n_params * 256)
+        tp.add(samples=16, seconds=0.12)
+        tp.metrics()   # {"throughput/samples_per_second": 133.3, "throughput/tokens_per_second": ...}
+    """
+
+    def __init__(
+        self,
+        tokens_per_sample: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        for name, value in (
+            ("tokens_per_sample", tokens_per_sample),
+            ("flops_per_sample", flops_per_sample),
+            ("peak_flops", peak_flops),
+        ):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 or None, got {value}")
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_flops
+        self.samples = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def add(self, samples: int, seconds: float) -> None:
+        """Count ``samples`` processed in ``seconds`` of wall time."""
+        if samples < 0 or seconds < 0:
+            raise ConfigError(f"samples and seconds must be >= 0, got {samples}, {seconds}")
+        self.samples += int(samples)
+        self.seconds += float(seconds)
+
+    def start(self) -> None:
+        """Start timing a step on the host clock; :meth:`stop` adds it."""
+        self._started = time.perf_counter()
+
+    def stop(self, samples: int) -> None:
+        """Add the step started by :meth:`start` with ``samples`` samples."""
+        if self._started is None:
+            raise ConfigError("Throughput.stop() called without start()")
+        self.add(samples, time.perf_counter() - self._started)
+        self._started = None
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Rates over the window since the last reset; empty when no time was counted."""
+        if self.seconds <= 0:
+            return {}
+        sps = self.samples / self.seconds
+        out = {"throughput/samples_per_second": sps}
+        if self.tokens_per_sample is not None:
+            out["throughput/tokens_per_second"] = sps * self.tokens_per_sample
+        if self.flops_per_sample is not None:
+            flops = sps * self.flops_per_sample
+            out["throughput/flops_per_second"] = flops
+            if self.peak_flops is not None:
+                out["throughput/mfu"] = flops / self.peak_flops
+        if reset:
+            self.samples = 0
+            self.seconds = 0.0
+        return out
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _dtype_name(dtype: str) -> str:
+    return dtype.removeprefix("torch.")
+
+
+def memory_metrics(report: Any) -> dict[str, float]:
+    """A :class:`memfit.MemoryReport` (or its ``to_dict()``) as metrics.
+
+    Keys: ``memory/peak_bytes``, ``memory/kind/<kind>`` (params, grads, optimizer,
+    activations, temp), ``memory/dtype/<dtype>`` (``float32``, ``bfloat16``, ...) and
+    ``memory/low_precision_share``. No tensors are touched.
+
+    Example::
+
+        metrics.update(memory_metrics(memfit.measure(step, model=model, optimizer=opt)))
+    """
+    data = report if isinstance(report, Mapping) else None
+    get = data.get if data is not None else (lambda k, d=None: getattr(report, k, d))
+    peak = get("peak_bytes")
+    if peak is None:
+        raise ConfigError(
+            f"memory_metrics needs a MemoryReport (from memfit.measure), got {type(report).__name__}"
+        )
+    out: dict[str, float] = {"memory/peak_bytes": float(peak)}
+    for kind, n in (get("by_kind") or {}).items():
+        out[f"memory/kind/{kind}"] = float(n)
+    for dtype, n in (get("by_dtype") or {}).items():
+        out[f"memory/dtype/{_dtype_name(str(dtype))}"] = float(n)
+    share = get("low_precision_share")
+    if share is not None:
+        out["memory/low_precision_share"] = float(share)
+    return out
