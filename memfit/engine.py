@@ -34,6 +34,9 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError, NonFiniteError
+from memfit.monitor.health import HealthCheck
+from memfit.monitor.monitor import Monitor, MonitorConfig
+from memfit.monitor.sinks import Sink
 from memfit.precision.apply import apply_precision
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
@@ -155,6 +158,10 @@ class Engine:
         log_every: int = 10,
         log_dir: str | Path | None = None,
         max_consecutive_skips: int = 50,
+        monitor: MonitorConfig | bool = True,
+        sinks: Sequence[Sink] = (),
+        tokens_per_sample: int | None = None,
+        flops_per_sample: float | None = None,
     ) -> None:
         from memfit.units import parse_bytes
 
@@ -200,6 +207,13 @@ class Engine:
             )
         self.scaler = scaler
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        if isinstance(monitor, bool):
+            monitor = MonitorConfig(enabled=monitor)
+        # Created before any training so an unwritable log_dir fails now, not an hour in.
+        self.monitor = Monitor(self, monitor, self.log_dir, sinks)
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_sample = flops_per_sample
+        self._measuring = False
         self._checkpoint_request = checkpoint
         self.plan: Any = None
         self.steps = 0  # optimizer steps attempted
@@ -210,6 +224,9 @@ class Engine:
         self._window_start = time.perf_counter()
         self._window_samples = 0
         self._window_steps = 0
+        self._window_batch = 0
+        self._session_steps = 0  # steps taken by this object, resumed runs included
+        self.memory_report: Any = None
         self.metrics: dict[str, float] = {}
         self.extra: dict[str, Any] = {}
 
@@ -232,6 +249,14 @@ class Engine:
         under the precision's autocast. Returns the batch's mean loss as a detached device
         tensor (no sync).
         """
+        memory_step = self.monitor.config.measure_memory_step
+        if (
+            self.monitor.config.enabled
+            and memory_step is not None
+            and self._session_steps + 1 == memory_step
+            and not self._measuring
+        ):
+            return self._measured_step(batch, loss_fn)
         micro_batches = split_batch(batch, self.settings.accumulation_steps)
         total = batch_size(batch)
         if self._checkpoint_request is not None:
@@ -267,16 +292,48 @@ class Engine:
             self.lr_scheduler.step()
         self.steps += 1
         self._window_samples += total
+        self._window_batch = total
+        self._session_steps += 1
         self._window_steps += 1
         error: NonFiniteError | None = None
-        if self.device.type == "cpu" or self.steps % self.settings.log_every == 0:
+        log_now = self.steps % self.settings.log_every == 0
+        if self.device.type == "cpu" or log_now:
             error = self._check_skips()
+        grad_metrics = self.monitor.gradient_metrics(self) if log_now else {}
         self.optimizer.zero_grad(set_to_none=True)
         if error is not None:
             raise error
-        if self.steps % self.settings.log_every == 0:
-            self._read_metrics()
+        if log_now:
+            self._read_metrics(grad_metrics)
         return loss_sum
+
+    def _measured_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        from memfit.memory import measure
+        from memfit.monitor.metrics import memory_metrics
+
+        self._measuring = True
+        try:
+            report = measure(
+                lambda: self.train_step(batch, loss_fn), model=self.model, optimizer=self.optimizer
+            )
+        finally:
+            self._measuring = False
+        self.memory_report = report
+        self.monitor.memory = memory_metrics(report)
+        return report.result
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step."""
+        for sink in self.monitor.sinks:
+            sink.log(self.steps, {"step": float(self.steps), **metrics})
+
+    def health(self) -> list[HealthCheck]:
+        """Each health check on the latest metrics: value, threshold, pass/warn, remedy."""
+        return self.monitor.health(self)
+
+    def close(self) -> None:
+        """Flush and close the sinks and remove the monitor's hooks."""
+        self.monitor.close()
 
     def _accumulate(self, micro_batches: list[Batch], total: int, loss_fn: LossFn) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -343,7 +400,7 @@ class Engine:
                 return f"{head}: the first parameter with a non-finite gradient is {name!r}. Remedy: {remedy}."
         return f"{head}. Lower the learning rate or set clip_grad_norm."
 
-    def _read_metrics(self) -> dict[str, float]:
+    def _read_metrics(self, extra: dict[str, float] | None = None) -> dict[str, float]:
         stats = self.scaler.stats
         elapsed = time.perf_counter() - self._window_start
         metrics = {
@@ -360,7 +417,25 @@ class Engine:
         }
         if self._grad_norm is not None:
             metrics["grad/norm"] = float(self._grad_norm.item())
-        self.metrics = metrics
+        if stats.skipped and self._last_loss is not None:
+            metrics["amp/nonfinite_loss"] = float(not torch.isfinite(self._last_loss).item())
+        sps = metrics["throughput/samples_per_second"]
+        if self.tokens_per_sample:
+            metrics["throughput/tokens_per_second"] = sps * self.tokens_per_sample
+        if self.flops_per_sample:
+            metrics["throughput/flops_per_second"] = sps * self.flops_per_sample
+        recompute = getattr(self.plan, "recompute_flops", 0) or 0
+        if self.plan is not None:
+            if self.flops_per_sample:
+                # The model's own work is 3x its forward; recompute adds forward FLOPs.
+                per_step = self.flops_per_sample * self._window_batch
+                metrics["recompute/overhead"] = recompute / per_step if per_step else 0.0
+            elif metrics["time/step_seconds"] > 0:
+                metrics["recompute/overhead"] = (
+                    self.plan.recompute_seconds / metrics["time/step_seconds"]
+                )
+        metrics.update(extra or {})
+        self.metrics = self.monitor.log(self, metrics)
         self._window_start = time.perf_counter()
         self._window_samples = 0
         self._window_steps = 0

@@ -247,10 +247,7 @@ def _lr_lambda(warmup: int, total: int) -> Any:
 
 
 def _batch(batch_fn: Any, size: int, seed: int, split: str = "train") -> Any:
-    try:
-        return batch_fn(size, generator=seed, split=split)
-    except TypeError:
-        return batch_fn(size, generator=seed)
+    return batch_fn(size, generator=seed, split=split)
 
 
 @torch.no_grad()
@@ -277,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
 
     import memfit
     from memfit.models import MODELS, build_model
+    from memfit.monitor import health_to_dict, make_report, render_health
     from memfit.units import format_bytes
 
     console = Console(stderr=False)
@@ -297,15 +295,26 @@ def run(args: argparse.Namespace) -> int:
         model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
-    checkpoint: Any = s["checkpoint"]
+    seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
+    tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
+    flops_per_sample = None
+    if s["model"] == "gpt":
+        flops_per_sample = float(model.flops_per_token() * seq_len)
+    monitoring = dict(
+        log_dir=run_dir, tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
+    )
     if resuming:
         path = run_dir / CHECKPOINT
         try:
-            engine = memfit.Engine.resume(path, model, optimizer, lr_scheduler=scheduler)
+            engine = memfit.Engine.resume(
+                path, model, optimizer, lr_scheduler=scheduler, **monitoring
+            )
         except CheckpointError as exc:
+            previous = run_dir / PREVIOUS
             hint = (
-                f" The previous checkpoint {run_dir / PREVIOUS} may still load: copy it over {path} to resume from it."
-                if (run_dir / PREVIOUS).exists()
+                f" The previous checkpoint {previous} may still load: copy it over {path} "
+                "to resume from it."
+                if previous.exists()
                 else ""
             )
             raise CheckpointError(f"{exc}{hint}") from None
@@ -315,25 +324,22 @@ def run(args: argparse.Namespace) -> int:
             model,
             optimizer,
             precision=s["precision"],
-            checkpoint=checkpoint,
+            checkpoint=s["checkpoint"],
             memory_budget=s["budget"],
             accumulation_steps=s["accumulation"],
             clip_grad_norm=s["clip"],
             lr_scheduler=scheduler,
             log_every=s["log_every"],
+            **monitoring,
         )
-    seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
-    tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
         f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
     )
 
-    metrics_path = run_dir / "metrics.jsonl"
-    peak_bytes: int | None = None
     val_loss = math.nan
-    train_losses: list[float] = []
+    train_loss = math.nan
     start_step = engine.steps
     started = time.perf_counter()
     samples_done = 0
@@ -347,56 +353,49 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
         console=console,
     )
-    with progress, open(metrics_path, "a") as log:
+    with progress:
         task = progress.add_task(
             "train", total=s["steps"], completed=start_step, loss="-", speed="-", scale="-", mem="-"
         )
         while engine.steps < s["steps"]:
             batch = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-            if peak_bytes is None and engine.steps - start_step == 1:
-                report = memfit.measure(
-                    lambda b=batch: engine.train_step(b, loss_fn), model=model, optimizer=optimizer
-                )
-                peak_bytes = report.peak_bytes
-            else:
-                engine.train_step(batch, loss_fn)
+            engine.train_step(batch, loss_fn)
             samples_done += s["batch_size"]
             step = engine.steps
-            if step % s["log_every"] == 0 or step == s["steps"]:
-                m = engine.metrics if step % s["log_every"] == 0 else engine._read_metrics()
-                train_losses.append(m["loss"])
+            if step % s["log_every"] == 0:
+                m = engine.metrics
+                train_loss = m["loss"]
                 sps = m["throughput/samples_per_second"]
                 speed = (
                     f"{sps * tokens_per_sample:,.0f} tok/s"
                     if tokens_per_sample
                     else f"{sps:,.1f} samples/s"
                 )
-                if peak_bytes is not None:
-                    m["memory/peak_bytes"] = float(peak_bytes)
+                peak = m.get("memory/peak_bytes")
                 progress.update(
                     task,
-                    loss=f"{m['loss']:.4f}",
+                    loss=f"{train_loss:.4f}",
                     speed=speed,
                     scale=f"{m['amp/scale']:g}",
-                    mem=format_bytes(peak_bytes) if peak_bytes else "-",
+                    mem=format_bytes(peak) if peak else "-",
                 )
-                log.write(json.dumps(m) + "\n")
-                log.flush()
             if step % s["eval_every"] == 0 or step == s["steps"]:
                 val_loss = evaluate(engine, loss_fn, batch_fn, s["batch_size"], s["eval_batches"])
-                log.write(json.dumps({"step": float(step), "val/loss": val_loss}) + "\n")
-                log.flush()
+                engine.log_metrics({"val/loss": val_loss})
                 progress.console.print(f"step {step}: validation loss {val_loss:.4f}")
             if step % s["save_every"] == 0 or step == s["steps"]:
                 _save(engine, run_dir)
             progress.update(task, completed=step)
     elapsed = time.perf_counter() - started
+    if engine.steps % s["log_every"] != 0 and samples_done:
+        train_loss = engine._read_metrics()["loss"]
     stats = engine.scaler.stats
+    peak_bytes = engine.metrics.get("memory/peak_bytes")
     summary = {
         "steps": engine.steps,
         "applied_steps": engine.applied_steps,
         "skipped_steps": stats.skipped,
-        "final_train_loss": train_losses[-1] if train_losses else math.nan,
+        "final_train_loss": train_loss,
         "final_val_loss": val_loss,
         "peak_memory_bytes": peak_bytes,
         "samples_per_second": samples_done / elapsed if elapsed > 0 else 0.0,
@@ -408,11 +407,17 @@ def run(args: argparse.Namespace) -> int:
         "loss_scale": stats.scale,
     }
     _write_json(run_dir / "summary.json", summary)
+    checks = engine.health()
+    _write_json(run_dir / "health.json", health_to_dict(checks))
+    if engine.plan is not None and hasattr(engine.plan, "to_json"):
+        (run_dir / "plan.json").write_text(engine.plan.to_json())
+    engine.close()
+
     table = Table(title="summary", show_header=False)
     table.add_row(
         "steps (applied / skipped)", f"{engine.steps} ({engine.applied_steps} / {stats.skipped})"
     )
-    table.add_row("final train loss", f"{summary['final_train_loss']:.4f}")
+    table.add_row("final train loss", f"{train_loss:.4f}")
     table.add_row("final validation loss", f"{val_loss:.4f}")
     table.add_row(
         "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
@@ -425,6 +430,12 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("wall time", f"{elapsed:.1f} s")
     table.add_row("run directory", str(run_dir))
     console.print(table)
+    console.print(render_health(checks))
+    try:
+        report = make_report(run_dir)
+        console.print(f"report: {report}")
+    except Exception as exc:  # the run itself succeeded; a report problem is not fatal
+        console.print(f"[yellow]report not written: {exc}[/]")
     return 0
 
 

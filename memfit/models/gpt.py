@@ -42,7 +42,7 @@ class GPTConfig:
     """Number of Transformer blocks."""
     n_head: int = 4
     """Attention heads per block; must divide ``n_embd``."""
-    n_embd: int = 128
+    n_embd: int = 256
     """Width of the residual stream."""
     dropout: float = 0.0
     """Dropout on embeddings, attention weights and residual branches (0 turns it off)."""

@@ -1,0 +1,1001 @@
+"""Cost profiling: one measured training step → a tree of :class:`UnitCost` for the planner.
+
+:func:`profile` runs the model's forward and backward under the training precision
+(``precision.autocast(device.type)``) and records, per candidate unit
+(:mod:`memfit.checkpoint.tree`), what the cost model (:mod:`memfit.checkpoint.costs`) needs.
+
+How each number is measured:
+
+* **Bytes saved for backward**: ``torch.autograd.graph.saved_tensors_hooks`` sees every
+  tensor autograd keeps. Each storage is counted once, for the innermost unit running when
+  it was first saved. Storages of parameters, buffers and the example inputs are
+  *resident* (they exist whatever the plan) and are not counted. Tensors saved by the loss
+  (outside the model) go to :attr:`Profile.loss_saved_bytes`.
+* **Input / output bytes**: the storages of the tensors a unit receives (positional and
+  keyword) and returns, resident ones excluded, counted once per call.
+* **Matmul saved bytes**: the outputs of matmul-like ops (:data:`~memfit.checkpoint.apply.
+  MATMUL_OPS`, seen by a ``TorchDispatchMode``). Selective recompute keeps *every* such
+  output of the unit, whether or not autograd saves it, so that is what is counted.
+* **FLOPs**: ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention),
+  plus :data:`FLOP_FORMULAS` for CPU attention kernels torch does not count. Elementwise
+  ops count 0 FLOPs, as in ``FlopCounterMode``; :func:`flop_counter` counts the same way.
+* **Times**: forward time from forward pre/post hooks with ``time.perf_counter`` (the
+  device synchronized on CUDA), in a second, uninstrumented step (the first warms up).
+  Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
+  time (until the next node starts) goes to the unit that created it, found from the
+  node's sequence number. This works whatever the unit returns, takes or modifies in place.
+* **Non-matmul forward time** (what selective recompute re-runs): the unit's forward time
+  times the share of its ops' time spent outside matmul-like ops, the ops timed one by one
+  in the instrumented step. Measured op by op, the share is exact for the kernels, and the
+  Python overhead of the unit is split in the same proportion (an estimate).
+* **can_recompute** is False, with the reasons in :attr:`Profile.reasons`, when a unit
+  modifies an input in place, updates a buffer in forward other than a normalization
+  layer's running statistics (the executor handles those), or draws random numbers from an
+  explicit ``torch.Generator`` (checkpoint only replays the default generators). Also for
+  a container with no forward of its own (an ``nn.ModuleList``) and for units the step
+  never called.
+* **sequential** is True for a chain (``nn.Sequential`` with the stock forward, or a
+  container its parent iterates with ``for block in container``) whose children were
+  called in index order, each with one tensor (no keyword arguments) that was the previous
+  child's output, each returning one tensor.
+
+On the **meta device** the model is run on fake tensors (``FakeTensorMode``; parameters,
+buffers and inputs are swapped for fakes during the call): bytes and FLOPs are exact,
+times are estimated per op as ``max(flops / flop_rate, bytes / bandwidth)``. A model whose
+tensors are already fake is run under its own fake mode the same way.
+
+Profiling leaves the model as it found it: parameters, buffers (BatchNorm statistics),
+``.grad`` (None included), train/eval modes, an applied plan, and the RNG state.
+
+Example::
+
+    prof = profile(model, torch.randint(0, 256, (8, 128)), precision="bf16-mixed")
+    print(prof.summary())
+    prof.root            # UnitCost tree for memfit.checkpoint.solve
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
+
+from memfit.checkpoint import apply as _apply
+from memfit.checkpoint.apply import MATMUL_OPS
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.tree import (
+    Unit,
+    UnitTree,
+    find_units,
+    structure_fingerprint,
+    unit_tree,
+)
+from memfit.errors import PlanError
+from memfit.precision.policy import PrecisionPolicy
+from memfit.units import format_bytes
+
+__all__ = [
+    "DEFAULT_BANDWIDTH",
+    "DEFAULT_FLOP_RATE",
+    "FLOP_FORMULAS",
+    "Profile",
+    "flop_counter",
+    "profile",
+]
+
+#: Nominal FLOP rate (FLOP/s) for time estimates on fake tensors: a modern accelerator's
+#: sustained dense 16-bit matmul rate. Pass your device's to :func:`profile`.
+DEFAULT_FLOP_RATE = 100e12
+#: Nominal memory bandwidth (bytes/s) for time estimates on fake tensors.
+DEFAULT_BANDWIDTH = 2e12
+
+
+def _sdpa_cpu_flops(
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flops(
+    grad_out_shape: Any,
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _extra_formulas() -> dict[Any, Callable[..., int]]:
+    formulas: dict[Any, Callable[..., int]] = {}
+    for name, fn in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flops),
+    ):
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            continue
+        if packet not in flop_registry:
+            formulas[packet] = fn
+    return formulas
+
+
+#: FLOP formulas (shape functions, as ``FlopCounterMode(custom_mapping=...)`` takes them)
+#: for ops torch's counter misses: CPU fused attention. Used by :func:`profile`.
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = _extra_formulas()
+
+_FLOPS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()},
+}
+
+
+def flop_counter(display: bool = False) -> FlopCounterMode:
+    """A ``FlopCounterMode`` that counts FLOPs as :func:`profile` does.
+
+    Example::
+
+        with flop_counter() as fc:
+            loss_fn(model(x)).backward()
+        fc.get_total_flops()
+    """
+    return FlopCounterMode(display=display, custom_mapping=FLOP_FORMULAS)
+
+
+@dataclass
+class Profile:
+    """What one profiled training step measured: the planner's cost tree and step totals.
+
+    Example::
+
+        prof = profile(model, x)
+        prof.root.children[0].fwd_flops
+        prof["blocks.0"].total_saved_bytes()
+        prof.param_bytes + prof.grad_bytes + prof.activation_bytes
+    """
+
+    root: UnitCost
+    """The cost tree, rooted at the model (name ``""``)."""
+    structure: list[tuple[str, str]]
+    """``structure_fingerprint`` of the profiled units, for plans to recognize the model."""
+    precision: str
+    """The precision mode the step ran under."""
+    device: str
+    """The device the step ran on (for fake tensors, the device they stood in for)."""
+    measured: bool
+    """True when times were measured; False when estimated from FLOPs and bytes (fake/meta)."""
+    param_bytes: int
+    """Bytes of the parameters (each shared parameter once)."""
+    grad_bytes: int
+    """Bytes of the gradients the backward produced."""
+    buffer_bytes: int
+    """Bytes of the buffers."""
+    activation_bytes: int
+    """Bytes saved for backward by the model with no checkpointing (sum over units)."""
+    loss_saved_bytes: int
+    """Bytes saved for backward by the loss, outside the model (checkpointing keeps them)."""
+    input_bytes: int
+    """Bytes of the example inputs."""
+    output_bytes: int
+    """Bytes of the model's output."""
+    fwd_flops: float
+    """Forward FLOPs of the model."""
+    fwd_seconds: float
+    """Forward time of the model (loss excluded)."""
+    bwd_seconds: float
+    """Backward time of the whole step."""
+    flop_rate: float
+    """The FLOP rate used for time estimates."""
+    bandwidth: float
+    """The memory bandwidth used for time estimates."""
+    reasons: dict[str, list[str]] = field(default_factory=dict)
+    """Why a unit cannot be recomputed, per unit name (units that can are absent)."""
+
+    def __post_init__(self) -> None:
+        self._units = {u.name: u for u in self.root.walk()}
+
+    def __getitem__(self, name: str) -> UnitCost:
+        return self._units[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._units
+
+    def units(self) -> dict[str, UnitCost]:
+        """Every unit's costs by qualified name, parents before children."""
+        return dict(self._units)
+
+    def summary(self) -> str:
+        """A human-readable table of the units' costs."""
+        head = (
+            f"{'unit':<32} {'GFLOP':>8} {'fwd ms':>8} {'bwd ms':>8} {'saved':>11} "
+            f"{'input':>11} {'matmul':>11}  flags"
+        )
+        rows = [head, "-" * len(head)]
+
+        def row(u: UnitCost, depth: int) -> None:
+            flags = [] if u.can_recompute else ["no-recompute"]
+            if u.sequential:
+                flags.append("sequential")
+            name = ("  " * depth + (u.name or "<model>"))[:32]
+            rows.append(
+                f"{name:<32} {u.fwd_flops / 1e9:>8.3f} {u.fwd_seconds * 1e3:>8.2f} "
+                f"{u.bwd_seconds * 1e3:>8.2f} {format_bytes(u.total_saved_bytes()):>11} "
+                f"{format_bytes(u.input_bytes):>11} {format_bytes(u.matmul_saved_bytes):>11}"
+                f"  {' '.join(flags)}"
+            )
+            for c in u.children:
+                row(c, depth + 1)
+
+        row(self.root, 0)
+        timing = "measured" if self.measured else "estimated"
+        rows.append(
+            f"precision {self.precision} on {self.device}; times {timing}; params "
+            f"{format_bytes(self.param_bytes)}, grads {format_bytes(self.grad_bytes)}, "
+            f"activations {format_bytes(self.activation_bytes)} "
+            f"(+ loss {format_bytes(self.loss_saved_bytes)})"
+        )
+        return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _tensors(getattr(obj, f.name), out)
+    return out
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    return obj
+
+
+def _storage(t: torch.Tensor) -> tuple[Any, int, Any]:
+    """(key, bytes, keep-alive reference) of the memory behind ``t``."""
+    try:
+        st = t.untyped_storage()
+        return st._cdata, int(st.nbytes()), st
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        # Tensors without a plain storage (sparse, some subclasses): count the tensor itself.
+        return ("tensor", id(t)), t.numel() * t.element_size(), t
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    for t in _tensors(output):
+        if t.is_floating_point():
+            if not t.requires_grad:
+                raise PlanError(
+                    "the first floating-point tensor of the model's output does not require "
+                    "grad, so the default loss cannot backpropagate; pass loss_fn"
+                )
+            return t.float().sum()
+    raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _stock_sequential(module: nn.Module) -> bool:
+    return type(module).forward is nn.Sequential.forward and "forward" not in module.__dict__
+
+
+def _probe_iter(self: nn.Module) -> Iterator[nn.Module]:
+    marks = self.__dict__.get("_memfit_iterated")
+    if marks is not None:
+        marks.append(True)
+    return iter(self._modules.values())
+
+
+_PROBE_CLASSES: dict[type, type] = {}
+
+
+def _probe_class(cls: type) -> type:
+    sub = _PROBE_CLASSES.get(cls)
+    if sub is None:
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {"__iter__": _probe_iter, "_memfit_base_class": cls, "__module__": cls.__module__},
+        )
+        _PROBE_CLASSES[cls] = sub
+    return sub
+
+
+# --------------------------------------------------------------------------- recording
+
+
+@dataclass
+class _Stats:
+    calls: int = 0
+    first_call: int = -1
+    fwd_time: float = 0.0
+    bwd_time_own: float = 0.0
+    est_fwd_own: float = 0.0
+    est_bwd_own: float = 0.0
+    flops_own: float = 0.0
+    nm_flops_own: float = 0.0
+    mm_time_own: float = 0.0
+    nm_time_own: float = 0.0
+    saved_own: int = 0
+    mm_out_own: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def reason(self, text: str) -> None:
+        if text not in self.reasons:
+            self.reasons.append(text)
+
+
+@dataclass
+class _Call:
+    name: str
+    t0: float = 0.0
+    in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
+
+
+@dataclass
+class _ChainState:
+    n: int
+    expected: int = 0
+    passes: int = 0
+    ok: bool = True
+    last_out: torch.Tensor | None = None
+
+
+class _Recorder:
+    """Hooks, a dispatch mode and saved-tensor hooks for one profiled step."""
+
+    def __init__(
+        self,
+        tree: UnitTree,
+        stats: dict[str, _Stats],
+        *,
+        full: bool,
+        measured: bool,
+        sync: bool,
+        flop_rate: float,
+        bandwidth: float,
+    ) -> None:
+        self.tree = tree
+        self.stats = stats
+        self.full = full  # the instrumented step (bytes, FLOPs, ops) or the timed one
+        self.measured = measured
+        self.sync = sync
+        self.flop_rate = flop_rate
+        self.bandwidth = bandwidth
+        self.unit_of: dict[int, str] = {id(u.module): u.name for u in tree}
+        self.parent_of: dict[str, tuple[str, int]] = {}
+        self.chains: dict[str, _ChainState] = {}
+        for unit in tree:
+            if unit.is_chain:
+                self.chains[unit.name] = _ChainState(len(unit.children))
+                for k, child in enumerate(unit.children):
+                    self.parent_of[child.name] = (unit.name, k)
+        self.stack: list[_Call] = []
+        self.phase: str | None = None
+        self.bwd_owner: str | None = None
+        self.quiet = False
+        self.markers: list[int] = []
+        self.owners: list[str | None] = []
+        self.probe: torch.Tensor | None = None
+        self.bwd_events: list[tuple[float, str | None]] = []
+        self.resident: set[Any] = set()
+        self.saved_seen: dict[Any, Any] = {}
+        self.mm_seen: dict[Any, Any] = {}
+        self.loss_saved = 0
+        self.counter = 0
+        self.iterated: dict[str, list[bool]] = {}
+        self.subtree_buffers: dict[str, list[tuple[nn.Module, str]]] = {}
+        if full:
+            for unit in tree:
+                self.subtree_buffers[unit.name] = [
+                    (m, name)
+                    for m in unit.module.modules()
+                    if not isinstance(m, nn.modules.batchnorm._NormBase)
+                    for name in m._buffers
+                ]
+
+    # ---- time and sequence numbers
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self, owner: str | None) -> None:
+        # The sequence number of a fresh autograd node: every node created after this
+        # point belongs to ``owner`` until the next mark.
+        self.quiet = True
+        try:
+            with torch.enable_grad():
+                assert self.probe is not None
+                node = self.probe.view_as(self.probe).grad_fn
+        finally:
+            self.quiet = False
+        # No node under inference mode: nothing there goes to backward anyway.
+        seq = node._sequence_nr() if node is not None else (self.markers or [0])[-1]
+        self.markers.append(seq)
+        self.owners.append(owner)
+
+    def owner(self, seq: int) -> str | None:
+        i = bisect_right(self.markers, seq) - 1
+        return self.owners[i] if i >= 0 else None
+
+    # ---- module hooks
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self.unit_of.get(id(module))
+        if name is None or self.phase != "fwd":
+            return
+        st = self.stats[name]
+        call = _Call(name)
+        if self.full:
+            st.calls += 1
+            if st.first_call < 0:
+                st.first_call = self.counter
+            self.counter += 1
+            tensors = _tensors((args, kwargs))
+            call.in_versions = [(t, t._version) for t in tensors]
+            st.input_bytes += self.nonresident_bytes(tensors)
+            call.buf_versions = [
+                (bname, m, bname, buf, buf._version)
+                for m, bname in self.subtree_buffers[name]
+                if (buf := m._buffers.get(bname)) is not None
+            ]
+            self.chain_enter(name, args, kwargs)
+        self.stack.append(call)
+        self.mark(name)
+        call.t0 = self.now()
+
+    def post_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        name = self.unit_of.get(id(module))
+        if name is None or self.phase != "fwd" or not self.stack or self.stack[-1].name != name:
+            return
+        t1 = self.now()
+        call = self.stack.pop()
+        st = self.stats[name]
+        st.fwd_time += t1 - call.t0
+        self.mark(self.stack[-1].name if self.stack else None)
+        if not self.full:
+            return
+        if any(t._version != v for t, v in call.in_versions):
+            st.reason("modifies an input tensor in place, so a recompute would see changed inputs")
+        for label, m, bname, buf, version in call.buf_versions:
+            if m._buffers.get(bname) is not buf or buf._version != version:
+                st.reason(
+                    f"updates buffer {type(m).__name__}.{label} in forward, so a recompute "
+                    "would see the updated value"
+                )
+        st.output_bytes += self.nonresident_bytes(_tensors(output))
+        self.chain_exit(name, output)
+
+    def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        where = self.parent_of.get(name)
+        if where is None:
+            return
+        state = self.chains[where[0]]
+        k = where[1]
+        single = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(single, torch.Tensor) or k != state.expected:
+            state.ok = False
+        elif k > 0 and single is not state.last_out:
+            state.ok = False
+
+    def chain_exit(self, name: str, output: Any) -> None:
+        where = self.parent_of.get(name)
+        if where is None:
+            return
+        state = self.chains[where[0]]
+        k = where[1]
+        if not isinstance(output, torch.Tensor):
+            state.ok = False
+        state.last_out = output if isinstance(output, torch.Tensor) else None
+        state.expected = (k + 1) % state.n
+        if k == state.n - 1:
+            state.passes += 1
+
+    # ---- bytes
+
+    def nonresident_bytes(self, tensors: list[torch.Tensor]) -> int:
+        seen: set[Any] = set()
+        total = 0
+        for t in tensors:
+            key, nbytes, _ = _storage(t)
+            if key in self.resident or key in seen:
+                continue
+            seen.add(key)
+            total += nbytes
+        return total
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase not in ("fwd", "loss"):
+            return t
+        key, nbytes, ref = _storage(t)
+        if key in self.resident or key in self.saved_seen:
+            return t
+        self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
+        if self.stack:
+            self.stats[self.stack[-1].name].saved_own += nbytes
+        else:
+            self.loss_saved += nbytes
+        return t
+
+    # ---- ops
+
+    def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
+        if self.phase == "fwd":
+            unit = self.stack[-1].name if self.stack else None
+        elif self.phase == "bwd":
+            unit = self.bwd_owner
+        else:
+            unit = None
+        if unit is None:
+            return
+        packet = func.overloadpacket
+        formula = _FLOPS.get(packet)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+        estimate = max(flops / self.flop_rate, moved / self.bandwidth)
+        st = self.stats[unit]
+        if self.phase == "bwd":
+            st.est_bwd_own += estimate
+            return
+        st.flops_own += flops
+        st.est_fwd_own += estimate
+        op_time = seconds if self.measured else estimate
+        if packet in MATMUL_OPS:
+            st.mm_time_own += op_time
+            for t in _tensors(out):
+                key, nbytes, ref = _storage(t)
+                if key not in self.mm_seen and key not in self.resident:
+                    self.mm_seen[key] = ref
+                    st.mm_out_own += nbytes
+        else:
+            st.nm_time_own += op_time
+            st.nm_flops_own += flops
+        if kwargs.get("generator") is not None:
+            for call in self.stack:
+                self.stats[call.name].reason(
+                    f"draws random numbers from an explicit torch.Generator ({packet}), "
+                    "which checkpoint does not replay"
+                )
+
+    # ---- backward
+
+    def hook_graph(self, roots: list[Any]) -> list[Any]:
+        handles = []
+        seen: set[int] = set()
+        keep: list[Any] = []
+        todo = [r for r in roots if r is not None]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            keep.append(node)
+            seq = node._sequence_nr()
+            if seq < 2**62:  # AccumulateGrad nodes carry UINT64_MAX
+                handles.append(node.register_prehook(self._node_hook(self.owner(seq))))
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+        return handles
+
+    def _node_hook(self, owner: str | None) -> Callable[[Any], None]:
+        def hook(grad_outputs: Any) -> None:
+            if self.full:
+                self.bwd_owner = owner
+            else:
+                self.bwd_events.append((self.now(), owner))
+
+        return hook
+
+
+class _OpMode(TorchDispatchMode):
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.quiet or rec.phase is None:
+            return func(*args, **kwargs)
+        t0 = rec.now() if rec.measured else 0.0
+        out = func(*args, **kwargs)
+        seconds = rec.now() - t0 if rec.measured else 0.0
+        rec.on_op(func, args, kwargs, out, seconds)
+        return out
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _run_step(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    policy: PrecisionPolicy,
+    device_type: str,
+    rec: _Recorder,
+    tree: UnitTree,
+) -> tuple[Any, float]:
+    """One forward + backward with ``rec`` attached; returns (output, backward seconds)."""
+    handles = []
+    swapped: list[tuple[nn.Module, type]] = []
+    try:
+        for unit in tree:
+            m = unit.module
+            handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
+            handles.append(
+                m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
+            )
+            if rec.full and unit.is_chain and not _stock_sequential(m):
+                rec.iterated[unit.name] = []
+                m.__dict__["_memfit_iterated"] = rec.iterated[unit.name]
+                swapped.append((m, type(m)))
+                m.__class__ = _probe_class(type(m))
+        rec.probe = torch.zeros((), requires_grad=True)
+        modes = contextlib.ExitStack()
+        with modes:
+            if rec.full:
+                modes.enter_context(_OpMode(rec))
+                modes.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+            rec.phase = "fwd"
+            with policy.autocast(device_type):
+                output = _call_model(model, inputs)
+                rec.phase = "loss"
+                loss = loss_fn(output)
+            if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+                raise PlanError(
+                    "the loss does not depend on the model's parameters through autograd "
+                    "(no grad_fn); pass a loss_fn that returns a differentiable scalar"
+                )
+            handles.extend(rec.hook_graph([loss.grad_fn]))
+            rec.phase = "bwd"
+            t0 = rec.now()
+            loss.backward()
+            t1 = rec.now()
+            rec.phase = None
+        if not rec.full:
+            events = rec.bwd_events + [(t1, None)]
+            for (t, owner), (t_next, _) in zip(events, events[1:]):
+                if owner is not None:
+                    rec.stats[owner].bwd_time_own += t_next - t
+        return output, t1 - t0
+    finally:
+        rec.phase = None
+        for h in handles:
+            h.remove()
+        for m, cls in swapped:
+            m.__class__ = cls
+            m.__dict__.pop("_memfit_iterated", None)
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module, train: bool | None, rng_devices: list[int]) -> Iterator[None]:
+    """Leave the model's modes, buffers, grads, plan and the RNG as they were."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [
+        (m, name, buf, buf.detach().clone())
+        for m in model.modules()
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    applied = model.__dict__.get(_apply._APPLIED)
+    _apply.remove_plan(model)
+    try:
+        for p in params:
+            p.grad = None
+        if train:
+            model.train()
+        with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
+            yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for m, name, buf, value in buffers:
+                m._buffers[name] = buf
+                buf.copy_(value)
+        for m, mode in modes:
+            m.training = mode
+        if applied is not None:
+            _apply.apply_plan(model, applied[0], early_stop=applied[1])
+
+
+@contextlib.contextmanager
+def _fake_run(
+    model: nn.Module, inputs: Any, fake_device: str | None
+) -> Iterator[tuple[Any, Any, torch.device]]:
+    """Yield (inputs, fake mode or None, device) to run the step with.
+
+    Meta tensors cannot autocast or hold values; they are swapped for fake tensors on a
+    real device type for the duration of the step, and put back afterwards.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tensors = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+    fake = next((t for t in tensors if _is_fake(t)), None)
+    if fake is not None:
+        with fake.fake_mode:
+            yield inputs, fake.fake_mode, fake.device
+        return
+    if not any(t.device.type == "meta" for t in tensors):
+        device = tensors[0].device if tensors else torch.device("cpu")
+        yield inputs, None, device
+        return
+
+    dev = torch.device(fake_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+
+    def to_fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+            if isinstance(t, nn.Parameter):
+                f = nn.Parameter(f, requires_grad=t.requires_grad)
+            memo[id(t)] = f
+        return memo[id(t)]
+
+    originals: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        originals.append((table, name, t))
+                        table[name] = to_fake(t)
+        fake_inputs = _map_tensors(inputs, to_fake)
+        with mode:
+            yield fake_inputs, mode, dev
+    finally:
+        for table, name, t in originals:
+            table[name] = t
+
+
+def _resolve_tree(
+    model: nn.Module, units: UnitTree | Sequence[str] | None, extra: Sequence[str] | None
+) -> UnitTree:
+    if isinstance(units, UnitTree):
+        return units
+    if units is None:
+        return find_units(model, extra)
+    if isinstance(units, str):
+        units = [units]
+    return unit_tree(model, [*units, *(extra or [])])
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    precision: str | PrecisionPolicy | None = None,
+    units: UnitTree | Sequence[str] | None = None,
+    extra: Sequence[str] | None = None,
+    train: bool | None = True,
+    flop_rate: float = DEFAULT_FLOP_RATE,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    fake_device: str | None = None,
+) -> Profile:
+    """Measure the per-unit costs of one training step of ``model`` on ``example_inputs``.
+
+    Args:
+        model: The model, as it will train (after ``precision.apply``; low-precision
+            weights are fine). A plan applied to it is taken off for the step and put back.
+        example_inputs: A tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+            (``model(**kwargs)``), of the batch size training will use.
+        loss_fn: ``loss_fn(output) -> scalar``; default: the sum of the first floating-point
+            tensor in the output.
+        precision: The training precision (a mode string or policy; default fp32).
+        units: The candidate units: None to find them (:func:`find_units`), a
+            :class:`UnitTree`, or a list of qualified module names (exactly those units).
+        extra: Module names to add to the found units.
+        train: Put the model in train mode for the step (``None``: leave modes alone). The
+            modes are restored afterwards either way.
+        flop_rate, bandwidth: Device speed for time estimates on fake/meta tensors.
+        fake_device: The device type fake tensors stand in for when the model is on the
+            meta device (default: ``"cuda"`` when available, else ``"cpu"``).
+
+    Returns:
+        A :class:`Profile`; ``profile.root`` is the planner's input.
+
+    Raises:
+        PlanError: When no units are found (the message says how to name them), for an
+            unknown unit name, or when the loss cannot backpropagate.
+
+    Example::
+
+        prof = profile(model, batch[:, :-1], precision="bf16-mixed")
+        prof["blocks.0"].fwd_flops, prof.activation_bytes
+    """
+    policy = PrecisionPolicy.of(precision)
+    tree = _resolve_tree(model, units, extra)
+    loss_fn = loss_fn or _default_loss
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    first = next(iter([*model.parameters(), *_tensors(example_inputs)]), None)
+    rng_devices = (
+        [first.device.index or 0]
+        if first is not None and first.device.type == "cuda" and not _is_fake(first)
+        else []
+    )
+    stats = {u.name: _Stats() for u in tree}
+    with _preserved(model, train, rng_devices):
+        with _fake_run(model, example_inputs, fake_device) as (inputs, fake_mode, device):
+            measured = fake_mode is None
+            settings: dict[str, Any] = dict(
+                measured=measured,
+                sync=measured and device.type == "cuda",
+                flop_rate=flop_rate,
+                bandwidth=bandwidth,
+            )
+            rec = _Recorder(tree, stats, full=True, **settings)
+            rec.resident = {
+                _storage(t)[0] for t in [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+            }
+            output, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, rec, tree)
+            grad_bytes = _unique_bytes([p.grad for p in model.parameters() if p.grad is not None])
+            input_bytes = _unique_bytes(_tensors(inputs))
+            output_bytes = rec.nonresident_bytes(_tensors(output))
+            loss_saved = rec.loss_saved
+            iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
+            chains = rec.chains
+            del output, rec  # frees the step's saved references before the timed step
+            if measured:
+                # The instrumented step above doubles as warm-up; this one is only timed.
+                for s in stats.values():
+                    s.fwd_time = 0.0
+                for p in model.parameters():
+                    p.grad = None
+                timer = _Recorder(tree, stats, full=False, **settings)
+                _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
+    root = _build(tree.root, stats, chains, iterated, measured)
+    return Profile(
+        root=root,
+        structure=structure_fingerprint(model, tree),
+        precision=policy.mode,
+        device=str(device),
+        measured=measured,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        buffer_bytes=buffer_bytes,
+        activation_bytes=int(root.total_saved_bytes()),
+        loss_saved_bytes=loss_saved,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        fwd_flops=root.fwd_flops,
+        fwd_seconds=root.fwd_seconds,
+        bwd_seconds=bwd_seconds if measured else root.bwd_seconds,
+        flop_rate=flop_rate,
+        bandwidth=bandwidth,
+        reasons={n: list(st.reasons) for n, st in stats.items() if st.reasons},
+    )
+
+
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({key: nbytes for key, nbytes, _ in map(_storage, tensors)}.values())
+
+
+def _build(
+    unit: Unit,
+    stats: dict[str, _Stats],
+    chains: dict[str, _ChainState],
+    iterated: dict[str, bool],
+    measured: bool,
+) -> UnitCost:
+    """The UnitCost subtree of ``unit`` from the recorded per-unit stats."""
+    children = [_build(c, stats, chains, iterated, measured) for c in unit.children]
+    if not unit.is_chain:
+        # Forward order; units never called go last, in registration order.
+        never = float("inf")
+        children.sort(key=lambda c: stats[c.name].first_call if stats[c.name].calls else never)
+    names = [u.name for u in unit.walk()]
+
+    def total(attr: str) -> float:
+        return float(sum(getattr(stats[n], attr) for n in names))
+
+    st = stats[unit.name]
+    module = unit.module
+    if not _apply._has_own_forward(module):
+        st.reason(
+            f"{type(module).__name__} has no forward of its own; checkpoint its children "
+            "or segments of them"
+        )
+    elif st.calls == 0:
+        st.reason("was not called in the profiled step")
+    fwd_seconds = st.fwd_time if measured else total("est_fwd_own")
+    input_bytes, output_bytes = float(st.input_bytes), float(st.output_bytes)
+    if st.calls == 0 and children:
+        # A container its parent iterates is never called itself: its forward is its
+        # children's, and (when they form a chain) its input is the first one's.
+        fwd_seconds = sum(c.fwd_seconds for c in children) if measured else fwd_seconds
+        if unit.is_chain:
+            input_bytes, output_bytes = children[0].input_bytes, children[-1].output_bytes
+    bwd_seconds = total("bwd_time_own") if measured else total("est_bwd_own")
+    mm_time, nm_time = total("mm_time_own"), total("nm_time_own")
+    share = nm_time / (mm_time + nm_time) if mm_time + nm_time > 0 else 0.0
+    chain = chains.get(unit.name)
+    sequential = (
+        unit.is_chain
+        and chain is not None
+        and chain.ok
+        and chain.passes >= 1
+        and chain.expected == 0
+        and (_stock_sequential(module) or iterated.get(unit.name, False))
+    )
+    return UnitCost(
+        name=unit.name,
+        children=children,
+        fwd_flops=total("flops_own"),
+        fwd_seconds=fwd_seconds,
+        bwd_seconds=bwd_seconds,
+        own_saved_bytes=float(st.saved_own),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        matmul_saved_bytes=total("mm_out_own"),
+        non_matmul_fwd_flops=total("nm_flops_own"),
+        non_matmul_fwd_seconds=fwd_seconds * share,
+        can_recompute=not st.reasons,
+        sequential=bool(sequential),
+    )

@@ -1,0 +1,167 @@
+"""The Engine's monitor: gathers the metrics at log steps and sends them to the sinks.
+
+Between log steps it costs one sampled min/max per unit output on every ``every``-th forward
+and nothing else; at a log step (every ``log_every`` optimizer steps) it reads everything in
+a few host syncs: scaler counters, gradient norms and underflow (one pass over the
+gradients), activation maxima, and, once per run, a measured memory breakdown.
+
+Example::
+
+    engine = memfit.Engine(model, opt, precision="fp16-mixed", log_dir="runs/a",
+                           monitor=MonitorConfig(activation_every=20))
+    ...
+    for check in engine.health():
+        print(check.name, check.status, check.remedy)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
+from memfit.monitor.metrics import (
+    ActivationRanges,
+    OverflowWindow,
+    activation_metrics,
+    grad_norm_stats,
+    gradient_underflow,
+    near_fp16_limit,
+)
+from memfit.monitor.sinks import JSONLSink, Sink, TensorBoardSink, check_log_dir
+
+if TYPE_CHECKING:
+    from memfit.engine import Engine
+
+
+@dataclass
+class MonitorConfig:
+    """What the Engine's monitor gathers. The defaults cost ≤ 3% of a step (docs/benchmarks.md)."""
+
+    enabled: bool = True
+    """False turns off everything beyond the engine's own loss/scale/throughput metrics."""
+    activation_every: int = 10
+    """Record activation ranges on every this-many-th forward (0: never)."""
+    activation_units: Sequence[str] | None = None
+    """Modules whose outputs are tracked; None: the checkpoint units found in the model."""
+    grad_stats: bool = True
+    """At log steps: per-parameter gradient norms and the fp16 underflow fraction."""
+    overflow_window: int = 100
+    """Steps in the recent overflow-rate window."""
+    measure_memory_step: int | None = 2
+    """Measure the peak memory by kind and dtype on this step of the Engine object (1-based,
+    counted again after a resume; None: never)."""
+    tensorboard: bool = True
+    """With a log_dir, also write TensorBoard event files (when tensorboard is installed)."""
+    thresholds: HealthThresholds = field(default_factory=HealthThresholds)
+    """Where the health checks turn to warnings."""
+
+
+class Monitor:
+    """Collects an Engine's metrics and writes them to sinks (JSONL, TensorBoard, yours)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: MonitorConfig,
+        log_dir: Path | None,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        self.config = config
+        self.sinks: list[Sink] = list(sinks)
+        self.log_dir = None if log_dir is None else check_log_dir(log_dir)
+        if self.log_dir is not None:
+            self.sinks.append(JSONLSink(self.log_dir / "metrics.jsonl"))
+            if config.tensorboard:
+                try:
+                    self.sinks.append(TensorBoardSink(self.log_dir / "tensorboard"))
+                except Exception:  # tensorboard is optional: the JSONL log has everything
+                    pass
+        self.window = OverflowWindow(config.overflow_window)
+        self.memory: dict[str, float] = {}
+        self.activations: dict[str, float] = {}
+        self.last_nonfinite: str | None = None
+        self.ranges: ActivationRanges | None = None
+        if config.enabled and config.activation_every:
+            units = config.activation_units
+            if units is None:
+                units = _default_units(engine.model)
+            if units:
+                self.ranges = ActivationRanges(engine.model, units, every=config.activation_every)
+
+    def gradient_metrics(self, engine: Engine) -> dict[str, float]:
+        """Norm distribution and underflow of the unscaled gradients (before zero_grad)."""
+        if not (self.config.enabled and self.config.grad_stats):
+            return {}
+        named = _named_grads(engine)
+        if not named:
+            return {}
+        out = grad_norm_stats(named).to_metrics()
+        if engine.policy.mixed:
+            scale = engine.scaler.scale_tensor
+            out.update(
+                gradient_underflow(
+                    list(named.values()), 1.0 if scale is None else scale
+                ).to_metrics()
+            )
+        return out
+
+    def log(self, engine: Engine, metrics: dict[str, float]) -> dict[str, float]:
+        """Add the monitor's metrics to ``metrics`` and send them to every sink."""
+        self.window.update(metrics["step"], metrics["amp/skipped"])
+        metrics.update(self.window.metrics())
+        if self.ranges is not None:
+            values = self.ranges.read()
+            if values:
+                # Kept until the next sample, so every log line carries the latest ranges.
+                self.activations = activation_metrics(values)
+        metrics.update(self.activations)
+        metrics.update(self.memory)
+        step = int(metrics["step"])
+        for sink in self.sinks:
+            sink.log(step, metrics)
+        return metrics
+
+    def health(self, engine: Engine) -> list[HealthCheck]:
+        """The health checks on the latest metrics."""
+        extra = {"min_scale": engine.scaler.min_scale, "has_plan": engine.plan is not None}
+        return check_health(engine.metrics, engine.policy, self.config.thresholds, extra)
+
+    def near_fp16_limit(self, engine: Engine) -> list[tuple[str, float]]:
+        """Units whose recent activations came within half of fp16's largest value."""
+        prefix = "act/max/"
+        values = {k[len(prefix) :]: v for k, v in engine.metrics.items() if k.startswith(prefix)}
+        return near_fp16_limit(values, self.config.thresholds.max_activation_fp16_fraction)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        if self.ranges is not None:
+            self.ranges.remove()
+            self.ranges = None
+
+
+def _default_units(model: torch.nn.Module) -> list[str]:
+    from memfit.checkpoint.tree import find_units
+    from memfit.errors import PlanError
+
+    try:
+        tree = find_units(model)
+    except PlanError:
+        return [name for name, _ in model.named_children()]
+    # The blocks themselves: the units that have no unit children (leaves of the unit tree).
+    return [u.name for u in tree.root.walk() if u.name and not u.children]
+
+
+def _named_grads(engine: Engine) -> dict[str, torch.Tensor]:
+    masters = dict(zip(engine.master.names, engine.master.masters)) if engine.master else {}
+    out = {}
+    for name, working in engine.model.named_parameters():
+        param = masters.get(name, working)
+        if param.grad is not None:
+            out[name] = param.grad
+    return out

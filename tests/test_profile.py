@@ -1,0 +1,436 @@
+"""Cost profiling: hand-checked bytes and FLOPs, flags, state left alone, meta/fake tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.profile import Profile, flop_counter, profile
+from memfit.errors import PlanError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models: thread start-up and contention cost more than the arithmetic.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
+X = torch.randn(5, 8)
+
+
+# --------------------------------------------------------------------------- hand-checked
+
+
+def test_linear_relu_chain_fp32_by_hand() -> None:
+    prof = profile(_chain(), X)
+    assert isinstance(prof, Profile) and isinstance(prof.root, UnitCost)
+    assert [c.name for c in prof.root.children] == ["0", "1", "2", "3", "4"]
+    # addmm saves its input (resident for unit 0: the example input; for units 2 and 4 the
+    # ReLU output, already counted) and W^T (a parameter); ReLU saves its 5x16 fp32 output.
+    saved = {u.name: u.own_saved_bytes for u in prof.root.walk()}
+    assert saved == {"": 0, "0": 0, "1": 320, "2": 0, "3": 320, "4": 0}
+    assert prof.activation_bytes == 640 and prof.loss_saved_bytes == 0
+    inputs = {u.name: u.input_bytes for u in prof.root.walk()}
+    assert inputs == {"": 0, "0": 0, "1": 320, "2": 320, "3": 320, "4": 320}
+    outputs = {u.name: u.output_bytes for u in prof.root.walk()}
+    assert outputs == {"": 80, "0": 320, "1": 320, "2": 320, "3": 320, "4": 80}
+    matmul = {u.name: u.matmul_saved_bytes for u in prof.root.walk()}
+    assert matmul == {"": 720, "0": 320, "1": 0, "2": 320, "3": 0, "4": 80}
+    flops = {u.name: u.fwd_flops for u in prof.root.walk()}
+    assert flops == {"": 4480, "0": 1280, "1": 0, "2": 2560, "3": 0, "4": 640}
+    assert all(u.non_matmul_fwd_flops == 0 for u in prof.root.walk())
+    params = (8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4) * 4
+    assert prof.param_bytes == prof.grad_bytes == params
+    assert prof.input_bytes == 5 * 8 * 4 and prof.output_bytes == 80
+    assert prof.root.sequential and all(u.can_recompute for u in prof.root.walk())
+    assert prof.measured and prof.precision == "fp32" and prof.device == "cpu"
+    assert prof.fwd_flops == 4480
+    assert prof.structure[0] == ("", "Sequential")
+
+
+def test_linear_relu_chain_bf16_by_hand() -> None:
+    prof = profile(_chain(), X, precision="bf16-mixed")
+    saved = {u.name: u.own_saved_bytes for u in prof.root.walk()}
+    # unit 0 saves the bf16 copy of the input; the ReLUs their bf16 outputs; units 2 and 4
+    # the bf16 copies of their weights (their inputs need grad, so W^T is saved).
+    assert saved == {"": 0, "0": 80, "1": 160, "2": 512, "3": 160, "4": 128}
+    matmul = {u.name: u.matmul_saved_bytes for u in prof.root.walk()}
+    assert matmul == {"": 360, "0": 160, "1": 0, "2": 160, "3": 0, "4": 40}
+    assert prof.precision == "bf16-mixed"
+
+
+def test_loss_saved_bytes_and_custom_loss() -> None:
+    prof = profile(_chain(), X, loss_fn=lambda out: (out**2).sum())
+    assert prof.loss_saved_bytes == 80  # pow saves the 5x4 fp32 output
+
+
+def test_fwd_flops_match_flop_counter() -> None:
+    models = pytest.importorskip("memfit.models")
+    gpt = models.GPT(models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    x = torch.randint(0, 256, (2, 16))
+    prof = profile(gpt, x)
+    with flop_counter() as fc:
+        gpt(x)
+    assert prof.fwd_flops == fc.get_total_flops() > 0
+    assert prof["blocks.0"].fwd_flops == prof["blocks.1"].fwd_flops > 0
+    assert prof["blocks"].fwd_flops == 2 * prof["blocks.0"].fwd_flops
+    assert prof["blocks.0"].matmul_saved_bytes > 0
+    assert prof.root.sequential is False and prof["blocks"].sequential
+    assert not prof["blocks"].can_recompute and "no forward" in prof.reasons["blocks"][0]
+
+
+def test_times() -> None:
+    prof = profile(_chain(), X)
+    for unit in prof.root.walk():
+        assert unit.fwd_seconds > 0 and unit.bwd_seconds >= 0
+        assert 0 <= unit.non_matmul_fwd_seconds <= unit.fwd_seconds
+    assert prof.root.fwd_seconds >= sum(c.fwd_seconds for c in prof.root.children) * 0.5
+    assert prof.bwd_seconds > 0 and prof.fwd_seconds > 0
+    assert prof["1"].non_matmul_fwd_seconds == prof["1"].fwd_seconds  # a ReLU: no matmul
+    assert "sequential" in prof.summary()
+
+
+# --------------------------------------------------------------------------- flags
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Looped(nn.Module):
+    def __init__(self, indexed: bool = False, kwargs: bool = False) -> None:
+        super().__init__()
+        self.indexed, self.kwargs = indexed, kwargs
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.indexed:
+            for i in range(len(self.blocks)):
+                x = self.blocks[i](x)
+        elif self.kwargs:
+            for block in self.blocks:
+                x = block(x=x)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return x
+
+
+class Parallel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(head(x) for head in self.heads)
+
+
+@pytest.mark.parametrize(
+    ("model", "sequential"),
+    [
+        (Looped(), True),
+        (Looped(indexed=True), False),
+        (Looped(kwargs=True), False),
+        (Parallel(), False),
+    ],
+)
+def test_sequential_needs_iteration_and_chained_tensors(model: nn.Module, sequential: bool) -> None:
+    prof = profile(model, torch.randn(2, 8))
+    container = prof.root.children[0]
+    assert container.sequential is sequential
+    assert type(next(model.children())) is nn.ModuleList  # the probe class is gone
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.fc(x)
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) - self.ema
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+        return y
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + torch.rand(x.shape, generator=self.gen)
+
+
+class WithBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([InPlace(), Counter(), Noisy(), WithBN(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(x)  # not the example input, so the in-place change is allowed
+        for block in self.blocks[:4]:
+            x = block(x)
+        return x  # blocks.4 is never called
+
+
+def test_can_recompute_reasons() -> None:
+    model = Mixed()
+    prof = profile(model, torch.randn(4, 8))
+    ok = {u.name: u.can_recompute for u in prof.root.walk()}
+    assert ok == {
+        "": False,
+        "blocks": False,
+        "blocks.0": False,
+        "blocks.1": False,
+        "blocks.2": False,
+        "blocks.3": True,  # BatchNorm statistics are handled by the executor
+        "blocks.4": False,
+    }
+    assert "modifies an input" in prof.reasons["blocks.0"][0]
+    assert "updates buffer Counter.ema" in prof.reasons["blocks.1"][0]
+    assert "torch.Generator" in prof.reasons["blocks.2"][0]
+    assert "not called" in prof.reasons["blocks.4"][0]
+    assert any("updates buffer" in r for r in prof.reasons[""])
+    assert not prof["blocks"].sequential  # blocks.4 is never reached
+
+
+def test_children_in_forward_order() -> None:
+    class Swapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.b(x))
+
+    prof = profile(Swapped(), torch.randn(2, 4), units=["a", "b", "c"])
+    assert [c.name for c in prof.root.children] == ["b", "a", "c"]
+    assert prof["b"].input_bytes == 0 and prof["a"].input_bytes == 32
+
+
+def test_units_argument_and_errors() -> None:
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    with pytest.raises(PlanError, match="units="):
+        profile(Plain(), torch.randn(2, 4))
+    prof = profile(Plain(), torch.randn(2, 4), units=["fc1"])
+    assert list(prof.units()) == ["", "fc1"]
+    prof = profile(Plain(), torch.randn(2, 4), units=["fc1"], extra=["fc2"])
+    assert list(prof.units()) == ["", "fc1", "fc2"] and "fc2" in prof
+    with pytest.raises(PlanError, match="no submodule"):
+        profile(Plain(), torch.randn(2, 4), units=["fc3"])
+    with pytest.raises(PlanError, match="loss_fn"):
+        profile(Plain().requires_grad_(False), torch.randn(2, 4), units=["fc1"])
+
+
+def test_dict_inputs_and_kwargs() -> None:
+    class KW(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> tuple[None, torch.Tensor]:
+            for b in self.blocks:
+                x = b(x) * scale
+            return None, x
+
+    prof = profile(KW(), {"x": torch.randn(2, 8), "scale": 0.5})
+    assert prof["blocks"].sequential is False  # a multiply between the blocks
+    assert prof["blocks.1"].input_bytes == 64
+
+
+# --------------------------------------------------------------------------- state left alone
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Dropout(0.5)),
+        )
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+def test_profile_leaves_model_state_unchanged() -> None:
+    model = CNN()
+    model.eval()
+    model.blocks[1].train()
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    grad = model.head.weight.grad
+    plan = {"blocks.0": "recompute"}
+    apply_plan(model, plan)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    x = torch.randn(4, 3, 6, 6)
+    rng = torch.get_rng_state()
+
+    prof = profile(model, x)
+
+    assert prof["blocks.0"].own_saved_bytes > 0  # profiled without the plan
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert model.blocks[0][1].num_batches_tracked.item() == 0
+    assert [m.training for m in model.modules()] == modes
+    assert model.head.weight.grad is grad and torch.equal(grad, torch.ones_like(grad))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "head.weight")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert is_applied(model) and applied_plan(model) is plan
+    assert prof["blocks"].sequential and prof["blocks"].can_recompute
+
+
+# --------------------------------------------------------------------------- meta and fake
+
+
+def _same_bytes(a: Profile, b: Profile) -> None:
+    fields = (
+        "own_saved_bytes",
+        "input_bytes",
+        "output_bytes",
+        "matmul_saved_bytes",
+        "fwd_flops",
+        "sequential",
+        "can_recompute",
+    )
+    assert list(a.units()) == list(b.units())
+    for name, unit in a.units().items():
+        for f in fields:
+            assert getattr(unit, f) == getattr(b[name], f), (name, f)
+    for f in ("param_bytes", "grad_bytes", "activation_bytes", "input_bytes", "output_bytes"):
+        assert getattr(a, f) == getattr(b, f), f
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_meta_device_gpt_matches_real(precision: str) -> None:
+    models = pytest.importorskip("memfit.models")
+    cfg = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=0.1)
+    torch.manual_seed(0)
+    real = models.GPT(cfg)
+    with torch.device("meta"):
+        meta = models.GPT(cfg)
+    x = torch.randint(0, 256, (2, 16))
+    prof_real = profile(real, x, precision=precision)
+    prof_meta = profile(meta, x.to("meta"), precision=precision, fake_device="cpu")
+    _same_bytes(prof_real, prof_meta)
+    assert prof_real.measured and not prof_meta.measured
+    assert prof_meta.fwd_seconds > 0 and prof_meta.bwd_seconds > 0
+    assert prof_meta["blocks.0"].fwd_seconds > 0
+    # The model is left on the meta device, untouched.
+    assert all(p.is_meta and p.grad is None for p in meta.parameters())
+    assert all(b.is_meta for b in meta.buffers())
+
+
+def test_meta_device_large_gpt() -> None:
+    models = pytest.importorskip("memfit.models")
+    cfg = models.GPTConfig(n_layer=4, n_embd=2048, n_head=16, block_size=1024, vocab_size=50304)
+    with torch.device("meta"):
+        model = models.GPT(cfg)
+    x = torch.empty(8, 1024, dtype=torch.long, device="meta")
+    prof = profile(model, x, precision="bf16-mixed", fake_device="cpu", flop_rate=1e15)
+    assert prof.param_bytes == sum(p.numel() for p in model.parameters()) * 4
+    assert prof.activation_bytes > 1e9 and prof["blocks.3"].fwd_flops > 1e11
+    assert prof.flop_rate == 1e15
+
+
+def test_fake_tensor_model() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = _chain()
+        x = mode.from_tensor(X)
+    prof = profile(fake, x)
+    assert not prof.measured
+    _same_bytes(profile(_chain(), X), prof)
+    assert all(p.grad is None for p in fake.parameters())
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def test_hf_gpt2_profile_with_kwargs() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    prof = profile(
+        model,
+        {"input_ids": ids, "labels": ids, "use_cache": False},
+        loss_fn=lambda out: out.loss,
+    )
+    block = prof["transformer.h.0"]
+    assert block.fwd_flops > 0 and block.own_saved_bytes > 0 and block.can_recompute
+    assert block.input_bytes >= 2 * 8 * 32 * 4
+    assert not prof["transformer.h"].sequential  # the blocks take keyword arguments
+
+
+def test_summary_mentions_units() -> None:
+    text = profile(_chain(), X).summary()
+    assert "<model>" in text and "params" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_profile_and_meta_default_device() -> None:
+    models = pytest.importorskip("memfit.models")
+    cfg = models.GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32, dropout=0.1)
+    real = models.GPT(cfg).cuda()
+    x = torch.randint(0, 256, (2, 32), device="cuda")
+    prof = profile(real, x, precision="bf16-mixed")
+    assert prof.measured and prof.device.startswith("cuda")
+    assert prof["blocks.0"].fwd_seconds > 0 and prof["blocks.0"].bwd_seconds > 0
+    with torch.device("meta"):
+        meta = models.GPT(cfg)
+    prof_meta = profile(meta, x.to("meta"), precision="bf16-mixed")  # fakes stand in for cuda
+    assert prof_meta.device.startswith("cuda") and not prof_meta.measured
+    _same_bytes(prof, prof_meta)
