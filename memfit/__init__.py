@@ -1,5 +1,6 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
+from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
 from memfit.engine import Engine
 from memfit.errors import (
     BudgetError,
@@ -11,6 +12,7 @@ from memfit.errors import (
     ScalerStateError,
 )
 from memfit.memory import MemoryReport, measure
+from memfit.monitor.monitor import MonitorConfig
 from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
 from memfit.units import format_bytes, parse_bytes
 
@@ -23,14 +25,19 @@ __all__ = [
     "Engine",
     "LossScaler",
     "MemoryReport",
+    "MonitorConfig",
     "MemfitError",
     "NonFiniteError",
+    "Plan",
     "PlanError",
     "PrecisionPolicy",
     "ScalerStateError",
+    "apply_plan",
     "apply_precision",
     "format_bytes",
     "measure",
+    "plan",
+    "remove_plan",
     "parse_bytes",
     "remove_precision",
 ]

@@ -272,6 +272,9 @@ class Engine:
             raise
         self._last_loss = loss_sum
         self.scaler.unscale_(self.optimizer)
+        log_now = (self.steps + 1) % self.settings.log_every == 0
+        # Gradient statistics describe the unscaled gradients before clipping.
+        grad_metrics = self.monitor.gradient_metrics(self) if log_now else {}
         self._grad_norm = None
         if self.settings.clip_grad_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -296,10 +299,8 @@ class Engine:
         self._session_steps += 1
         self._window_steps += 1
         error: NonFiniteError | None = None
-        log_now = self.steps % self.settings.log_every == 0
         if self.device.type == "cpu" or log_now:
             error = self._check_skips()
-        grad_metrics = self.monitor.gradient_metrics(self) if log_now else {}
         self.optimizer.zero_grad(set_to_none=True)
         if error is not None:
             raise error

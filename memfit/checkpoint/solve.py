@@ -58,10 +58,12 @@ Decision = Literal["keep", "recompute", "selective"]
 STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 
 # The optimal solver's limits (docs/planner.md, "Exactness and its limits"). The exact
-# frontier programme gives up after visiting _EXACT_WORK frontier points or when the tree
+# frontier programme gives up after visiting _EXACT_WORK frontier points, or when the tree
 # has more than _EXACT_LEVELS distinct transients; the Lagrangian relaxation then tries
-# at most _RELAXED_LEVELS transient caps.
-_EXACT_WORK = 400_000
+# at most _RELAXED_LEVELS transient caps, and the exact programme bounded by its result
+# gets _BOUNDED_WORK more.
+_EXACT_WORK = 150_000
+_BOUNDED_WORK = 400_000
 _EXACT_LEVELS = 400
 _MAX_SEGMENT_SUMS = 20_000
 _RELAXED_LEVELS = 24
@@ -213,11 +215,6 @@ class _Node:
 def _flatten(root: UnitCost) -> list[_Node]:
     if not isinstance(root, UnitCost):
         raise PlanError(f"solve() needs the UnitCost tree's root, got {type(root).__name__}")
-    if root.name != "":
-        raise PlanError(
-            f"the root unit must be the whole model, named '', got {root.name!r}; "
-            "pass the tree from its root"
-        )
     nodes: list[_Node] = []
     seen: set[str] = set()
     stack: list[tuple[UnitCost, int]] = [(root, -1)]
@@ -439,7 +436,7 @@ def solve(
     >>> tree = UnitCost("", children=blocks, sequential=True)
     >>> sol = solve(tree, "optimal", budget_bytes=250.0)
     >>> sol.predicted_peak_bytes, sol.recompute_seconds
-    (230.0, 2.0)
+    (230.0, 3.0)
     >>> solve(tree, "uniform:2", None).segments
     {'': [(0, 1), (2, 3)]}
     """
@@ -693,10 +690,16 @@ class _TooLarge(Exception):
 
 
 class _Work:
-    __slots__ = ("left",)
+    """The exact programme's work limit, and the bounds it may prune with: points that take
+    ``seconds`` or more, or keep more than ``kept`` bytes, cannot lead to a better plan
+    (kept only grows towards the root, and so does time)."""
 
-    def __init__(self, limit: int) -> None:
+    __slots__ = ("left", "seconds", "kept")
+
+    def __init__(self, limit: int, seconds: float = math.inf, kept: float = math.inf) -> None:
         self.left = limit
+        self.seconds = seconds
+        self.kept = kept
 
     def spend(self, n: int) -> None:
         self.left -= n
@@ -710,8 +713,10 @@ def _prune(points: list, work: _Work) -> list:
     points.sort(key=_KEY)
     out: list = []
     append = out.append
-    best_s = best_f = math.inf
+    best_s, best_f = work.seconds, math.inf
     for p in points:
+        if p[0] > work.kept:
+            break
         s = p[1]
         if s < best_s or (s == best_s and p[2] < best_f):
             append(p)
@@ -905,7 +910,7 @@ def _reconstruct(nodes: list[_Node], ref: object) -> _Plan:
     return _Plan(decision, segs)
 
 
-def _exact_points(nodes: list[_Node]) -> list:
+def _exact_points(nodes: list[_Node], work: _Work) -> list:
     """The tree's exact Pareto frontier as points (kept + cap, seconds, flops, ref).
 
     For each cap T on the transient, one bottom-up pass computes every unit's frontier of
@@ -913,12 +918,11 @@ def _exact_points(nodes: list[_Node]) -> list:
     peaks at no more than static + kept + T, with equality when its largest piece is T.
     Every plan is counted exactly under the cap equal to its largest piece, so the union
     over all distinct transients, pruned, is the exact frontier. Raises _TooLarge past the
-    work limit.
+    work limit. With bounds in ``work``, only the frontier's points within them are kept.
     """
     levels = _transients(nodes, _EXACT_LEVELS)
     if levels is None:
         raise _TooLarge
-    work = _Work(_EXACT_WORK)
     # A unit's frontier depends only on which pieces inside it the cap allows, so it is
     # keyed by that (interned to an int) and reused across caps that allow the same ones.
     interned: dict[tuple, int] = {}
@@ -950,7 +954,7 @@ def _exact_points(nodes: list[_Node]) -> list:
             continue  # the same plans as under the previous, smaller cap: nothing new
         previous_root = key_of[0]
         union.extend((k + cap, s, f, r) for k, s, f, r in cache[0][key_of[0]])
-    return _prune(union, _Work(len(union) + 1))
+    return _prune(union, _Work(len(union) + 1, work.seconds))
 
 
 # --------------------------------------------------------------------------- optimal: relaxation
@@ -1275,15 +1279,51 @@ def _solve_relaxed(nodes: list[_Node], label: str, budget: float | None, static:
         return (p.value[2], p.value[3], peak(p))  # type: ignore[index]
 
     fits = [p for p in plans if peak(p) <= room]
-    if not fits:
-        raise BudgetError(_too_small(budget, min(plans, key=peak), static))
-    # Polish the fitting vertex of the caps with the lowest bounds: the bound says how much
-    # a cap could still gain, the vertex's own time does not.
-    promising = sorted((lv for lv in levels if lv.fits is not None), key=lambda lv: lv.bound)
-    polished = [_polish(nodes, lv.fits.plan(nodes), room) for lv in promising[:_POLISHED]]  # type: ignore[union-attr]
-    plans.extend(polished)
-    chosen = min([*fits, *polished], key=cost)
-    return _solution(nodes, chosen, label, budget, static, plans, exact=False)
+    if fits:
+        # Polish the fitting vertex of the caps with the lowest bounds: the bound says how
+        # much a cap could still gain, the vertex's own time does not.
+        promising = sorted((lv for lv in levels if lv.fits is not None), key=lambda lv: lv.bound)
+        for level in promising[:_POLISHED]:
+            fits.append(_polish(nodes, level.fits.plan(nodes), room))  # type: ignore[union-attr]
+        plans.extend(fits)
+    best = min(fits, key=cost) if fits else None
+    # The exact programme again, now pruning every point that cannot beat the best plan
+    # found or fit the room: often small enough to finish, and then the plan is optimal.
+    exact = False
+    try:
+        points = _exact_points(
+            nodes,
+            _Work(_BOUNDED_WORK, best.value[2] if best else math.inf, room),  # type: ignore[index]
+        )
+    except _TooLarge:
+        points = []
+    else:
+        exact = True
+    fitting = [p for p in points if p[0] <= room]
+    if fitting:
+        candidate = _reconstruct(nodes, fitting[-1][3])
+        candidate.value = _evaluate_nodes(nodes, candidate.decision, candidate.segs)
+        plans.append(candidate)
+        if best is None or cost(candidate) < cost(best):
+            best = candidate
+    if best is None:
+        least = min(plans, key=peak)
+        if exact:
+            least = _least_peak(nodes)
+        raise BudgetError(_too_small(budget, least, static))
+    return _solution(nodes, best, label, budget, static, plans, exact=exact)
+
+
+def _least_peak(nodes: list[_Node]) -> _Plan:
+    """The plan with the smallest peak: the least-memory plan under each distinct cap."""
+    caps = _transients(nodes, 10**9) or [0.0]
+    best: _Plan | None = None
+    for cap in _pick(caps, 512):
+        windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
+        plan = _scalar_pass(nodes, cap, windows, 0.0, 1.0, False).plan(nodes)
+        if best is None or plan.value[0] + plan.value[1] < best.value[0] + best.value[1]:  # type: ignore[index]
+            best = plan
+    return best  # type: ignore[return-value]
 
 
 def _polish(nodes: list[_Node], plan: _Plan, room: float) -> _Plan:
@@ -1484,7 +1524,7 @@ def _apply_move(
 
 def _solve_optimal(nodes: list[_Node], label: str, budget: float | None, static: float) -> Solution:
     try:
-        points = _exact_points(nodes)
+        points = _exact_points(nodes, _Work(_EXACT_WORK))
     except _TooLarge:
         return _solve_relaxed(nodes, label, budget, static)
     # points run from least memory to least time; each one's peak is static + p[0].

@@ -17,7 +17,7 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import report, train
+    from memfit.cli import plan, report, train
 
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "activation checkpointing, planned together.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, report):
+    for module in (train, plan, report):
         module.add_parser(sub)
     return parser
 

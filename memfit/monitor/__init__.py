@@ -29,6 +29,7 @@ from memfit.monitor.metrics import (
     recompute_overhead_from_time,
     suggest_initial_scale,
 )
+from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.report import RunLog, load_run, make_report
 from memfit.monitor.sinks import (
     ConsoleSink,
@@ -48,6 +49,8 @@ __all__ = [
     "HealthCheck",
     "HealthThresholds",
     "JSONLSink",
+    "Monitor",
+    "MonitorConfig",
     "MultiSink",
     "OverflowWindow",
     "RunLog",

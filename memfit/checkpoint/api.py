@@ -1,0 +1,292 @@
+"""Make a checkpoint plan for a model: profile, add what planning cannot change, solve.
+
+The budget is the peak of a whole training step (what ``memfit.measure`` reports). The part
+checkpointing cannot change, the *static* bytes, is counted from the model and optimizer:
+
+* parameters and buffers, as they are held (low-precision in the ``*-master`` modes), and
+  autocast's 16-bit copies of fp32 weights in the mixed modes;
+* gradients of everything the optimizer updates (fp32 masters' gradients in the master
+  modes, since the low-precision ones are freed as they arrive);
+* optimizer state: measured if the optimizer already has state, else its known size
+  (Adam/AdamW two fp32 buffers per parameter, SGD with momentum and Adagrad one);
+* fp32 master weights in the master modes;
+* the step's inputs, the model's output and what the loss saves for backward.
+
+Example::
+
+    plan = memfit.plan(model, batch, budget="2GiB", strategy="optimal",
+                       precision="bf16-mixed", optimizer=optimizer)
+    print(plan.summary())
+    memfit.apply_plan(model, plan)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memfit.checkpoint.apply import apply_plan
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.profile import Profile, profile
+from memfit.checkpoint.solve import evaluate, solve
+from memfit.checkpoint.tree import find_units, structure_fingerprint
+from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.precision.policy import PrecisionPolicy
+from memfit.units import device_memory_bytes, format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from memfit.engine import Engine
+
+#: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
+_STATE_ELEMENTS = {
+    torch.optim.Adam: 2,
+    torch.optim.AdamW: 2,
+    torch.optim.Adamax: 2,
+    torch.optim.NAdam: 2,
+    torch.optim.RAdam: 2,
+    torch.optim.Adagrad: 1,
+    torch.optim.RMSprop: 1,
+    torch.optim.Adadelta: 2,
+}
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's state, measured if it exists, else predicted by type."""
+    if optimizer is None:
+        return 0
+    if optimizer.state:
+        seen: set[int] = set()
+        total = 0
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+                    seen.add(value.data_ptr())
+                    total += value.numel() * value.element_size()
+        return total
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    elements = sum(p.numel() for p in params)
+    per = _STATE_ELEMENTS.get(type(optimizer), 0)
+    if isinstance(optimizer, torch.optim.SGD):
+        per = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        per += 1
+    return per * elements * 4
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The parts of a step's peak that a checkpoint plan cannot change."""
+
+    base_bytes: float
+    """Held all step: parameters, buffers, optimizer state, fp32 masters, the inputs."""
+    loss_bytes: float
+    """Held from the end of forward until the loss's backward: the model's output and what
+    the loss saves. Freed before the first recomputed piece is rebuilt."""
+    grad_bytes: float
+    """Gradients of what the optimizer updates, all present at the optimizer step."""
+    in_flight_bytes: float
+    """The activation gradient passed between units in backward (the largest unit output)."""
+
+
+def step_memory(
+    model: nn.Module,
+    prof: Profile,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    extra_loss_bytes: float = 0.0,
+) -> StepMemory:
+    """What a training step holds whatever the plan (see the module docstring)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    if optimizer is not None:
+        updated = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    else:
+        updated = [p for p in model.parameters() if p.requires_grad]
+    model_params = {id(p) for p in model.parameters()}
+    # fp32 master copies live in the optimizer, not in the model.
+    master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
+    if policy.master_weights and optimizer is None:
+        master_bytes = sum(p.numel() * 4 for p in model.parameters() if p.dtype != torch.float32)
+    grad_bytes = sum(
+        p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
+    )
+    # Under autocast with fp32 weights, torch keeps a 16-bit copy of each weight it casts
+    # for the whole forward (and again while a recompute runs).
+    cast_cache = 0
+    if policy.mixed and not policy.master_weights:
+        width = torch.finfo(policy.compute_dtype).bits // 8
+        cast_cache = sum(
+            p.numel() * width
+            for m in model.modules()
+            if not policy.is_island(m)
+            for p in m.parameters(recurse=False)
+            if p.dtype == torch.float32 and p.dim() >= 2
+        )
+    base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes + cast_cache
+    return StepMemory(
+        base_bytes=float(base + prof.input_bytes),
+        loss_bytes=float(prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes),
+        grad_bytes=float(grad_bytes),
+        in_flight_bytes=float(max((u.output_bytes for u in prof.root.walk()), default=0.0)),
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: str | int | float | None = None,
+    strategy: str = "optimal",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    precision: str | PrecisionPolicy | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    units: Sequence[str] | None = None,
+) -> Plan:
+    """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
+
+    ``example_inputs``: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+    (``model(**kwargs)``) of the batch size training uses. ``loss_fn(output) -> scalar``;
+    default: the sum of the first floating-point tensor in the output. ``budget`` is the
+    peak of a whole training step ("2GiB", bytes, or a fraction of device memory); None
+    plans without a limit (``optimal`` then recomputes nothing).
+
+    Example::
+
+        plan = memfit.plan(model, x, budget="1GiB", precision="bf16-mixed")
+        memfit.apply_plan(model, plan)
+    """
+    policy = PrecisionPolicy.of(precision)
+    prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
+    return _solve(model, prof, prof.root, prof.structure, budget, strategy, policy, optimizer)
+
+
+#: Share of the budget kept free when planning: the allocator's slack, the gradients that
+#: accumulate while later pieces are rebuilt, and small temporaries the model leaves out.
+RESERVE = 0.05
+
+
+def _solve(
+    model: nn.Module,
+    prof: Profile,
+    root: UnitCost,
+    structure: list[tuple[str, str]],
+    budget: str | int | float | None,
+    strategy: str,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    extra_loss_bytes: float = 0.0,
+) -> Plan:
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    budget_bytes = None if budget is None else parse_bytes(budget, device)
+    mem = step_memory(model, prof, policy, optimizer, extra_loss_bytes)
+    optimizer_phase = mem.base_bytes + mem.grad_bytes
+    if budget_bytes is not None and optimizer_phase > budget_bytes:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below what the optimizer step alone holds, "
+            f"{format_bytes(optimizer_phase)} (parameters, gradients and optimizer state): no "
+            "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
+            "smaller optimizer state, or shard the model."
+        )
+    planning_budget = None if budget_bytes is None else budget_bytes * (1 - RESERVE)
+    held = mem.base_bytes + mem.in_flight_bytes
+    try:
+        # Planned with the loss's memory counted as held throughout, a bound: in fact it is
+        # freed before the first recomputed piece is rebuilt, which the prediction below uses.
+        solution = solve(root, strategy, planning_budget, held + mem.loss_bytes)
+    except BudgetError as exc:
+        raise BudgetError(
+            f"{exc} (memfit plans within {1 - RESERVE:.0%} of the budget "
+            f"{format_bytes(budget_bytes)}, keeping the rest for allocator slack)"
+        ) from None
+    solution.budget_bytes = budget_bytes
+    result = evaluate(root, solution.decisions, solution.segments)
+    backward_phase = (
+        mem.base_bytes + result.kept_bytes + max(mem.loss_bytes, result.transient_bytes)
+    )
+    solution.static_bytes = mem.base_bytes + mem.loss_bytes
+    solution.kept_bytes = result.kept_bytes
+    solution.transient_bytes = max(0.0, result.transient_bytes - mem.loss_bytes)
+    solution.predicted_peak_bytes = max(backward_phase, optimizer_phase)
+    return Plan.from_solution(solution, precision=policy.mode, structure=structure)
+
+
+class _StepModule(nn.Module):
+    """The model and the engine's loss as one module, so a whole micro-step can be profiled."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self._loss_fn(self.model, batch)
+
+
+def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
+    name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
+    children = [_strip_prefix(c, prefix) for c in unit.children]
+    return dataclasses.replace(unit, name=name, children=children)
+
+
+def plan_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    budget: str | int | float | None = None,
+    strategy: str = "optimal",
+    precision: str | PrecisionPolicy | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Plan:
+    """Plan for a step written as ``loss_fn(model, batch)`` (the Engine's form of a step).
+
+    Example::
+
+        plan = plan_step(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
+    """
+    policy = PrecisionPolicy.of(precision)
+    names = find_units(model).names()
+    step_module = _StepModule(model, loss_fn)
+    prefixed = ["model" if not n else f"model.{n}" for n in names]
+    prof = profile(
+        step_module, (batch,), loss_fn=lambda loss: loss, precision=policy, units=["", *prefixed]
+    )
+    model_root = next((c for c in prof.root.children if c.name == "model"), None)
+    if model_root is None:
+        raise PlanError("profiling did not see the model run; loss_fn must call the model")
+    root = _strip_prefix(model_root, "model.")
+    structure = structure_fingerprint(model, names)
+    # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
+    # output lives until the loss's backward: neither can be recomputed by a plan.
+    outside = prof.root.own_saved_bytes + model_root.output_bytes
+    return _solve(model, prof, root, structure, budget, strategy, policy, optimizer, outside)
+
+
+def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any) -> Plan:
+    """Resolve the Engine's ``checkpoint=`` request on its first micro-batch and apply it.
+
+    A :class:`Plan` is applied as given. ``"auto"`` and ``"optimal"`` plan optimally under
+    ``memory_budget`` (default: 90% of the device's memory); ``"full"``, ``"uniform:k"`` and
+    ``"sqrt"`` use that strategy (under the budget when one is given).
+    """
+    if isinstance(request, Plan):
+        apply_plan(engine.model, request)
+        return request
+    if not isinstance(request, str):
+        raise ConfigError(
+            f"checkpoint= takes a Plan or one of 'none', 'auto', 'optimal', 'full', "
+            f"'uniform:k', 'sqrt'; got {type(request).__name__}"
+        )
+    strategy = "optimal" if request == "auto" else request
+    budget = engine.settings.memory_budget
+    if budget is None and strategy == "optimal":
+        budget = int(0.9 * device_memory_bytes(engine.device))
+    result = plan_step(
+        engine.model, micro_batch, loss_fn, budget, strategy, engine.policy, engine.optimizer
+    )
+    apply_plan(engine.model, result)
+    return result

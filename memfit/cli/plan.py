@@ -1,0 +1,120 @@
+"""``memfit plan``: profile a model, print the checkpoint plan for a budget and its frontier.
+
+The model is a built-in one (``--model gpt``) or yours, given as ``module:factory``: a
+function of no arguments returning ``(model, batch, loss_fn)`` with
+``loss_fn(model, batch) -> scalar`` (the Engine's form), or ``(model, example_inputs)``
+where ``model(example_inputs)``'s first floating-point output is summed as the loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.cli.main import UsageError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print the checkpoint plan for a memory budget, and the memory/time frontier",
+        description="Profile one training step and plan activation checkpointing under a budget.",
+    )
+    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    p.add_argument(
+        "--factory",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your model: FUNCTION() returns (model, batch, loss_fn) or (model, example_inputs)",
+    )
+    p.add_argument(
+        "--budget", default=None, help="peak memory of a step, e.g. 2GiB (default: none)"
+    )
+    p.add_argument(
+        "--strategy", default="optimal", help="none | full | uniform:K | sqrt | optimal (default)"
+    )
+    p.add_argument("--precision", default="bf16-mixed", help="precision mode (default: bf16-mixed)")
+    p.add_argument("--batch-size", type=int, default=16, help="micro-batch size (default: 16)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="built-in model config field, e.g. --set n_layer=12 (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", default=None, help="also write the plan's JSON to this file")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.set_defaults(run=run)
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise UsageError(f"--factory {spec!r}: write MODULE:FUNCTION, e.g. mypkg.models:build")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
+    return factory
+
+
+def run(args: argparse.Namespace) -> int:
+    import memfit
+    from memfit.checkpoint.api import plan_step
+    from memfit.cli.train import parse_overrides
+    from memfit.models import MODELS, build_model
+
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    policy = memfit.PrecisionPolicy(args.precision)
+    if args.factory:
+        made = _load_factory(args.factory)()
+        if not isinstance(made, tuple) or len(made) not in (2, 3):
+            raise UsageError(
+                f"--factory {args.factory}: must return (model, batch, loss_fn) or "
+                f"(model, example_inputs), got {type(made).__name__}"
+            )
+        model = made[0].to(device)
+    else:
+        if args.model not in MODELS:
+            raise UsageError(f"unknown --model {args.model!r}; valid: {', '.join(MODELS)}")
+        overrides = parse_overrides(args.overrides, MODELS[args.model].config_cls)
+        torch.manual_seed(0)
+        model, loss_fn, batch_fn = build_model(
+            args.model, data="synthetic", device=device, **overrides
+        )
+        made = (model, batch_fn(args.batch_size, generator=0), loss_fn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # The Engine applies the precision (fp32 islands, low-precision weights and fp32
+    # masters in the master modes), so the plan sees the step as training will run it.
+    engine = memfit.Engine(model, optimizer, precision=policy, log_every=10**9)
+    if len(made) == 3:
+        plan = plan_step(
+            model, made[1], made[2], args.budget, args.strategy, policy, engine.optimizer
+        )
+    else:
+        plan = memfit.plan(
+            model,
+            made[1],
+            budget=args.budget,
+            strategy=args.strategy,
+            precision=policy,
+            optimizer=engine.optimizer,
+        )
+    text = plan.to_json()
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text if args.json else plan.summary())
+    return 0
