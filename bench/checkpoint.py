@@ -22,7 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
-from memfit.checkpoint.api import plan_step
+from memfit.checkpoint.api import RESERVE, plan_step
 from memfit.models import build_model
 from memfit.models.gpt import gpt_loss
 from memfit.units import format_bytes
@@ -85,8 +85,10 @@ def main() -> None:
 
     # The planner's view, for the optimal budgets and the predicted column.
     probe, _ = engine_for("none")
-    lo = plan_step(probe.model, batch, gpt_loss, None, "full", args.precision, probe.optimizer)
+    opt = plan_step(probe.model, batch, gpt_loss, None, "optimal", args.precision, probe.optimizer)
     hi = plan_step(probe.model, batch, gpt_loss, None, "none", args.precision, probe.optimizer)
+    # The least budget the planner can meet: its frontier's least peak plus the reserve.
+    lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
     variants: dict[str, tuple] = {
         "none": engine_for("none"),
         "full (every block)": engine_for("full"),
@@ -97,12 +99,7 @@ def main() -> None:
     for s in sorted({2, round(math.sqrt(n)), n}):
         variants[f"checkpoint_sequential({s})"] = engine_for("none", peer_loss(s))
     for i in range(args.budgets):
-        budget = int(
-            lo.predicted_peak_bytes * 1.06
-            + i
-            / max(1, args.budgets - 1)
-            * (hi.predicted_peak_bytes - lo.predicted_peak_bytes * 1.06)
-        )
+        budget = int(lowest + i / max(1, args.budgets - 1) * (hi.predicted_peak_bytes - lowest))
         variants[f"optimal @ {format_bytes(budget)}"] = engine_for("optimal", gpt_loss, budget)
 
     peaks, predicted, recompute = {}, {}, {}

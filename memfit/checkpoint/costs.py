@@ -57,6 +57,9 @@ class UnitCost:
     """False when re-running the unit is unsafe (side effects, non-determinism) or impossible."""
     sequential: bool = False
     """True when memfit controls the iteration over the children (segments allowed)."""
+    input_saved_by_previous_bytes: float = 0.0
+    """Bytes of this unit's inputs that the sibling before it saves for backward. When this
+    unit is recomputed and that sibling kept, the checkpoint keeps nothing new for them."""
 
     def total_saved_bytes(self) -> float:
         """Bytes the whole subtree saves for backward when nothing is recomputed."""

@@ -1,35 +1,75 @@
-"""``memfit.Plan``: which units to recompute, what that is predicted to cost, and where from.
+"""``memfit.Plan``: which units to recompute, what that is predicted to cost, and for what.
 
-A plan records the decisions per unit, the segments of sequential containers, the predicted
-peak split into its parts, the recompute cost, the frontier it was picked from, and the
-structure of the model it was made for, so it refuses to apply to a different model.
+A plan records the decision per unit, the segments of sequential units, the predicted peak
+split into its parts, the recompute cost, the frontier it was picked from, the precision
+its costs were measured under and a fingerprint of the model's structure, so that it
+refuses to apply to a different model. It is plain data: JSON in, JSON out.
 
 Example::
 
     plan = memfit.plan(model, x, budget="1GiB")
     print(plan.summary())
     text = plan.to_json()
-    same = memfit.Plan.from_json(text)
+    assert memfit.Plan.from_json(text) == plan
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from memfit.checkpoint.solve import FrontierPoint, Solution
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.solve import FrontierPoint, Solution, _format_bytes
 from memfit.errors import PlanError
 
+__all__ = ["FORMAT", "VERSION", "Piece", "Plan", "structure_hash"]
+
+#: The ``"format"`` tag of a plan's JSON.
 FORMAT = "memfit-plan"
+#: The JSON format version this memfit writes, and the newest it reads.
 VERSION = 1
 
+_DECISIONS = ("keep", "recompute", "selective")
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+Structure = list[tuple[str, str]]
+
+
+def structure_hash(structure: Sequence[Sequence[str]]) -> str:
+    """The sha256 of a structure fingerprint, for plans that should not list the model.
+
+    >>> structure_hash([("", "GPT"), ("blocks.0", "Block")])[:12]
+    'e6d5e2db6880'
+    """
+    canonical = json.dumps([[str(n), str(c)] for n, c in structure], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One recomputed piece of a plan and what it trades, for the summary.
+
+    >>> Piece("blocks.3", "recompute", None, 96.0 * 2**20, 4.0 * 2**20, 0.0012, 2.5e9)
+    Piece(unit='blocks.3', kind='recompute', children=None, saved_bytes=100663296.0, kept_bytes=4194304.0, recompute_seconds=0.0012, recompute_flops=2500000000.0)
+    """
+
+    unit: str
+    """The unit recomputed, or the sequential unit whose children form the segment."""
+    kind: str
+    """``"recompute"``, ``"selective"`` or ``"segment"``."""
+    children: tuple[int, int] | None
+    """For a segment, its inclusive child index range; None otherwise."""
+    saved_bytes: float
+    """What the piece would save for backward if nothing in it were recomputed."""
+    kept_bytes: float
+    """What it keeps instead: its inputs (and, selective, the matmul outputs)."""
+    recompute_seconds: float
+    """Forward time spent rebuilding it in backward."""
+    recompute_flops: float
+    """Forward FLOPs spent rebuilding it in backward."""
 
 
 @dataclass
@@ -44,21 +84,22 @@ class Plan:
     """
 
     decisions: dict[str, str]
-    """Unit qualified name → ``"keep"`` | ``"recompute"`` | ``"selective"``."""
+    """Unit qualified name → ``"keep"`` | ``"recompute"`` | ``"selective"``; every unit is
+    listed, and units inside a recomputed piece say ``"keep"``."""
     segments: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    """Sequential container → inclusive child index ranges checkpointed as one piece."""
+    """Sequential unit → inclusive child index ranges, each checkpointed as one piece."""
     strategy: str = "optimal"
-    """The strategy that made the plan."""
+    """The strategy that made the plan (``"optimal"``, ``"uniform:4"``, ...)."""
     budget_bytes: float | None = None
-    """The budget the plan was made for (peak of a whole step), or None."""
+    """The budget the plan was made for (the peak of a whole step), or None."""
     predicted_peak_bytes: float = 0.0
-    """static + kept + transient."""
+    """static + kept + transient, as the planner predicts it."""
     static_bytes: float = 0.0
-    """Bytes checkpointing cannot change: parameters, gradients, optimizer state, inputs..."""
+    """Bytes checkpointing cannot change: parameters, gradients, optimizer state, inputs."""
     kept_bytes: float = 0.0
     """Activation bytes held from forward to backward under the plan."""
     transient_bytes: float = 0.0
-    """The largest extra bytes while one recomputed piece is rebuilt."""
+    """The largest extra bytes while one recomputed piece is rebuilt in backward."""
     recompute_flops: float = 0.0
     """Extra forward FLOPs per step."""
     recompute_seconds: float = 0.0
@@ -67,12 +108,15 @@ class Plan:
     """The (peak, recompute) trade-offs the strategy could reach, by increasing peak."""
     precision: str = "fp32"
     """The precision mode the costs were measured under."""
-    structure: list[tuple[str, str]] | None = None
-    """(unit name, module class) of the model the plan was made for."""
+    structure: Structure | str | None = None
+    """The model the plan was made for: (unit name, module class) pairs, or their
+    :func:`structure_hash`; None when unknown (then it is not checked)."""
     notes: list[str] = field(default_factory=list)
     """Plain remarks, e.g. that the budget needs no checkpointing."""
     exact: bool = True
-    """False when the solver had to thin its frontiers (a cheaper plan may exist)."""
+    """False when the optimal solver fell back to its relaxation (a cheaper plan may exist)."""
+    pieces: list[Piece] = field(default_factory=list)
+    """The recomputed pieces with what each trades, when the costs were given."""
     version: int = VERSION
     """The plan format version."""
 
@@ -82,12 +126,29 @@ class Plan:
         solution: Solution,
         *,
         precision: str,
-        structure: list[tuple[str, str]] | None = None,
+        structure: Sequence[Sequence[str]] | str | None = None,
+        units_info: UnitCost | None = None,
     ) -> Plan:
-        """Wrap a solver :class:`~memfit.checkpoint.solve.Solution`."""
+        """Wrap a solver :class:`~memfit.checkpoint.solve.Solution`.
+
+        ``units_info``: the cost tree the solution was made from; with it the plan lists
+        what each recomputed piece saves and costs.
+
+        >>> from memfit.checkpoint.solve import solve
+        >>> a, b = (UnitCost(n, own_saved_bytes=64.0, input_bytes=8.0) for n in "ab")
+        >>> tree = UnitCost("", children=[a, b])
+        >>> plan = Plan.from_solution(solve(tree, "full", None), precision="bf16-mixed",
+        ...                           structure=[("", "Net"), ("a", "Linear")], units_info=tree)
+        >>> plan.decisions, plan.pieces[0].saved_bytes
+        ({'': 'keep', 'a': 'recompute', 'b': 'recompute'}, 64.0)
+        """
+        if isinstance(structure, str) or structure is None:
+            fingerprint: Structure | str | None = structure
+        else:
+            fingerprint = [(str(n), str(c)) for n, c in structure]
         return cls(
             decisions=dict(solution.decisions),
-            segments={k: [tuple(r) for r in v] for k, v in solution.segments.items()},
+            segments={k: [(int(a), int(b)) for a, b in v] for k, v in solution.segments.items()},
             strategy=solution.strategy,
             budget_bytes=solution.budget_bytes,
             predicted_peak_bytes=solution.predicted_peak_bytes,
@@ -98,144 +159,460 @@ class Plan:
             recompute_seconds=solution.recompute_seconds,
             frontier=list(solution.frontier),
             precision=precision,
-            structure=[tuple(s) for s in structure] if structure is not None else None,
+            structure=fingerprint,
             notes=[solution.note] if solution.note else [],
             exact=solution.exact,
+            pieces=_pieces(units_info, solution.decisions, solution.segments) if units_info else [],
         )
 
     # ------------------------------------------------------------------ structure
 
-    def check_structure(self, fingerprint: list[tuple[str, str]]) -> None:
-        """Raise :class:`PlanError` naming the first difference from ``fingerprint``."""
+    def check_structure(self, fingerprint: Sequence[Sequence[str]] | str) -> None:
+        """Raise :class:`PlanError` naming the first difference from the model's fingerprint.
+
+        ``fingerprint`` is the model's (unit name, module class) list, or its
+        :func:`structure_hash`. A plan without a structure accepts any model.
+
+        >>> plan = Plan({}, structure=[("", "GPT"), ("h.0", "Block")])
+        >>> plan.check_structure([("", "GPT"), ("h.0", "Block")])
+        >>> plan.check_structure([("", "GPT"), ("h.0", "MLP")])
+        Traceback (most recent call last):
+        ...
+        memfit.errors.PlanError: this plan was made for a different model: unit #1 is 'h.0' (Block) in the plan but 'h.0' (MLP) in this model. Make a new plan for this model (memfit.plan or `memfit plan`).
+        """
         if self.structure is None:
             return
-        mine = [tuple(s) for s in self.structure]
-        theirs = [tuple(s) for s in fingerprint]
-        if mine == theirs:
+        if isinstance(fingerprint, str) or isinstance(self.structure, str):
+            mine = (
+                self.structure
+                if isinstance(self.structure, str)
+                else structure_hash(self.structure)
+            )
+            theirs = fingerprint if isinstance(fingerprint, str) else structure_hash(fingerprint)
+            if mine != theirs:
+                raise PlanError(
+                    f"this plan was made for a different model: its structure hash is "
+                    f"{mine[:16]}..., this model's is {theirs[:16]}... Make a new plan for this "
+                    "model (memfit.plan or `memfit plan`)."
+                )
             return
-        for i, (a, b) in enumerate(zip(mine, theirs)):
+        mine_list = [(str(n), str(c)) for n, c in self.structure]
+        theirs_list = [(str(n), str(c)) for n, c in fingerprint]
+        for i, (a, b) in enumerate(zip(mine_list, theirs_list)):
             if a != b:
                 raise PlanError(
                     f"this plan was made for a different model: unit #{i} is {a[0]!r} "
                     f"({a[1]}) in the plan but {b[0]!r} ({b[1]}) in this model. "
                     "Make a new plan for this model (memfit.plan or `memfit plan`)."
                 )
-        longer, n = ("plan", len(theirs)) if len(mine) > len(theirs) else ("model", len(mine))
-        extra = (mine if longer == "plan" else theirs)[n]
-        raise PlanError(
-            f"this plan was made for a different model: the {longer} has more units, first "
-            f"{extra[0]!r} ({extra[1]}). Make a new plan for this model."
-        )
+        if len(mine_list) != len(theirs_list):
+            longer = "plan" if len(mine_list) > len(theirs_list) else "model"
+            n = min(len(mine_list), len(theirs_list))
+            extra = (mine_list if longer == "plan" else theirs_list)[n]
+            raise PlanError(
+                f"this plan was made for a different model: the {longer} has more units, the "
+                f"first extra one is {extra[0]!r} ({extra[1]}). Make a new plan for this model."
+            )
 
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
-        """The plan as JSON text (round-trips through :meth:`from_json`)."""
-        data = asdict(self)
-        data["frontier"] = [asdict(p) for p in self.frontier]
-        data["segments"] = {k: [list(r) for r in v] for k, v in self.segments.items()}
-        data["structure"] = [list(s) for s in self.structure] if self.structure else None
-        return json.dumps({"format": FORMAT, **data}, indent=2, sort_keys=True)
+        """The plan as JSON text; :meth:`from_json` reads it back to an equal plan.
+
+        >>> text = Plan({"": "keep"}, precision="bf16-mixed").to_json()
+        >>> Plan.from_json(text) == Plan({"": "keep"}, precision="bf16-mixed")
+        True
+        """
+        data: dict[str, Any] = {
+            "format": FORMAT,
+            "version": self.version,
+            "strategy": self.strategy,
+            "precision": self.precision,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "static_bytes": self.static_bytes,
+            "kept_bytes": self.kept_bytes,
+            "transient_bytes": self.transient_bytes,
+            "recompute_flops": self.recompute_flops,
+            "recompute_seconds": self.recompute_seconds,
+            "exact": self.exact,
+            "notes": list(self.notes),
+            "decisions": dict(self.decisions),
+            "segments": {k: [[a, b] for a, b in v] for k, v in self.segments.items()},
+            "structure": self.structure
+            if self.structure is None or isinstance(self.structure, str)
+            else [[n, c] for n, c in self.structure],
+            "frontier": [
+                [p.peak_bytes, p.recompute_seconds, p.recompute_flops] for p in self.frontier
+            ],
+            "pieces": [
+                {
+                    "unit": p.unit,
+                    "kind": p.kind,
+                    "children": None if p.children is None else list(p.children),
+                    "saved_bytes": p.saved_bytes,
+                    "kept_bytes": p.kept_bytes,
+                    "recompute_seconds": p.recompute_seconds,
+                    "recompute_flops": p.recompute_flops,
+                }
+                for p in self.pieces
+            ],
+        }
+        try:
+            # Python writes floats with repr, which reads back to the same float.
+            return json.dumps(data, indent=1, allow_nan=False)
+        except ValueError as exc:
+            raise PlanError(f"cannot write the plan as JSON: {exc} (NaN or infinity)") from None
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Read a plan written by :meth:`to_json`; raise :class:`PlanError` if it is not one."""
+    def from_json(cls, text: str | bytes) -> Plan:
+        """Read a plan written by :meth:`to_json`.
+
+        Raises :class:`PlanError` for text that is not JSON, JSON that is not a memfit
+        plan, a plan from a newer memfit, or a plan with missing or ill-typed fields.
+
+        >>> Plan.from_json('{"format": "something-else"}')
+        Traceback (most recent call last):
+        ...
+        memfit.errors.PlanError: not a memfit plan: its "format" is 'something-else', expected "memfit-plan"; write plans with Plan.to_json() or `memfit plan --json`
+        """
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
             raise PlanError(f"not a memfit plan: the text is not valid JSON ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise PlanError(
-                f'not a memfit plan: expected "format": "{FORMAT}"; write plans with '
-                "Plan.to_json() or `memfit plan --json`"
+                f'not a memfit plan: its "format" is {found!r}, expected "{FORMAT}"; write '
+                "plans with Plan.to_json() or `memfit plan --json`"
             )
         version = data.get("version")
-        if version != VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(f"malformed memfit plan: version {version!r} is not a positive integer")
+        if version > VERSION:
             raise PlanError(
-                f"plan format version {version!r} is not supported by this memfit (reads "
-                f"version {VERSION}); make the plan again with this version"
+                f"this plan has format version {version}, written by a newer memfit; this memfit "
+                f"reads versions up to {VERSION}. Upgrade memfit or make the plan again with it."
             )
-        try:
-            return cls(
-                decisions={str(k): str(v) for k, v in data["decisions"].items()},
-                segments={
-                    str(k): [(int(a), int(b)) for a, b in v]
-                    for k, v in data.get("segments", {}).items()
-                },
-                strategy=str(data["strategy"]),
-                budget_bytes=data.get("budget_bytes"),
-                predicted_peak_bytes=float(data["predicted_peak_bytes"]),
-                static_bytes=float(data["static_bytes"]),
-                kept_bytes=float(data["kept_bytes"]),
-                transient_bytes=float(data["transient_bytes"]),
-                recompute_flops=float(data["recompute_flops"]),
-                recompute_seconds=float(data["recompute_seconds"]),
-                frontier=[FrontierPoint(**p) for p in data.get("frontier", [])],
-                precision=str(data["precision"]),
-                structure=[(str(a), str(b)) for a, b in data["structure"]]
-                if data.get("structure") is not None
-                else None,
-                notes=[str(n) for n in data.get("notes", [])],
-                exact=bool(data.get("exact", True)),
-                version=VERSION,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"malformed memfit plan: {type(exc).__name__}: {exc}") from None
+        return _read(data, version)
 
     # ------------------------------------------------------------------ display
 
-    def summary(self) -> str:
-        """A readable table: decisions, the predicted peak by part, cost, and the frontier."""
+    def summary(self, max_rows: int = 24) -> str:
+        """A readable table: the recomputed pieces, the predicted peak by part, the
+        recompute cost, and the frontier with the chosen point marked.
+
+        >>> print(Plan({"": "keep"}, predicted_peak_bytes=2**30, static_bytes=2**30).summary())
+        checkpoint plan: strategy optimal, precision fp32, no budget
+        <BLANKLINE>
+          nothing is recomputed (1 unit keeps its activations)
+        <BLANKLINE>
+          predicted peak     1.00 GiB
+            static           1.00 GiB  parameters, gradients, optimizer state, inputs
+            kept                  0 B  activations held for backward
+            transient             0 B  the largest piece rebuilt in backward
+          recompute        0.00 GFLOP  0.00 ms per step
+        """
+        budget = (
+            f"budget {_format_bytes(self.budget_bytes)}"
+            if self.budget_bytes is not None
+            else "no budget"
+        )
         lines = [
-            f"checkpoint plan · strategy {self.strategy} · precision {self.precision}"
-            + (f" · budget {_fmt(self.budget_bytes)}" if self.budget_bytes else " · no budget"),
+            f"checkpoint plan: strategy {self.strategy}, precision {self.precision}, {budget}",
             "",
         ]
-        changed = {n: d for n, d in self.decisions.items() if d != "keep"}
-        if changed or self.segments:
-            lines.append(f"  {'unit':<40} decision")
-            for name, decision in changed.items():
-                lines.append(f"  {name or '(model)':<40} {decision}")
-            for name, ranges in self.segments.items():
-                for a, b in ranges:
-                    lines.append(f"  {(name or '(model)') + f'[{a}..{b}]':<40} recompute (segment)")
-        else:
-            lines.append("  nothing is recomputed")
+        lines += self._piece_rows(max_rows)
         lines += [
             "",
-            f"  predicted peak   {_fmt(self.predicted_peak_bytes):>12}",
-            f"    static         {_fmt(self.static_bytes):>12}  (params, grads, optimizer, inputs, loss)",
-            f"    kept           {_fmt(self.kept_bytes):>12}  (activations held for backward)",
-            f"    transient      {_fmt(self.transient_bytes):>12}  (largest piece rebuilt in backward)",
-            f"  recompute        {self.recompute_flops / 1e9:>9.3f} GFLOP  {self.recompute_seconds * 1e3:.2f} ms/step",
+            f"  predicted peak {_format_bytes(self.predicted_peak_bytes):>12}",
+            f"    static       {_format_bytes(self.static_bytes):>12}  parameters, gradients, "
+            "optimizer state, inputs",
+            f"    kept         {_format_bytes(self.kept_bytes):>12}  activations held for backward",
+            f"    transient    {_format_bytes(self.transient_bytes):>12}  the largest piece "
+            "rebuilt in backward",
+            f"  recompute      {f'{self.recompute_flops / 1e9:.2f} GFLOP':>12}  "
+            f"{self.recompute_seconds * 1e3:.2f} ms per step",
         ]
-        if self.frontier:
-            lines += [
-                "",
-                f"  frontier ({len(self.frontier)} points, the planner's bound)      peak    recompute",
-            ]
-            points = self.frontier
-            if len(points) > 12:
-                step = (len(points) - 1) / 11
-                points = [points[round(i * step)] for i in range(12)]
-            for p in points:
-                same = abs(p.recompute_seconds - self.recompute_seconds) <= 1e-9 * max(
-                    1.0, self.recompute_seconds
-                )
-                mark = " ◀ chosen" if same else ""
-                lines.append(
-                    f"    {_fmt(p.peak_bytes):>22} {p.recompute_seconds * 1e3:>9.2f} ms{mark}"
-                )
-        for note in self.notes:
-            lines += ["", f"  note: {note}"]
+        lines += self._frontier_rows()
+        notes = list(self.notes)
         if not self.exact:
-            lines.append("  note: frontiers were thinned; a slightly cheaper plan may exist")
-        return "\n".join(lines)
+            notes.append(
+                "the tree was too large to prove this plan optimal; a slightly cheaper one "
+                "may exist"
+            )
+        if notes:
+            lines.append("")
+            lines += [f"  note: {n}" for n in notes]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _piece_rows(self, max_rows: int) -> list[str]:
+        kept = sum(d == "keep" for d in self.decisions.values())
+        rows: list[tuple[str, str, str, str]] = []
+        if self.pieces:
+            for p in self.pieces:
+                name = _piece_name(p.unit, p.children)
+                rows.append(
+                    (
+                        name,
+                        p.kind,
+                        _format_bytes(p.saved_bytes - p.kept_bytes),
+                        f"{p.recompute_seconds * 1e3:.2f} ms",
+                    )
+                )
+        else:
+            for unit, d in self.decisions.items():
+                if d != "keep":
+                    rows.append((_piece_name(unit, None), d, "", ""))
+            for unit, ranges in self.segments.items():
+                rows.extend((_piece_name(unit, r), "segment", "", "") for r in ranges)
+        if not rows:
+            who = "1 unit keeps its" if kept == 1 else f"{kept} units keep their"
+            return [f"  nothing is recomputed ({who} activations)"]
+        width = max(4, *(len(r[0]) for r in rows))
+        costs = bool(self.pieces)  # without the costs, only names and decisions
+        head = f"  {'unit':<{width}}  {'decision':<10}"
+        out = [head + (f" {'frees':>11} {'recompute':>11}" if costs else "")]
+        for r in rows[:max_rows]:
+            line = f"  {r[0]:<{width}}  {r[1]:<10}"
+            out.append(line + (f" {r[2]:>11} {r[3]:>11}" if costs else ""))
+        if len(rows) > max_rows:
+            out.append(f"  ... and {len(rows) - max_rows} more pieces")
+        out.append(f"  {kept} units say keep (those inside a recomputed piece included)")
+        return out
+
+    def _frontier_rows(self) -> list[str]:
+        if not self.frontier:
+            return []
+        points = self.frontier
+        chosen = _chosen(points, self.recompute_seconds, self.predicted_peak_bytes)
+        shown = sorted(
+            {round(i * (len(points) - 1) / 9) for i in range(10)} | {chosen}
+            if len(points) > 10
+            else set(range(len(points)))
+        )
+        count = "1 point" if len(points) == 1 else f"{len(points)} points"
+        out = ["", f"  frontier ({count}, * = this plan)", "        peak    recompute"]
+        for i in shown:
+            p = points[i]
+            mark = "*" if i == chosen else " "
+            out.append(
+                f"  {mark} {_format_bytes(p.peak_bytes):>10} {p.recompute_seconds * 1e3:>9.2f} ms"
+            )
+        return out
 
     def __repr__(self) -> str:
         recomputed = sum(d != "keep" for d in self.decisions.values())
         segs = sum(len(v) for v in self.segments.values())
         return (
-            f"Plan({self.strategy}, {recomputed} units recomputed, {segs} segments, "
-            f"peak {_fmt(self.predicted_peak_bytes)}, recompute {self.recompute_flops / 1e9:.2f} GFLOP)"
+            f"Plan({self.strategy}, {recomputed} units recomputed, {segs} segments, peak "
+            f"{_format_bytes(self.predicted_peak_bytes)}, recompute "
+            f"{self.recompute_seconds * 1e3:.2f} ms)"
         )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _piece_name(unit: str, children: Sequence[int] | None) -> str:
+    name = unit or "(model)"
+    return name if children is None else f"{name}[{children[0]}..{children[1]}]"
+
+
+def _chosen(points: list[FrontierPoint], seconds: float, peak: float) -> int:
+    # The plan's own numbers can differ from its frontier point when the caller refines the
+    # prediction afterwards (memfit.plan adds the loss's memory): match on time first.
+    return min(
+        range(len(points)),
+        key=lambda i: (
+            not math.isclose(points[i].recompute_seconds, seconds, rel_tol=1e-9, abs_tol=1e-15),
+            abs(points[i].peak_bytes - peak),
+        ),
+    )
+
+
+def _pieces(
+    root: UnitCost, decisions: Mapping[str, str], segments: Mapping[str, list[tuple[int, int]]]
+) -> list[Piece]:
+    units = {u.name: u for u in root.walk()}
+    saved: dict[str, float] = {}
+    for u in reversed(list(root.walk())):
+        saved[u.name] = u.own_saved_bytes + sum(saved[c.name] for c in u.children)
+    out: list[Piece] = []
+    for name, d in decisions.items():
+        unit = units.get(name)
+        if unit is None or d == "keep":
+            continue
+        if d == "recompute":
+            out.append(
+                Piece(
+                    name, d, None, saved[name], unit.input_bytes, unit.fwd_seconds, unit.fwd_flops
+                )
+            )
+        else:
+            out.append(
+                Piece(
+                    name,
+                    d,
+                    None,
+                    saved[name],
+                    unit.input_bytes + unit.matmul_saved_bytes,
+                    unit.non_matmul_fwd_seconds,
+                    unit.non_matmul_fwd_flops,
+                )
+            )
+    for name, ranges in segments.items():
+        unit = units.get(name)
+        if unit is None:
+            continue
+        for a, b in ranges:
+            members = unit.children[a : b + 1]
+            out.append(
+                Piece(
+                    name,
+                    "segment",
+                    (a, b),
+                    sum(saved[c.name] for c in members),
+                    members[0].input_bytes,
+                    sum(c.fwd_seconds for c in members),
+                    sum(c.fwd_flops for c in members),
+                )
+            )
+    return out
+
+
+def _read(data: dict[str, Any], version: int) -> Plan:
+    """Build a Plan from parsed JSON, checking every field's type.
+
+    The decisions, strategy, precision and numbers are required; the other fields take
+    their defaults when absent, so a hand-written plan needs little.
+    """
+
+    def field_(key: str, check: Any, what: str, default: Any = ...) -> Any:
+        if key not in data:
+            if default is not ...:
+                return default
+            raise PlanError(f"malformed memfit plan: the field {key!r} is missing")
+        value = data[key]
+        if not check(value):
+            raise PlanError(f"malformed memfit plan: {key!r} must be {what}, got {value!r:.80}")
+        return value
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def pair(v: Any) -> bool:
+        return (
+            isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        )
+
+    def decisions_ok(v: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(k, str) and x in _DECISIONS for k, x in v.items()
+        )
+
+    def segments_ok(v: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(r, list) and all(pair(x) for x in r) for r in v.values()
+        )
+
+    def structure_ok(v: Any) -> bool:
+        return (
+            v is None
+            or isinstance(v, str)
+            or (
+                isinstance(v, list)
+                and all(
+                    isinstance(x, list) and len(x) == 2 and all(isinstance(s, str) for s in x)
+                    for x in v
+                )
+            )
+        )
+
+    point_keys = ("peak_bytes", "recompute_seconds", "recompute_flops")
+
+    def point_ok(p: Any) -> bool:
+        # [peak, seconds, flops], or an object with the field names
+        if isinstance(p, dict):
+            return all(number(p.get(k)) for k in point_keys)
+        return isinstance(p, list) and len(p) == 3 and all(number(x) for x in p)
+
+    piece_numbers = ("saved_bytes", "kept_bytes", "recompute_seconds", "recompute_flops")
+
+    def piece_ok(p: Any) -> bool:
+        return (
+            isinstance(p, dict)
+            and isinstance(p.get("unit"), str)
+            and p.get("kind") in ("recompute", "selective", "segment")
+            and (p.get("children") is None or pair(p.get("children")))
+            and all(number(p.get(k)) for k in piece_numbers)
+        )
+
+    decisions = field_(
+        "decisions", decisions_ok, "an object of unit name to 'keep', 'recompute' or 'selective'"
+    )
+    segments = field_("segments", segments_ok, "an object of unit name to [start, end] pairs", {})
+    structure = field_(
+        "structure",
+        structure_ok,
+        "null, a hash string or a list of [unit name, class name] pairs",
+        None,
+    )
+    frontier = field_(
+        "frontier",
+        lambda v: isinstance(v, list) and all(point_ok(p) for p in v),
+        "a list of [peak bytes, seconds, flops] triples",
+        [],
+    )
+    pieces = field_(
+        "pieces",
+        lambda v: isinstance(v, list) and all(piece_ok(p) for p in v),
+        "a list of piece objects",
+        [],
+    )
+    notes = field_(
+        "notes",
+        lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+        "a list of strings",
+        [],
+    )
+    numbers = {
+        key: field_(key, number, "a finite number")
+        for key in (
+            "predicted_peak_bytes",
+            "static_bytes",
+            "kept_bytes",
+            "transient_bytes",
+            "recompute_flops",
+            "recompute_seconds",
+        )
+    }
+    return Plan(
+        decisions=dict(decisions),
+        segments={k: [(a, b) for a, b in v] for k, v in segments.items()},
+        strategy=field_("strategy", lambda v: isinstance(v, str), "a string"),
+        budget_bytes=field_("budget_bytes", lambda v: v is None or number(v), "a number or null"),
+        frontier=[
+            FrontierPoint(*(tuple(p[k] for k in point_keys) if isinstance(p, dict) else p))
+            for p in frontier
+        ],
+        precision=field_("precision", lambda v: isinstance(v, str), "a string"),
+        structure=structure
+        if structure is None or isinstance(structure, str)
+        else [(n, c) for n, c in structure],
+        notes=list(notes),
+        exact=field_("exact", lambda v: isinstance(v, bool), "true or false", True),
+        pieces=[
+            Piece(
+                p["unit"],
+                p["kind"],
+                None if p.get("children") is None else (p["children"][0], p["children"][1]),
+                *(p[k] for k in piece_numbers),
+            )
+            for p in pieces
+        ],
+        version=version,
+        **numbers,
+    )

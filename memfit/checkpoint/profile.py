@@ -372,6 +372,7 @@ class _Stats:
     mm_out_own: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
+    input_keys: dict[Any, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
 
     def reason(self, text: str) -> None:
@@ -435,6 +436,7 @@ class _Recorder:
         self.bwd_events: list[tuple[float, str | None]] = []
         self.resident: set[Any] = set()
         self.saved_seen: dict[Any, Any] = {}
+        self.saved_owner: dict[Any, str | None] = {}
         self.mm_seen: dict[Any, Any] = {}
         self.loss_saved = 0
         self.counter = 0
@@ -491,6 +493,10 @@ class _Recorder:
             tensors = _tensors((args, kwargs))
             call.in_versions = [(t, t._version) for t in tensors]
             st.input_bytes += self.nonresident_bytes(tensors)
+            for t in tensors:
+                key, nbytes, _ = _storage(t)
+                if key not in self.resident:
+                    st.input_keys[key] = nbytes
             call.buf_versions = [
                 (bname, m, bname, buf, buf._version)
                 for m, bname in self.subtree_buffers[name]
@@ -570,6 +576,7 @@ class _Recorder:
         if key in self.resident or key in self.saved_seen:
             return t
         self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
+        self.saved_owner[key] = self.stack[-1].name if self.stack else None
         if self.stack:
             self.stats[self.stack[-1].name].saved_own += nbytes
         else:
@@ -901,6 +908,7 @@ def profile(
             loss_saved = rec.loss_saved
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
+            saved_owner = dict(rec.saved_owner)
             del output, rec  # frees the step's saved references before the timed step
             if measured:
                 # The instrumented step above doubles as warm-up; this one is only timed.
@@ -911,6 +919,7 @@ def profile(
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
     root = _build(tree.root, stats, chains, iterated, measured)
+    _mark_shared_inputs(tree.root, root, stats, saved_owner)
     return Profile(
         root=root,
         structure=structure_fingerprint(model, tree),
@@ -935,6 +944,28 @@ def profile(
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({key: nbytes for key, nbytes, _ in map(_storage, tensors)}.values())
+
+
+def _mark_shared_inputs(
+    unit: Unit, cost: UnitCost, stats: dict[str, _Stats], saved_owner: dict[Any, str | None]
+) -> None:
+    """Set each unit's ``input_saved_by_previous_bytes``: bytes of its inputs that the
+    sibling before it already saves for backward (e.g. a block whose last ReLU saves the
+    output the next block receives)."""
+    by_name = {c.name: c for c in cost.children}
+    units = {u.name: u for u in unit.children}
+    for prev, cur in zip(cost.children, cost.children[1:]):
+        prefix = prev.name + "."
+        cur.input_saved_by_previous_bytes = float(
+            sum(
+                n
+                for key, n in stats[cur.name].input_keys.items()
+                if (owner := saved_owner.get(key)) is not None
+                and (owner == prev.name or owner.startswith(prefix))
+            )
+        )
+    for name, child in by_name.items():
+        _mark_shared_inputs(units[name], child, stats, saved_owner)
 
 
 def _build(

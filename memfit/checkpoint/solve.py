@@ -12,8 +12,10 @@ Strategies (``docs/planner.md`` states them in full):
                   ``k`` per chain from its length.
 ``"sqrt"``        about ``sqrt(n)`` memory-balanced segments per chain of ``n`` blocks
                   (Chen et al. 2016).
-``"optimal"``     the cheapest plan under the budget, exact under the cost model: a dynamic
-                  programme over the tree with Pareto frontiers of (memory, recompute time).
+``"optimal"``     the cheapest plan under the budget: a dynamic programme over the tree
+                  with Pareto frontiers of (memory, recompute time), exact under the cost
+                  model; past its work limit, a Lagrangian relaxation with local search,
+                  then the exact programme again bounded by that plan.
 
 *Blocks*: a *chain* is a unit with two or more children. Walking down from the root,
 the blocks are the outermost recomputable units whose parent is a chain. A single-child
@@ -31,12 +33,12 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Literal
+from typing import Any, Literal
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import BudgetError, ConfigError, PlanError
@@ -61,16 +63,15 @@ STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 # frontier programme gives up after visiting _EXACT_WORK frontier points, or when the tree
 # has more than _EXACT_LEVELS distinct transients; the Lagrangian relaxation then tries
 # at most _RELAXED_LEVELS transient caps, and the exact programme bounded by its result
-# gets _BOUNDED_WORK more.
-_EXACT_WORK = 150_000
+# gets _BOUNDED_WORK more on trees of at most _BOUNDED_UNITS units.
+_EXACT_WORK = 60_000
 _BOUNDED_WORK = 400_000
+_BOUNDED_UNITS = 300
 _EXACT_LEVELS = 400
 _MAX_SEGMENT_SUMS = 20_000
 _RELAXED_LEVELS = 24
 # Points of the optimal frontier reported in a Solution (spread evenly in memory).
 _MAX_REPORTED = 256
-# How many partial plans "uniform" and "sqrt" try when they search for the cheapest fit.
-_MAX_FAMILY_PLANS = 64
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,11 @@ class Solution:
     note: str | None = None
     """A plain remark on the choice, e.g. that the budget needs no checkpointing."""
     exact: bool = True
-    """False when the optimal solver had to thin its frontiers (very large or irregular
-    trees): the plan is then valid and its numbers exact, but a slightly cheaper plan may
-    exist."""
+    """For ``"optimal"``: True when the plan is proven the cheapest that fits (and, when the
+    whole frontier was computed, the frontier is exact). False when the tree was too large
+    for the exact programme and the plan comes from the Lagrangian relaxation and local
+    search: valid, its numbers exact, but a slightly cheaper plan may exist. Always True for
+    the fixed strategies, which have nothing to approximate."""
 
 
 @dataclass(frozen=True)
@@ -474,7 +477,7 @@ def solve(
         if name == "full":
             plans = [_family_plan(nodes, chains, "full", None, None)]
         else:
-            plans = _family(nodes, chains, name, k, all_blocks=budget is None)
+            plans = _family(nodes, chains, name, k, None if budget is None else budget - static)
     return _pick_family(nodes, plans, label, budget, static)
 
 
@@ -589,21 +592,50 @@ def _family(
     chains: list[tuple[int, list[int]]],
     name: str,
     k: int | None,
-    all_blocks: bool,
+    room: float | None,
 ) -> list[_Plan]:
-    if all_blocks:
-        return [_family_plan(nodes, chains, name, k, None)]
+    """Evaluated plans of a fixed strategy: all blocks when ``room`` (bytes for kept +
+    transient) is None, else a bisection for the fewest blocks, in forward order, that
+    fit in it (the time only grows with the count; the peak mostly falls)."""
     total = sum(len(b) for _, b in chains)
-    steps = min(total, _MAX_FAMILY_PLANS - 1)
-    limits = sorted({round(total * i / steps) for i in range(steps + 1)}) if steps else [0]
-    return [_family_plan(nodes, chains, name, k, m) for m in limits]
+    tried: dict[int, _Plan] = {}
+
+    def at(count: int) -> _Plan:
+        if count not in tried:
+            plan = _family_plan(nodes, chains, name, k, count)
+            plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
+            tried[count] = plan
+        return tried[count]
+
+    def fits(count: int) -> bool:
+        value = at(count).value
+        return value[0] + value[1] <= room  # type: ignore[index, operator]
+
+    if room is None:
+        return [at(total)]
+    if not fits(total):
+        # Nothing fits: map the family for the error message's smallest peak.
+        for i in range(17):
+            at(round(total * i / 16))
+        return list(tried.values())
+    low, high = 0, total  # low does not fit (or is 0), high fits
+    if fits(0):
+        return [at(0)]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return list(tried.values())
 
 
 def _pick_family(
     nodes: list[_Node], plans: list[_Plan], label: str, budget: float | None, static: float
 ) -> Solution:
     for plan in plans:
-        plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
+        if plan.value is None:
+            plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
     if budget is None:
         chosen = plans[-1]
     else:
@@ -681,7 +713,7 @@ def _pareto3(points: list[tuple[float, float, float]]) -> list[tuple[float, floa
 # (nothing recomputed), a pair (ref, ref) of two parts, ("recompute" | "selective", unit)
 # or ("segment", unit, start, end, ref of what precedes the segment).
 
-_KEY = itemgetter(0, 1, 2)
+_KEY = itemgetter(0)
 _EMPTY: list = [(0.0, 0.0, 0.0, None)]
 
 
@@ -710,6 +742,8 @@ class _Work:
 def _prune(points: list, work: _Work) -> list:
     """Sort points by memory and drop the dominated ones."""
     work.spend(len(points))
+    # Sorting on memory alone is several times faster than on (memory, time, flops); a
+    # point that ties the last one kept on memory but is cheaper replaces it instead.
     points.sort(key=_KEY)
     out: list = []
     append = out.append
@@ -719,7 +753,10 @@ def _prune(points: list, work: _Work) -> list:
             break
         s = p[1]
         if s < best_s or (s == best_s and p[2] < best_f):
-            append(p)
+            if out and out[-1][0] == p[0]:
+                out[-1] = p
+            else:
+                append(p)
             best_s, best_f = s, p[2]
     return out
 
@@ -910,7 +947,7 @@ def _reconstruct(nodes: list[_Node], ref: object) -> _Plan:
     return _Plan(decision, segs)
 
 
-def _exact_points(nodes: list[_Node], work: _Work) -> list:
+def _exact_points(nodes: list[_Node], work: _Work, keep_cap: Any = None) -> list:
     """The tree's exact Pareto frontier as points (kept + cap, seconds, flops, ref).
 
     For each cap T on the transient, one bottom-up pass computes every unit's frontier of
@@ -918,10 +955,13 @@ def _exact_points(nodes: list[_Node], work: _Work) -> list:
     peaks at no more than static + kept + T, with equality when its largest piece is T.
     Every plan is counted exactly under the cap equal to its largest piece, so the union
     over all distinct transients, pruned, is the exact frontier. Raises _TooLarge past the
-    work limit. With bounds in ``work``, only the frontier's points within them are kept.
+    work limit. With bounds in ``work``, only the frontier's points within them are kept,
+    and only the caps ``keep_cap(cap)`` accepts are tried.
     """
-    levels = _transients(nodes, _EXACT_LEVELS)
-    if levels is None:
+    levels = _transients(nodes, 10**9 if keep_cap else _EXACT_LEVELS)
+    if levels is not None and keep_cap is not None:
+        levels = [cap for cap in levels if keep_cap(cap)]
+    if levels is None or len(levels) > _EXACT_LEVELS:
         raise _TooLarge
     # A unit's frontier depends only on which pieces inside it the cap allows, so it is
     # keyed by that (interned to an int) and reused across caps that allow the same ones.
@@ -963,8 +1003,9 @@ def _exact_points(nodes: list[_Node], work: _Work) -> list:
 # cap T on the transient: one scalar pass over the tree, linear in its size (a chain
 # keeps its window of segment starts in a monotone queue). Each pass returns a plan on the
 # lower convex hull of the frontier under T. A Newton search over lam finds the two hull
-# vertices around the budget, and a local search then spends the memory the one that fits
-# leaves unused.
+# vertices around the budget; a local search then spends the memory the one that fits
+# leaves unused, from it and from the fixed strategies' best plans. Last, the exact
+# programme runs again, pruning all that cannot beat the plan found.
 
 
 class _Vertex:
@@ -1174,13 +1215,17 @@ def _pick(values: list[float], count: int) -> list[float]:
 
 
 def _first_caps(nodes: list[_Node]) -> list[float]:
-    """The caps of the relaxation's first sweep: the units' own transients first (they
-    are few when blocks repeat), then segment transients in the room left."""
+    """The caps of the relaxation's first sweep: every distinct transient when the passes
+    stay within _PASS_WORK, else at most that many, the units' own transients first (they
+    are few when blocks repeat) and segment transients in the room left."""
     top = nodes[0].saved
+    count = max(_RELAXED_LEVELS, _PASS_WORK // (_PASSES_PER_CAP * len(nodes)))
     units = sorted(c for c in _unit_transients(nodes) if 0 < c < top)
-    caps = _pick(units, _RELAXED_LEVELS // 2 if len(units) > _RELAXED_LEVELS // 2 else len(units))
+    caps = _pick(units, count // 2)
     segments = _segment_transients(nodes, 0.0, top)
-    caps = sorted(set(caps) | set(_pick(segments, _RELAXED_LEVELS - len(caps))))
+    caps = sorted(set(caps) | set(_pick(segments, count - len(caps))))
+    if len(caps) < count:
+        caps = sorted(set(caps) | set(_pick(units, count - len(caps))))
     return [0.0, *caps]
 
 
@@ -1191,12 +1236,26 @@ def _caps_between(nodes: list[_Node], low: float, high: float, count: int) -> li
 
 
 class _Level:
-    """What the relaxation found under one cap."""
+    """What the relaxation found under one cap: the vertices, the one that fits, the
+    lower bound on the time of any plan that fits, and the (lam, min of seconds + lam *
+    kept) pairs the bound came from."""
 
-    __slots__ = ("cap", "found", "fits", "bound")
+    __slots__ = ("cap", "found", "fits", "bound", "duals")
 
-    def __init__(self, cap: float, found: list[_Vertex], fits: _Vertex | None, bound: float):
+    def __init__(
+        self,
+        cap: float,
+        found: list[_Vertex],
+        fits: _Vertex | None,
+        bound: float,
+        duals: list[tuple[float, float]] | None = None,
+    ) -> None:
         self.cap, self.found, self.fits, self.bound = cap, found, fits, bound
+        self.duals = duals or []
+
+    def bound_at(self, room: float) -> float:
+        """A lower bound on the time of plans under this cap that keep at most ``room``."""
+        return max((v - lam * room for lam, v in self.duals), default=-math.inf)
 
 
 def _relax_level(nodes: list[_Node], cap: float, room: float | None) -> _Level:
@@ -1215,16 +1274,23 @@ def _relax_level(nodes: list[_Node], cap: float, room: float | None) -> _Level:
             for q in (-3, -2, -1, 0, 1, 2, 3):
                 found.append(_scalar_pass(nodes, cap, windows, 1.0, slope * 4.0**q, True))
         return _Level(cap, found, None, math.inf)
+    duals = [(0.0, least_time.secs)]
     if least_memory.kept > room:
-        return _Level(cap, found, None, math.inf)
+        return _Level(cap, found, None, math.inf, duals)
     if least_time.kept <= room:
-        return _Level(cap, found, least_time, least_time.secs)
+        return _Level(cap, found, least_time, least_time.secs, duals)
     low, high = least_time, least_memory  # low: too big; high: fits
+    # Every pass gives a lower bound on the time of any plan that fits under this cap:
+    # min(seconds + lam * kept) - lam * room (lam = 0: the least time at all). At the last
+    # lam, with low and high adjacent on the hull, it is the best such bound.
+    bound = least_time.secs
     for _ in range(_NEWTON_STEPS):
         lam = (high.secs - low.secs) / (low.kept - high.kept)
         if not lam > 0:
             break
         x = _scalar_pass(nodes, cap, windows, 1.0, lam, True)
+        duals.append((lam, x.secs + lam * x.kept))
+        bound = max(bound, x.secs + lam * (x.kept - room))
         line = low.secs + lam * low.kept
         if x.secs + lam * x.kept >= line - 1e-9 * abs(line):
             break  # no vertex between the two: they are adjacent on the hull
@@ -1233,27 +1299,45 @@ def _relax_level(nodes: list[_Node], cap: float, room: float | None) -> _Level:
             high = x
         else:
             low = x
-    # Along the hull edge from high to low, the time at kept == room: no plan under this
-    # cap that fits is faster.
-    share = (room - high.kept) / (low.kept - high.kept)
-    return _Level(cap, found, high, high.secs - share * (high.secs - low.secs))
+    return _Level(cap, found, high, bound, duals)
 
 
 _NEWTON_STEPS = 40
 # How many caps the relaxation adds around the most promising one, and how many of the
 # caps' best plans the local search polishes.
 _REFINE = 8
+_REFINED = 3
 _POLISHED = 3
+# Node visits the first sweep may spend (about _PASSES_PER_CAP passes per cap): all the
+# distinct transients of a mid-sized tree fit in it.
+_PASS_WORK = 200_000
+_PASSES_PER_CAP = 8
+# Fixed strategies whose plans seed the relaxation: (name, k).
+_SEEDS: tuple[tuple[str, int | None], ...] = (
+    ("full", None),
+    ("uniform", None),
+    ("uniform", 2),
+    ("uniform", 4),
+    ("uniform", 8),
+    ("sqrt", None),
+)
 
 
-def _solve_relaxed(nodes: list[_Node], label: str, budget: float | None, static: float) -> Solution:
+def _solve_relaxed(
+    nodes: list[_Node], label: str, budget: float | None, static: float, retry: bool = True
+) -> Solution:
     caps = _first_caps(nodes)
     if budget is None:
+        # Nothing to fit. For the report: the least-memory plan under every cap of the
+        # sweep (the frontier's smallest peak) and the hull under a few of them.
         plans = [
             v.plan(nodes)
             for cap in caps[:: max(1, len(caps) // 8)]
             for v in _relax_level(nodes, cap, None).found
         ]
+        for cap in caps:
+            windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
+            plans.append(_scalar_pass(nodes, cap, windows, 0.0, 1.0, False).plan(nodes))
         chosen = _Plan(["keep"] * len(nodes), {})
         plans.append(chosen)
         sol = _solution(nodes, chosen, label, budget, static, plans, exact=False)
@@ -1261,14 +1345,18 @@ def _solve_relaxed(nodes: list[_Node], label: str, budget: float | None, static:
         return sol
     room = budget - static
     levels = [_relax_level(nodes, cap, room - cap) for cap in caps]
-    # Refine around the cap with the lowest bound: the best cap is rarely far from it.
+    # Refine around the caps with the lowest bounds: the best cap is rarely far from them.
     ranked = sorted(range(len(levels)), key=lambda i: levels[i].bound)
-    if levels[ranked[0]].bound < math.inf:
-        i = ranked[0]
+    tried = {level.cap for level in levels}
+    # (around the best one only on large trees, where each cap costs more)
+    for i in ranked[: _REFINED if len(nodes) <= _BOUNDED_UNITS else 1]:
+        if levels[i].bound == math.inf:
+            break
         low = levels[i - 1].cap if i > 0 else 0.0
-        high = levels[i + 1].cap if i + 1 < len(levels) else nodes[0].saved
+        high = levels[i + 1].cap if i + 1 < len(caps) else nodes[0].saved
         for cap in _caps_between(nodes, low, high, _REFINE):
-            if cap != levels[i].cap:
+            if cap not in tried:
+                tried.add(cap)
                 levels.append(_relax_level(nodes, cap, room - cap))
     plans = [v.plan(nodes) for level in levels for v in level.found]
 
@@ -1278,47 +1366,89 @@ def _solve_relaxed(nodes: list[_Node], label: str, budget: float | None, static:
     def cost(p: _Plan) -> tuple[float, float, float]:
         return (p.value[2], p.value[3], peak(p))  # type: ignore[index]
 
+    # The fixed strategies' best plans are cheap to find and seed the local search: the
+    # result is never worse than theirs.
+    chains = _find_chains(nodes)
+    for name, k in _SEEDS:
+        plans.extend(_family(nodes, chains, name, k, room))
     fits = [p for p in plans if peak(p) <= room]
     if fits:
-        # Polish the fitting vertex of the caps with the lowest bounds: the bound says how
-        # much a cap could still gain, the vertex's own time does not.
+        # Polish the fitting vertex of the caps with the lowest bounds (the bound says how
+        # much a cap could still gain; the vertex's own time does not), and the best plan.
         promising = sorted((lv for lv in levels if lv.fits is not None), key=lambda lv: lv.bound)
-        for level in promising[:_POLISHED]:
-            fits.append(_polish(nodes, level.fits.plan(nodes), room))  # type: ignore[union-attr]
-        plans.extend(fits)
+        starts = [level.fits.plan(nodes) for level in promising[:_POLISHED]]  # type: ignore[union-attr]
+        starts.append(min(fits, key=cost))
+        polished = [_polish(nodes, start, room) for start in starts]
+        fits.extend(polished)
+        plans.extend(polished)
     best = min(fits, key=cost) if fits else None
     # The exact programme again, now pruning every point that cannot beat the best plan
-    # found or fit the room: often small enough to finish, and then the plan is optimal.
+    # found or fit the room: it often finishes on mid-sized trees, and then the plan is
+    # proven optimal.
     exact = False
-    try:
-        points = _exact_points(
-            nodes,
-            _Work(_BOUNDED_WORK, best.value[2] if best else math.inf, room),  # type: ignore[index]
-        )
-    except _TooLarge:
-        points = []
-    else:
-        exact = True
-    fitting = [p for p in points if p[0] <= room]
-    if fitting:
-        candidate = _reconstruct(nodes, fitting[-1][3])
-        candidate.value = _evaluate_nodes(nodes, candidate.decision, candidate.segs)
-        plans.append(candidate)
-        if best is None or cost(candidate) < cost(best):
-            best = candidate
-    if best is None:
-        least = min(plans, key=peak)
-        if exact:
-            least = _least_peak(nodes)
-        raise BudgetError(_too_small(budget, least, static))
-    return _solution(nodes, best, label, budget, static, plans, exact=exact)
+    if retry:
+        # A cap whose Lagrangian bound is no better than the plan in hand cannot give a
+        # better plan: only the others are tried (with a margin for the passes' rounding).
+        limit = best.value[2] if best else math.inf  # type: ignore[index]
+        bound = _cap_bounds(levels, room)
+        try:
+            points = _exact_points(
+                nodes,
+                _Work(_BOUNDED_WORK, limit, room),
+                lambda cap: bound(cap) < limit * (1 + 1e-9) + 1e-12,
+            )
+        except _TooLarge:
+            points = []
+        else:
+            exact = True
+        fitting = [p for p in points if p[0] <= room]
+        if fitting:
+            candidate = _reconstruct(nodes, fitting[-1][3])
+            candidate.value = _evaluate_nodes(nodes, candidate.decision, candidate.segs)
+            plans.append(candidate)
+            fits.append(candidate)
+    # The scalar passes sum in another order than the evaluation: take the numbers of the
+    # chosen plan from the evaluation, and the next plan should rounding push it out.
+    for plan in sorted(fits, key=cost):
+        plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
+        if peak(plan) <= room:
+            return _solution(nodes, plan, label, budget, static, plans, exact=exact)
+    raise BudgetError(_too_small(budget, _least_peak(nodes), static))
+
+
+def _cap_bounds(levels: list[_Level], room: float) -> Any:
+    """A lower bound on the time of plans that fit under any cap T, from the caps tried.
+
+    Tried: its own bound. Between tried caps a < T < b: plans under T are plans under b
+    (fewer pieces allowed) that keep at most room - T <= room - a, so b's Lagrangian
+    bound at room - a holds for them.
+    """
+    tried = sorted(levels, key=lambda lv: lv.cap)
+    caps = [lv.cap for lv in tried]
+    exact = {lv.cap: lv.bound for lv in tried}
+
+    def bound(cap: float) -> float:
+        if cap in exact:
+            return exact[cap]
+        k = bisect_right(caps, cap)
+        if k == len(caps):
+            return -math.inf
+        below = caps[k - 1] if k > 0 else 0.0
+        return tried[k].bound_at(room - below)
+
+    return bound
 
 
 def _least_peak(nodes: list[_Node]) -> _Plan:
-    """The plan with the smallest peak: the least-memory plan under each distinct cap."""
-    caps = _transients(nodes, 10**9) or [0.0]
+    """The plan with the smallest peak: the least-memory plan under each distinct cap (or,
+    past 512 of them, under a spread of 512)."""
+    caps = _transients(nodes, 10**9) or [
+        0.0,
+        *_unit_transients(nodes),
+        *_segment_transients(nodes, 0.0, math.inf),
+    ]
     best: _Plan | None = None
-    for cap in _pick(caps, 512):
+    for cap in _pick(sorted(set(caps)), 512):
         windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
         plan = _scalar_pass(nodes, cap, windows, 0.0, 1.0, False).plan(nodes)
         if best is None or plan.value[0] + plan.value[1] < best.value[0] + best.value[1]:  # type: ignore[index]
@@ -1333,200 +1463,279 @@ def _polish(nodes: list[_Node], plan: _Plan, room: float) -> _Plan:
     Moves that save time: keep a recomputed unit whole ("drop"), recompute it selectively,
     recompute its children one by one instead ("split"), or take one child off either end
     of a segment. Moves that save memory at no time: merge two adjacent pieces of a chain
-    into one segment. Each round applies the time-saving move that fits with the most time
-    saved per byte spent, else the merge that frees the most memory.
+    into one segment. Each round applies the time-saving moves that fit, most time saved
+    per byte spent first, else the merge that frees the most memory. A move depends only on
+    its piece (and, for a merge, its neighbour), so moves are kept per piece and only the
+    pieces a round changes are looked at again.
     """
-    decision = list(plan.decision)
-    segs = {u: list(r) for u, r in plan.segs.items()}
-    kept, _, secs, flops = plan.value  # type: ignore[misc]
-    parent = [-1] * len(nodes)
-    position = [0] * len(nodes)
-    for node in nodes:
-        for p, c in enumerate(node.children):
-            parent[c], position[c] = node.idx, p
-
-    def unit_t(u: int) -> float:
-        return nodes[u].rec_t if decision[u] == "recompute" else nodes[u].sel_t
-
-    def seg_t(u: int, i: int, j: int) -> float:
-        pre = nodes[u].pre_saved
-        return pre[j + 1] - pre[i]
-
-    def piece_t(u: int, i: int, j: int) -> float:
-        # A one-child "segment" is the child recomputed on its own.
-        return nodes[nodes[u].children[i]].rec_t if i == j else seg_t(u, i, j)
-
-    active = {u for u in range(len(nodes)) if decision[u] != "keep"}
-    ts = sorted(
-        [unit_t(u) for u in active] + [seg_t(u, i, j) for u, r in segs.items() for i, j in r]
-    )
-
-    def largest_without(removed: tuple) -> float:
-        skip = list(removed)
-        for v in reversed(ts):
-            if v in skip:
-                skip.remove(v)
-            else:
-                return v
-        return 0.0
-
+    state = _PolishState(nodes, plan)
     for _ in range(4 * len(nodes) + 16):
-        current = kept + (ts[-1] if ts else 0.0)
-        moves: list[tuple] = []  # (d_kept, d_secs, d_flops, removed ts, added ts, action)
-        for u in active:
-            d = decision[u]
-            node = nodes[u]
-            if d == "recompute":
-                pk, ps, pf, pt = node.inp, node.fwd_s, node.fwd_f, node.rec_t
-            else:
-                pk, ps, pf, pt = node.inp + node.mm, node.sel_s, node.sel_f, node.sel_t
-            moves.append((node.saved - pk, -ps, -pf, (pt,), (), ("drop", u)))
-            if d == "recompute" and node.can_sel:
-                moves.append(
-                    (node.mm, node.sel_s - ps, node.sel_f - pf, (pt,), (node.sel_t,), ("select", u))
-                )
-            if d == "recompute" and node.children:
-                dk, ds, df, added = node.own - pk, -ps, -pf, []
-                for c in node.children:
-                    child = nodes[c]
-                    if child.can_rec:
-                        dk, ds, df = dk + child.inp, ds + child.fwd_s, df + child.fwd_f
-                        added.append(child.rec_t)
-                    else:
-                        dk += child.saved
-                moves.append((dk, ds, df, (pt,), tuple(added), ("split", u)))
-        for u, ranges in segs.items():
-            node = nodes[u]
-            for i, j in ranges:
-                old = (seg_t(u, i, j),)
-                first, last = nodes[node.children[i]], nodes[node.children[j]]
-                moves.append(
-                    (
-                        last.saved,
-                        -last.fwd_s,
-                        -last.fwd_f,
-                        old,
-                        (piece_t(u, i, j - 1),),
-                        ("last", u, i, j),
-                    )
-                )
-                moves.append(
-                    (
-                        first.saved - node.kid_inp[i] + node.kid_inp[i + 1],
-                        -first.fwd_s,
-                        -first.fwd_f,
-                        old,
-                        (piece_t(u, i + 1, j),),
-                        ("first", u, i, j),
-                    )
-                )
-        # Merges: pieces of each chain in order, singles included.
-        pieces: dict[int, list[tuple[int, int]]] = {u: list(r) for u, r in segs.items()}
-        for u in active:
-            if decision[u] == "recompute" and u and nodes[parent[u]].pre_saved:
-                pieces.setdefault(parent[u], []).append((position[u], position[u]))
-        for u, ranges in pieces.items():
-            ranges.sort()
-            node = nodes[u]
-            for (s1, e1), (s2, e2) in zip(ranges, ranges[1:]):
-                if e1 + 1 == s2 and node.run_start[e2] <= s1:
-                    moves.append(
-                        (
-                            -node.kid_inp[s2],
-                            0.0,
-                            0.0,
-                            (piece_t(u, s1, e1), piece_t(u, s2, e2)),
-                            (seg_t(u, s1, e2),),
-                            ("merge", u, s1, e1, s2, e2),
-                        )
-                    )
-        best_save = best_merge = None
-        best_ratio = best_peak = -math.inf
-        for move in moves:
-            dk, ds, df, removed, added = move[:5]
-            peak = kept + dk + max(largest_without(removed), *added, 0.0)
-            if peak > room:
-                continue
-            if ds < 0 or (ds == 0 and df < 0 and dk <= 0):
-                ratio = -ds / max(peak - current, 1e-12 * room) if ds < 0 else math.inf
-                if ratio > best_ratio:
-                    best_ratio, best_save = ratio, move
-            elif ds == 0 and peak < current and -peak > best_peak:
-                best_peak, best_merge = -peak, move
-        move = best_save or best_merge
-        if move is None:
+        if not state.round(room):
             break
-        dk, ds, df, removed, added, action = move
-        kept, secs, flops = kept + dk, secs + ds, flops + df
-        for v in removed:
-            ts.remove(v)
-        for v in added:
-            insort(ts, v)
-        for u in _apply_move(nodes, decision, segs, action):
-            if decision[u] == "keep":
-                active.discard(u)
-            else:
-                active.add(u)
-    polished = _Plan(decision, {u: sorted(r) for u, r in segs.items() if r})
+    polished = _Plan(state.decision, {u: sorted(r) for u, r in state.segs.items() if r})
     polished.value = _evaluate_nodes(nodes, polished.decision, polished.segs)
     if polished.value[0] + polished.value[1] > room or polished.value[2] > plan.value[2]:  # type: ignore[index]
         return plan  # cannot happen under the cost model; a safety net for rounding
     return polished
 
 
-def _apply_move(
-    nodes: list[_Node], decision: list[str], segs: dict[int, list[tuple[int, int]]], action: tuple
-) -> list[int]:
-    """Apply a _polish move; return the units whose decision it may have changed."""
-    kind, u = action[0], action[1]
-    node = nodes[u]
-    touched = [u]
+class _PolishState:
+    """A plan as pieces, with running totals and the moves of each piece (see _polish).
 
-    def set_piece(i: int, j: int) -> None:
-        if i == j:
-            decision[node.children[i]] = "recompute"
-            touched.append(node.children[i])
+    A piece is ("u", unit) for a unit recomputed or selective, or ("s", unit, i, j) for a
+    segment of a sequential unit. A move is (d_kept, d_seconds, d_flops, transients
+    removed, transients added, pieces removed, pieces added, decisions to set).
+    """
+
+    def __init__(self, nodes: list[_Node], plan: _Plan) -> None:
+        self.nodes = nodes
+        self.decision = list(plan.decision)
+        self.segs: dict[int, list[tuple[int, int]]] = {u: list(r) for u, r in plan.segs.items()}
+        self.kept = plan.value[0]  # type: ignore[index]
+        self.parent = [-1] * len(nodes)
+        self.position = [0] * len(nodes)
+        for node in nodes:
+            for pos, c in enumerate(node.children):
+                self.parent[c], self.position[c] = node.idx, pos
+        self.moves: dict[tuple, list[tuple]] = {}
+        self.ranges: dict[int, list[tuple[int, int]]] = {}  # mergeable pieces per chain
+        self.ts: list[float] = []
+        for u, d in enumerate(self.decision):
+            if d != "keep":
+                self._add(("u", u))
+        for u, ranges in self.segs.items():
+            for i, j in ranges:
+                self._add(("s", u, i, j))
+
+    # ---------------------------------------------------------------- pieces
+
+    def _piece(self, u: int, i: int, j: int) -> tuple:
+        """The piece covering children i..j of chain u: a segment, or child i alone."""
+        return ("u", self.nodes[u].children[i]) if i == j else ("s", u, i, j)
+
+    def _transient(self, piece: tuple) -> float:
+        if piece[0] == "s":
+            pre = self.nodes[piece[1]].pre_saved
+            return pre[piece[3] + 1] - pre[piece[2]]
+        node = self.nodes[piece[1]]
+        return node.rec_t if self.decision[node.idx] == "recompute" else node.sel_t
+
+    def _chain_range(self, piece: tuple) -> tuple[int, tuple[int, int]] | None:
+        if piece[0] == "s":
+            return piece[1], (piece[2], piece[3])
+        u = piece[1]
+        if self.decision[u] == "recompute" and u and self.nodes[self.parent[u]].pre_saved:
+            return self.parent[u], (self.position[u], self.position[u])
+        return None
+
+    def _add(self, piece: tuple) -> None:
+        insort(self.ts, self._transient(piece))
+        self.moves[piece] = self._piece_moves(piece)
+        where = self._chain_range(piece)
+        if where is None:
+            return
+        u, (i, j) = where
+        ranges = self.ranges.setdefault(u, [])
+        k = bisect_right(ranges, (i, j))
+        ranges.insert(k, (i, j))
+        if k > 0 and ranges[k - 1][1] + 1 == i:
+            self._add_merge(u, ranges[k - 1], (i, j))
+        if k + 1 < len(ranges) and ranges[k + 1][0] == j + 1:
+            self._add_merge(u, (i, j), ranges[k + 1])
+
+    def _remove(self, piece: tuple) -> None:
+        self.ts.remove(self._transient(piece))
+        del self.moves[piece]
+        where = self._chain_range(piece)
+        if where is None:
+            return
+        u, (i, j) = where
+        ranges = self.ranges[u]
+        k = ranges.index((i, j))
+        if k > 0:
+            self.moves.pop(("m", u, ranges[k - 1], (i, j)), None)
+        if k + 1 < len(ranges):
+            self.moves.pop(("m", u, (i, j), ranges[k + 1]), None)
+        del ranges[k]
+
+    def _add_merge(self, u: int, left: tuple[int, int], right: tuple[int, int]) -> None:
+        node = self.nodes[u]
+        if node.run_start[right[1]] > left[0]:
+            return
+        a, b = self._piece(u, *left), self._piece(u, *right)
+        pre = node.pre_saved
+        self.moves[("m", u, left, right)] = [
+            (
+                -node.kid_inp[right[0]],
+                0.0,
+                0.0,
+                (self._transient(a), self._transient(b)),
+                (pre[right[1] + 1] - pre[left[0]],),
+                (a, b),
+                (("s", u, left[0], right[1]),),
+                tuple((p[1], "keep") for p in (a, b) if p[0] == "u"),
+            )
+        ]
+
+    def _piece_moves(self, piece: tuple) -> list[tuple]:
+        nodes = self.nodes
+        out: list[tuple] = []
+        if piece[0] == "s":
+            _, u, i, j = piece
+            node = nodes[u]
+            old = (self._transient(piece),)
+            first, last = nodes[node.children[i]], nodes[node.children[j]]
+            pre = node.pre_saved
+            # Off the end: the segment shrinks, or the child left becomes a single piece.
+            out.append(
+                (
+                    last.saved,
+                    -last.fwd_s,
+                    -last.fwd_f,
+                    old,
+                    (first.rec_t if i == j - 1 else pre[j] - pre[i],),
+                    (piece,),
+                    (self._piece(u, i, j - 1),),
+                    ((first.idx, "recompute"),) if i == j - 1 else (),
+                )
+            )
+            out.append(
+                (
+                    first.saved - node.kid_inp[i] + node.kid_inp[i + 1],
+                    -first.fwd_s,
+                    -first.fwd_f,
+                    old,
+                    (last.rec_t if i + 1 == j else pre[j + 1] - pre[i + 1],),
+                    (piece,),
+                    (self._piece(u, i + 1, j),),
+                    ((last.idx, "recompute"),) if i + 1 == j else (),
+                )
+            )
+            return out
+        u = piece[1]
+        node = nodes[u]
+        if self.decision[u] == "recompute":
+            pk, ps, pf, pt = node.inp, node.fwd_s, node.fwd_f, node.rec_t
         else:
-            segs.setdefault(u, []).append((i, j))
+            pk, ps, pf, pt = node.inp + node.mm, node.sel_s, node.sel_f, node.sel_t
+        out.append((node.saved - pk, -ps, -pf, (pt,), (), (piece,), (), ((u, "keep"),)))
+        if self.decision[u] == "recompute" and node.can_sel:
+            out.append(
+                (
+                    node.mm,
+                    node.sel_s - ps,
+                    node.sel_f - pf,
+                    (pt,),
+                    (node.sel_t,),
+                    (piece,),
+                    (piece,),
+                    ((u, "selective"),),
+                )
+            )
+        if self.decision[u] == "recompute" and node.children:
+            dk, ds, df = node.own - pk, -ps, -pf
+            added: list[float] = []
+            pieces: list[tuple] = []
+            changes: list[tuple[int, str]] = [(u, "keep")]
+            for c in node.children:
+                child = nodes[c]
+                if child.can_rec:
+                    dk, ds, df = dk + child.inp, ds + child.fwd_s, df + child.fwd_f
+                    added.append(child.rec_t)
+                    pieces.append(("u", c))
+                    changes.append((c, "recompute"))
+                else:
+                    dk += child.saved
+            out.append((dk, ds, df, (pt,), tuple(added), (piece,), tuple(pieces), tuple(changes)))
+        return out
 
-    def clear_piece(i: int, j: int) -> None:
-        if i == j:
-            decision[node.children[i]] = "keep"
-            touched.append(node.children[i])
-        else:
-            segs[u].remove((i, j))
+    # ---------------------------------------------------------------- search
 
-    if kind == "drop":
-        decision[u] = "keep"
-    elif kind == "select":
-        decision[u] = "selective"
-    elif kind == "split":
-        decision[u] = "keep"
-        for c in node.children:
-            if nodes[c].can_rec:
-                decision[c] = "recompute"
-                touched.append(c)
-    elif kind == "last":
-        i, j = action[2], action[3]
-        segs[u].remove((i, j))
-        set_piece(i, j - 1)
-    elif kind == "first":
-        i, j = action[2], action[3]
-        segs[u].remove((i, j))
-        set_piece(i + 1, j)
-    else:  # merge
-        s1, e1, s2, e2 = action[2:]
-        clear_piece(s1, e1)
-        clear_piece(s2, e2)
-        set_piece(s1, e2)
-    return touched
+    def _largest_without(self, removed: tuple) -> float:
+        skip = list(removed)
+        for v in reversed(self.ts):
+            if v in skip:
+                skip.remove(v)
+            else:
+                return v
+        return 0.0
+
+    def _peak(self, move: tuple) -> float:
+        """kept + largest transient after ``move``."""
+        ts = self.ts
+        top = ts[-1] if ts else 0.0
+        removed = move[3]
+        # Many pieces often share the largest transient: removing one of them then leaves
+        # the largest as it is, with no search.
+        if top in removed and removed.count(top) >= len(ts) - bisect_left(ts, top):
+            top = self._largest_without(removed)
+        for t in move[4]:
+            if t > top:
+                top = t
+        return self.kept + move[0] + top
+
+    def round(self, room: float) -> bool:
+        """Apply this round's moves; False when there is none left.
+
+        The time-saving moves that fit are applied by time saved per byte spent, each if it
+        still fits and touches no piece an earlier one changed; without any, the merge that
+        frees the most memory.
+        """
+        current = self.kept + (self.ts[-1] if self.ts else 0.0)
+        scored: list[tuple[float, int, tuple]] = []
+        best_merge, best_peak = None, current
+        for moves in self.moves.values():
+            for move in moves:
+                peak = self._peak(move)
+                if peak > room:
+                    continue
+                dk, ds, df = move[:3]
+                if ds < 0 or (ds == 0 and df < 0 and dk <= 0):
+                    ratio = -ds / max(peak - current, 1e-12 * room) if ds < 0 else math.inf
+                    scored.append((ratio, len(scored), move))
+                elif ds == 0 and df == 0 and peak < best_peak:
+                    best_peak, best_merge = peak, move
+        if not scored:
+            if best_merge is None:
+                return False
+            self.apply(best_merge)
+            return True
+        scored.sort(key=lambda x: (-x[0], x[1]))
+        touched: set[tuple] = set()
+        for _, _, move in scored:
+            if touched.isdisjoint(move[5]) and self._peak(move) <= room:
+                self.apply(move)
+                touched.update(move[5])
+                touched.update(move[6])
+        return True
+
+    def apply(self, move: tuple) -> None:
+        # Pieces are removed under the old decisions (their transients depend on them) and
+        # added under the new ones.
+        self.kept += move[0]
+        for piece in move[5]:
+            self._remove(piece)
+            if piece[0] == "s":
+                self.segs[piece[1]].remove((piece[2], piece[3]))
+        for u, d in move[7]:
+            self.decision[u] = d
+        for piece in move[6]:
+            if piece[0] == "s":
+                self.segs.setdefault(piece[1], []).append((piece[2], piece[3]))
+            self._add(piece)
 
 
 def _solve_optimal(nodes: list[_Node], label: str, budget: float | None, static: float) -> Solution:
     try:
         points = _exact_points(nodes, _Work(_EXACT_WORK))
     except _TooLarge:
-        return _solve_relaxed(nodes, label, budget, static)
+        points = None
+    if points is None:
+        # The exact retry bounded by the relaxation's plan finishes on mid-sized trees (it
+        # needs 2 to 6 times less work than the full programme); on large ones it would
+        # only spend the time.
+        retry = len(nodes) <= _BOUNDED_UNITS
+        return _solve_relaxed(nodes, label, budget, static, retry)
     # points run from least memory to least time; each one's peak is static + p[0].
     if budget is None:
         chosen = len(points) - 1
