@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a device is needed: the solvers import this
+    import torch  # module and stay free of torch.
 
 _UNITS = {
     "": 1,
@@ -29,11 +32,11 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 def device_memory_bytes(device: torch.device | str | None = None) -> int:
     """Total memory of ``device``: the GPU's for CUDA, the machine's RAM for CPU."""
+    import torch
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

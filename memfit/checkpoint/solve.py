@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.units import format_bytes as _format_bytes
 
 __all__ = [
     "STRATEGIES",
@@ -146,17 +147,6 @@ class Evaluation:
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def _format_bytes(n: float) -> str:
-    # memfit.units.format_bytes lives in a module that imports torch; this module must not.
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- the flat tree

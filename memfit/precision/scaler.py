@@ -181,15 +181,7 @@ class LossScaler:
                     "use one scaler per device"
                 )
             return
-        values = {
-            "scale": self.init_scale,
-            "growth_tracker": 0,
-            "hysteresis_left": self.hysteresis,
-            "steps": 0,
-            "skipped": 0,
-            "consecutive_skips": 0,
-        }
-        values.update(self._pending or {})
+        values = self._initial_values()
         self._pending = None
         self._device = device
         self._scale = torch.tensor(float(values["scale"]), dtype=torch.float32, device=device)
@@ -204,6 +196,19 @@ class LossScaler:
         self._consecutive = torch.tensor(
             int(values["consecutive_skips"]), dtype=torch.int64, device=device
         )
+
+    def _initial_values(self) -> dict[str, float | int]:
+        # The state before the first step, or what load_state_dict left to restore.
+        values: dict[str, float | int] = {
+            "scale": self.init_scale,
+            "growth_tracker": 0,
+            "hysteresis_left": self.hysteresis,
+            "steps": 0,
+            "skipped": 0,
+            "consecutive_skips": 0,
+        }
+        values.update(self._pending or {})
+        return values
 
     def _state_of(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_optimizer.setdefault(
@@ -419,16 +424,7 @@ class LossScaler:
 
     def _values(self) -> dict[str, float | int]:
         if self._scale is None:
-            values: dict[str, float | int] = {
-                "scale": self.init_scale,
-                "growth_tracker": 0,
-                "hysteresis_left": self.hysteresis,
-                "steps": 0,
-                "skipped": 0,
-                "consecutive_skips": 0,
-            }
-            values.update(self._pending or {})
-            return values
+            return self._initial_values()
         assert self._growth_tracker is not None and self._hysteresis_left is not None
         assert self._steps is not None and self._skipped is not None
         assert self._consecutive is not None
