@@ -129,6 +129,20 @@ def batch_size(batch: Batch) -> int:
     return sizes.pop()
 
 
+def _check_checkpoint_request(checkpoint: Any) -> None:
+    # A misspelt strategy should fail when the Engine is made, not at the first step.
+    if isinstance(checkpoint, str):
+        if checkpoint not in ("none", "auto"):
+            from memfit.checkpoint.solve import parse_strategy
+
+            parse_strategy(checkpoint)
+    elif not (hasattr(checkpoint, "decisions") and hasattr(checkpoint, "segments")):
+        raise ConfigError(
+            "checkpoint= takes a Plan or one of 'none', 'auto', 'optimal', 'full', "
+            f"'uniform:k', 'sqrt'; got {type(checkpoint).__name__}"
+        )
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
@@ -177,6 +191,7 @@ class Engine:
             raise ConfigError(f"log_every must be an int >= 1, got {log_every}")
         if max_consecutive_skips < 1:
             raise ConfigError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
+        _check_checkpoint_request(checkpoint)
         self.policy = PrecisionPolicy.of(precision)
         self.model = model
         self.optimizer = optimizer

@@ -215,3 +215,11 @@ def test_resume_restores_the_plan(tmp_path) -> None:
     resumed.train_step(batch_fn(8, generator=1), loss_fn)
     assert resumed.plan is not None
     assert resumed.plan.decisions == engine.plan.decisions
+
+
+def test_engine_rejects_a_misspelt_strategy_when_made() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="unknown checkpoint strategy"):
+        memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint="unifrom:4")
+    with pytest.raises(ConfigError, match="takes a Plan"):
+        memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint=42)
