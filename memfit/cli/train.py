@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
         help="micro-batches per optimizer step (default: 1)",
     )
     p.add_argument(
-        "--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)"
+        "--lr", type=_positive_float, default=1e-3, help="peak learning rate (default: 1e-3)"
     )
     p.add_argument(
         "--warmup", type=_nonneg_int, default=20, help="linear warmup steps (default: 20)"
