@@ -58,7 +58,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from memfit.checkpoint.tree import _lookup, structure_fingerprint
+from memfit.checkpoint.tree import _lookup, iter_override_class, structure_fingerprint
 from memfit.errors import PlanError
 
 __all__ = [
@@ -349,26 +349,6 @@ def _segmented_iter(self: nn.Module) -> Iterator[Any]:
     return iter(_segment_items(children, patch))
 
 
-_SEGMENTED_CLASSES: dict[type, type] = {}
-
-
-def _segmented_class(cls: type) -> type:
-    sub = _SEGMENTED_CLASSES.get(cls)
-    if sub is None:
-        sub = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__iter__": _segmented_iter,
-                "_memfit_base_class": cls,
-                "__module__": cls.__module__,
-                "__doc__": cls.__doc__,
-            },
-        )
-        _SEGMENTED_CLASSES[cls] = sub
-    return sub
-
-
 def _base_forward(module: nn.Module, patch: _Patch, *args: Any, **kwargs: Any) -> Any:
     if patch.sequential_forward:
         (x,) = args
@@ -551,7 +531,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = False) -> nn.M
             _patch_forward(module, patch)
         else:
             patch.orig_class = type(module)
-            module.__class__ = _segmented_class(type(module))
+            module.__class__ = iter_override_class(type(module), _segmented_iter)
     for name, decision in decisions.items():
         if decision == "keep":
             continue

@@ -82,6 +82,7 @@ from memfit.checkpoint.tree import (
     Unit,
     UnitTree,
     find_units,
+    iter_override_class,
     structure_fingerprint,
     unit_tree,
 )
@@ -336,21 +337,6 @@ def _probe_iter(self: nn.Module) -> Iterator[nn.Module]:
     if marks is not None:
         marks.append(True)
     return iter(self._modules.values())
-
-
-_PROBE_CLASSES: dict[type, type] = {}
-
-
-def _probe_class(cls: type) -> type:
-    sub = _PROBE_CLASSES.get(cls)
-    if sub is None:
-        sub = type(
-            cls.__name__,
-            (cls,),
-            {"__iter__": _probe_iter, "_memfit_base_class": cls, "__module__": cls.__module__},
-        )
-        _PROBE_CLASSES[cls] = sub
-    return sub
 
 
 # --------------------------------------------------------------------------- recording
@@ -697,7 +683,7 @@ def _run_step(
                 rec.iterated[unit.name] = []
                 m.__dict__["_memfit_iterated"] = rec.iterated[unit.name]
                 swapped.append((m, type(m)))
-                m.__class__ = _probe_class(type(m))
+                m.__class__ = iter_override_class(type(m), _probe_iter)
         rec.probe = torch.zeros((), requires_grad=True)
         modes = contextlib.ExitStack()
         with modes:

@@ -32,8 +32,9 @@ Example::
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -64,6 +65,28 @@ def original_class(module: nn.Module) -> type:
         original_class(model.blocks)  # nn.ModuleList, planned or not
     """
     return type(module).__dict__.get("_memfit_base_class", type(module))
+
+
+_ITER_CLASSES: dict[tuple[type, Callable[..., Any]], type] = {}
+
+
+def iter_override_class(cls: type, iter_fn: Callable[..., Any]) -> type:
+    """A cached subclass of ``cls`` whose ``__iter__`` is ``iter_fn``, for swapping into a
+    container's ``__class__`` (the executor's segments, the profiler's iteration probe).
+
+    It keeps the name, module and docstring, and :func:`original_class` sees through it.
+    """
+    key = (cls, iter_fn)
+    sub = _ITER_CLASSES.get(key)
+    if sub is None:
+        namespace = {
+            "__iter__": iter_fn,
+            "_memfit_base_class": cls,
+            "__module__": cls.__module__,
+            "__doc__": cls.__doc__,
+        }
+        sub = _ITER_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return sub
 
 
 @dataclass(eq=False)
