@@ -195,58 +195,23 @@ def _solve(
     planning_budget = None if budget_bytes is None else budget_bytes * (1 - RESERVE)
     held = mem.base_bytes + mem.in_flight_bytes
     try:
-        # Planned with the loss's memory counted as held throughout, a bound: in fact it is
-        # freed before the first recomputed piece is rebuilt, which the prediction below uses.
-        solution = solve(root, strategy, planning_budget, held + mem.loss_bytes)
+        solution = solve(root, strategy, planning_budget, held, mem.loss_bytes)
     except BudgetError as exc:
         raise BudgetError(
             f"{exc} (memfit plans within {1 - RESERVE:.0%} of the budget "
             f"{format_bytes(budget_bytes)}, keeping the rest for allocator slack)"
         ) from None
     solution.budget_bytes = budget_bytes
-    result = evaluate(root, solution.decisions, solution.segments)
-    kept = result.kept_bytes - _shared_input_credit(root, solution.decisions, solution.segments)
-    backward_phase = held + kept + max(mem.loss_bytes, result.transient_bytes)
-    solution.static_bytes = held + mem.loss_bytes
-    solution.kept_bytes = kept
-    solution.transient_bytes = max(0.0, result.transient_bytes - mem.loss_bytes)
-    solution.predicted_peak_bytes = max(backward_phase, optimizer_phase)
+    # The solver plans without crediting checkpoint inputs that the kept unit before them
+    # already saves (a bound); the prediction counts them once.
+    result = evaluate(
+        root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
+    )
+    solution.static_bytes = held
+    solution.kept_bytes = result.kept_bytes
+    solution.transient_bytes = result.transient_bytes
+    solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
     return Plan.from_solution(solution, precision=policy.mode, structure=structure)
-
-
-def _shared_input_credit(
-    root: UnitCost, decisions: dict[str, str], segments: dict[str, list[tuple[int, int]]]
-) -> float:
-    """Bytes the cost model counts twice: a recomputed piece keeps its input, which the
-    wholly kept sibling before it already saves (a block ending in ReLU saves its output).
-
-    The solver plans with the double count (a safe bound); the prediction removes it.
-    """
-
-    def untouched(unit: UnitCost) -> bool:
-        return all(
-            decisions.get(u.name, "keep") == "keep" and not segments.get(u.name)
-            for u in unit.walk()
-        )
-
-    credit = 0.0
-
-    def visit(unit: UnitCost, covered: bool) -> None:
-        nonlocal credit
-        ranges = segments.get(unit.name, [])
-        in_segment = {k for i, j in ranges for k in range(i, j + 1)}
-        starts = {i for i, _ in ranges}
-        for idx, child in enumerate(unit.children):
-            recomputed = decisions.get(child.name) in ("recompute", "selective")
-            starts_piece = not covered and (idx in starts or (recomputed and idx not in in_segment))
-            if starts_piece and idx > 0:
-                prev = unit.children[idx - 1]
-                if idx - 1 not in in_segment and untouched(prev):
-                    credit += min(child.input_saved_by_previous_bytes, child.input_bytes)
-            visit(child, covered or recomputed or idx in in_segment)
-
-    visit(root, False)
-    return credit
 
 
 class _StepModule(nn.Module):

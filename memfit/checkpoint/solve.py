@@ -12,10 +12,9 @@ Strategies (``docs/planner.md`` states them in full):
                   ``k`` per chain from its length.
 ``"sqrt"``        about ``sqrt(n)`` memory-balanced segments per chain of ``n`` blocks
                   (Chen et al. 2016).
-``"optimal"``     the cheapest plan under the budget: a dynamic programme over the tree
-                  with Pareto frontiers of (memory, recompute time), exact under the cost
-                  model; past its work limit, a Lagrangian relaxation with local search,
-                  then the exact programme again bounded by that plan.
+``"optimal"``     the cheapest plan under the budget: a dynamic programme that walks the
+                  tree in forward order carrying the Pareto frontier of (bytes kept so far,
+                  recompute time), exact under the cost model.
 
 *Blocks*: a *chain* is a unit with two or more children. Walking down from the root,
 the blocks are the outermost recomputable units whose parent is a chain. A single-child
@@ -33,12 +32,10 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import bisect_left, bisect_right, insort
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Literal
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import BudgetError, ConfigError, PlanError
@@ -60,17 +57,19 @@ Decision = Literal["keep", "recompute", "selective"]
 #: The strategy names :func:`solve` accepts (``"uniform"`` also as ``"uniform:k"``).
 STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 
-# The optimal solver's limits (docs/planner.md, "Exactness and its limits"). The exact
-# frontier programme gives up after visiting _EXACT_WORK frontier points, or when the tree
-# has more than _EXACT_LEVELS distinct transients; the Lagrangian relaxation then tries
-# at most _RELAXED_LEVELS transient caps, and the exact programme bounded by its result
-# gets _BOUNDED_WORK more on trees of at most _BOUNDED_UNITS units.
-_EXACT_WORK = 60_000
-_BOUNDED_WORK = 400_000
-_BOUNDED_UNITS = 300
-_EXACT_LEVELS = 400
-_MAX_SEGMENT_SUMS = 20_000
-_RELAXED_LEVELS = 24
+# The optimal solver's limits (docs/planner.md, "Large trees"). An exact pass may visit
+# _EXACT_WORK frontier points; past that, passes are approximate: frontiers are thinned to
+# _THIN_POINTS points and segments of long chains start only at geometric distances
+# (1, 2, 3, 4, 6, 8, 12, ...) before their end. Every plan is still valid and exactly
+# evaluated; a cheaper one may have been dropped. The (peak, time) frontier is walked point
+# by point for at most _STAIRCASE passes, then sampled at _SAMPLED caps (_SAMPLED_LARGE
+# on trees that needed approximate passes).
+_EXACT_WORK = 150_000
+_THIN_POINTS = 32
+_STAIRCASE = 24
+_SAMPLED = 12
+_SAMPLED_LARGE = 3
+_SMALL_TREE = 64
 # Points of the optimal frontier reported in a Solution (spread evenly in memory).
 _MAX_REPORTED = 256
 
@@ -116,7 +115,9 @@ class Solution:
     kept_bytes: float
     """Activation bytes held from forward to backward under the plan."""
     transient_bytes: float
-    """Largest extra bytes while one recomputed piece is rebuilt in backward."""
+    """What the peak holds beyond static and kept: the loss at the end of forward, or, when
+    higher, a recomputed piece being rebuilt in backward (what is kept after that piece is
+    freed by then)."""
     predicted_peak_bytes: float
     """static + kept + transient."""
     recompute_flops: float
@@ -128,11 +129,10 @@ class Solution:
     note: str | None = None
     """A plain remark on the choice, e.g. that the budget needs no checkpointing."""
     exact: bool = True
-    """For ``"optimal"``: True when the plan is proven the cheapest that fits (and, when the
-    whole frontier was computed, the frontier is exact). False when the tree was too large
-    for the exact programme and the plan comes from the Lagrangian relaxation and local
-    search: valid, its numbers exact, but a slightly cheaper plan may exist. Always True for
-    the fixed strategies, which have nothing to approximate."""
+    """For ``"optimal"``: True when the plan is proven the cheapest that fits. False when
+    the tree was too large for the exact programme within its work limit and frontiers were
+    thinned: the plan is valid and its numbers exact, but a slightly cheaper one may exist.
+    Always True for the fixed strategies, which have nothing to approximate."""
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,16 @@ class Evaluation:
     """The cost model's verdict on one set of decisions (see :func:`evaluate`)."""
 
     kept_bytes: float
+    """Activation bytes held at the end of forward."""
     transient_bytes: float
+    """peak - static - kept: the loss, or the excess of the highest rebuild in backward."""
     peak_bytes: float
+    """static + the larger of kept + loss and the highest rebuild."""
     recompute_seconds: float
     recompute_flops: float
+    rebuild_bytes: float = 0.0
+    """The highest point of backward's rebuilds: the bytes kept before the piece, its
+    checkpointed input and everything it saves (0 when nothing is recomputed)."""
 
 
 # --------------------------------------------------------------------------- formatting
@@ -177,6 +183,7 @@ class _Node:
         "pre_f",
         "run_start",
         "kid_inp",
+        "shared",
     )
 
     def __init__(self, idx: int, unit: UnitCost, is_root: bool) -> None:
@@ -191,6 +198,8 @@ class _Node:
         self.sel_s = float(unit.non_matmul_fwd_seconds)
         self.sel_f = float(unit.non_matmul_fwd_flops)
         self.mm = float(unit.matmul_saved_bytes)
+        # Input bytes the sibling before this unit already saves (see evaluate's shared_inputs).
+        self.shared = min(float(unit.input_saved_by_previous_bytes), self.inp)
         # The root is the whole model: there is nothing outside it to hold its inputs.
         self.can_rec = bool(unit.can_recompute) and not is_root
         # Selective recompute only differs from recompute when matmul outputs are saved.
@@ -226,6 +235,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
             "non_matmul_fwd_seconds",
             "non_matmul_fwd_flops",
             "bwd_seconds",
+            "input_saved_by_previous_bytes",
         ):
             value = getattr(unit, attr)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -269,43 +279,64 @@ def _prefix(values: Iterable[float]) -> list[float]:
 
 
 def _evaluate_nodes(
-    nodes: list[_Node], decision: list[str], segs: Mapping[int, list[tuple[int, int]]]
+    nodes: list[_Node],
+    decision: list[str],
+    segs: Mapping[int, list[tuple[int, int]]],
+    shared_inputs: bool = False,
 ) -> tuple[float, float, float, float]:
-    """(kept, transient, seconds, flops) of a plan given per node index."""
-    kept = [0.0] * len(nodes)
-    trans = [0.0] * len(nodes)
-    secs = [0.0] * len(nodes)
-    flops = [0.0] * len(nodes)
-    for node in reversed(nodes):
-        u = node.idx
+    """(kept, highest rebuild, seconds, flops) of a plan given per node index.
+
+    Walks the tree in forward order with the bytes kept so far: backward rebuilds a piece
+    when everything after it has been freed and everything before it is still kept.
+    """
+    # untouched[u]: u and everything below it keep, and u is no segment's member.
+    untouched = [True] * len(nodes)
+    if shared_inputs:
+        members = {
+            nodes[u].children[p] for u, r in segs.items() for i, j in r for p in range(i, j + 1)
+        }
+        for node in reversed(nodes):
+            u = node.idx
+            untouched[u] = (
+                decision[u] == "keep"
+                and u not in members
+                and not segs.get(u)
+                and all(untouched[c] for c in node.children)
+            )
+
+    def visit(u: int, k: float, credit: float) -> tuple[float, float, float, float]:
+        node = nodes[u]
         d = decision[u]
         if d == "recompute":
-            kept[u], trans[u], secs[u], flops[u] = node.inp, node.rec_t, node.fwd_s, node.fwd_f
-            continue
+            k += node.inp - credit
+            return k, k + node.inp + node.saved, node.fwd_s, node.fwd_f
         if d == "selective":
-            kept[u], trans[u], secs[u], flops[u] = (
-                node.inp + node.mm,
-                node.sel_t,
-                node.sel_s,
-                node.sel_f,
-            )
-            continue
-        k, t, s, f = node.own, 0.0, 0.0, 0.0
-        in_segment: set[int] = set()
-        for i, j in segs.get(u, ()):
-            k += nodes[node.children[i]].inp
-            t = max(t, node.pre_saved[j + 1] - node.pre_saved[i])
-            s += node.pre_s[j + 1] - node.pre_s[i]
-            f += node.pre_f[j + 1] - node.pre_f[i]
-            in_segment.update(range(i, j + 1))
-        for pos, c in enumerate(node.children):
-            if pos not in in_segment:
-                k += kept[c]
-                t = max(t, trans[c])
-                s += secs[c]
-                f += flops[c]
-        kept[u], trans[u], secs[u], flops[u] = k, t, s, f
-    return kept[0], trans[0], secs[0], flops[0]
+            k += node.inp - credit
+            return k + node.mm, k + node.inp + node.saved, node.sel_s, node.sel_f
+        k += node.own
+        high, secs, flops = 0.0, 0.0, 0.0
+        ends = dict(segs.get(u, ()))
+        kids = node.children
+        pos = 0
+        while pos < len(kids):
+            c = kids[pos]
+            # A piece whose input the wholly kept sibling before it saves keeps nothing new.
+            credit = nodes[c].shared if shared_inputs and pos and untouched[kids[pos - 1]] else 0.0
+            if pos in ends:
+                end = ends[pos]
+                k += nodes[c].inp - credit
+                rebuilt = node.pre_saved[end + 1] - node.pre_saved[pos]
+                high = max(high, k + nodes[c].inp + rebuilt)
+                secs += node.pre_s[end + 1] - node.pre_s[pos]
+                flops += node.pre_f[end + 1] - node.pre_f[pos]
+                pos = end + 1
+                continue
+            k, h, s, f = visit(c, k, credit)
+            high, secs, flops = max(high, h), secs + s, flops + f
+            pos += 1
+        return k, high, secs, flops
+
+    return visit(0, 0.0, 0.0)
 
 
 def _check_plan(
@@ -358,21 +389,28 @@ def evaluate(
     decisions: Mapping[str, str],
     segments: Mapping[str, list[tuple[int, int]]] | None = None,
     static_bytes: float = 0.0,
+    loss_bytes: float = 0.0,
+    shared_inputs: bool = False,
 ) -> Evaluation:
     """Predict memory and recompute cost of given decisions under the cost model.
 
     Units missing from ``decisions`` keep. Decisions below a recomputed unit, or on a
     segment's members, are ignored: nothing is nested inside a recomputed piece.
+    ``loss_bytes`` is held at the end of forward only (the model's output and what the
+    loss saves). With ``shared_inputs``, a recomputed piece whose input the wholly kept
+    sibling before it already saves keeps no second copy (the solvers plan without this
+    credit, a bound; predictions use it).
 
     >>> from memfit.checkpoint.costs import UnitCost
     >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.5)
     >>> evaluate(UnitCost("", children=[block]), {"b": "recompute"}).peak_bytes
-    110.0
+    120.0
     """
     nodes = _flatten(root)
     decision, segs = _check_plan(nodes, decisions, segments or {})
-    k, t, s, f = _evaluate_nodes(nodes, decision, segs)
-    return Evaluation(k, t, static_bytes + k + t, s, f)
+    k, high, s, f = _evaluate_nodes(nodes, decision, segs, shared_inputs)
+    peak = max(k + loss_bytes, high)
+    return Evaluation(k, peak - k, static_bytes + peak, s, f, high)
 
 
 # --------------------------------------------------------------------------- strategies
@@ -413,11 +451,13 @@ def solve(
     strategy: str,
     budget_bytes: float | None,
     static_bytes: float = 0.0,
+    loss_bytes: float = 0.0,
 ) -> Solution:
     """Choose which units to recompute.
 
     ``budget_bytes`` is the peak of a whole training step; ``static_bytes`` is the part of
-    it checkpointing cannot change. With ``budget_bytes=None`` the optimal solver has
+    it checkpointing cannot change; ``loss_bytes`` is held at the end of forward only (the
+    model's output and what the loss saves, freed before backward reaches the model). With ``budget_bytes=None`` the optimal solver has
     nothing to fit and returns the plan without recompute, and the other strategies apply
     their plan to every block. Raises :class:`~memfit.errors.BudgetError` when the
     strategy cannot fit the budget, and :class:`~memfit.errors.ConfigError` for an
@@ -429,7 +469,7 @@ def solve(
     >>> tree = UnitCost("", children=blocks, sequential=True)
     >>> sol = solve(tree, "optimal", budget_bytes=250.0)
     >>> sol.predicted_peak_bytes, sol.recompute_seconds
-    (230.0, 3.0)
+    (220.0, 2.0)
     >>> solve(tree, "uniform:2", None).segments
     {'': [(0, 1), (2, 3)]}
     """
@@ -442,16 +482,17 @@ def solve(
             )
         if not budget_bytes > 0:
             raise ConfigError(f"budget_bytes must be positive, got {budget_bytes!r}")
-    if not (isinstance(static_bytes, (int, float)) and static_bytes >= 0):
-        raise ConfigError(f"static_bytes must be a number >= 0, got {static_bytes!r}")
+    for what, value in (("static_bytes", static_bytes), ("loss_bytes", loss_bytes)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
     budget = None if budget_bytes is None else float(budget_bytes)
-    static = float(static_bytes)
+    static, loss = float(static_bytes), float(loss_bytes)
     nodes = _flatten(root)
-    none_peak = static + nodes[0].saved
+    none_peak = static + nodes[0].saved + loss
 
     if budget is not None and budget >= none_peak:
         plan = _Plan(["keep"] * len(nodes), {})
-        sol = _solution(nodes, plan, label, budget, static, [plan])
+        sol = _solution(nodes, plan, label, budget, static, loss, [plan])
         sol.note = (
             f"budget {_format_bytes(budget)} is at or above the no-checkpoint peak "
             f"{_format_bytes(none_peak)}: nothing is recomputed"
@@ -459,7 +500,7 @@ def solve(
         return sol
 
     if name == "optimal":
-        return _solve_optimal(nodes, label, budget, static)
+        return _solve_optimal(nodes, label, budget, static, loss)
     if name == "none":
         plans = [_Plan(["keep"] * len(nodes), {})]
     else:
@@ -467,8 +508,9 @@ def solve(
         if name == "full":
             plans = [_family_plan(nodes, chains, "full", None, None)]
         else:
-            plans = _family(nodes, chains, name, k, None if budget is None else budget - static)
-    return _pick_family(nodes, plans, label, budget, static)
+            room = None if budget is None else budget - static
+            plans = _family(nodes, chains, name, k, room, loss)
+    return _pick_family(nodes, plans, label, budget, static, loss)
 
 
 # --------------------------------------------------------------------------- simple strategies
@@ -478,7 +520,17 @@ def solve(
 class _Plan:
     decision: list[str]
     segs: dict[int, list[tuple[int, int]]]
-    value: tuple[float, float, float, float] | None = None  # kept, transient, seconds, flops
+    value: tuple[float, float, float, float] | None = None  # kept, rebuild, seconds, flops
+
+    def evaluated(self, nodes: list[_Node]) -> tuple[float, float, float, float]:
+        if self.value is None:
+            self.value = _evaluate_nodes(nodes, self.decision, self.segs)
+        return self.value
+
+    def peak(self, nodes: list[_Node], loss: float) -> float:
+        """Peak above static: the end of forward or the highest rebuild."""
+        kept, high, _, _ = self.evaluated(nodes)
+        return max(kept + loss, high)
 
 
 def _find_chains(nodes: list[_Node]) -> list[tuple[int, list[int]]]:
@@ -583,9 +635,10 @@ def _family(
     name: str,
     k: int | None,
     room: float | None,
+    loss: float,
 ) -> list[_Plan]:
-    """Evaluated plans of a fixed strategy: all blocks when ``room`` (bytes for kept +
-    transient) is None, else a bisection for the fewest blocks, in forward order, that
+    """Evaluated plans of a fixed strategy: all blocks when ``room`` (bytes above static)
+    is None, else a bisection for the fewest blocks, in forward order, that
     fit in it (the time only grows with the count; the peak mostly falls)."""
     total = sum(len(b) for _, b in chains)
     tried: dict[int, _Plan] = {}
@@ -593,13 +646,12 @@ def _family(
     def at(count: int) -> _Plan:
         if count not in tried:
             plan = _family_plan(nodes, chains, name, k, count)
-            plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
+            plan.evaluated(nodes)
             tried[count] = plan
         return tried[count]
 
     def fits(count: int) -> bool:
-        value = at(count).value
-        return value[0] + value[1] <= room  # type: ignore[index, operator]
+        return at(count).peak(nodes, loss) <= room  # type: ignore[operator]
 
     if room is None:
         return [at(total)]
@@ -621,34 +673,40 @@ def _family(
 
 
 def _pick_family(
-    nodes: list[_Node], plans: list[_Plan], label: str, budget: float | None, static: float
+    nodes: list[_Node],
+    plans: list[_Plan],
+    label: str,
+    budget: float | None,
+    static: float,
+    loss: float,
 ) -> Solution:
-    for plan in plans:
-        if plan.value is None:
-            plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
     if budget is None:
         chosen = plans[-1]
     else:
-        fits = [p for p in plans if static + p.value[0] + p.value[1] <= budget]  # type: ignore[index]
+        fits = [p for p in plans if static + p.peak(nodes, loss) <= budget]
         if not fits:
-            best = min(plans, key=lambda p: p.value[0] + p.value[1])  # type: ignore[index]
-            k_, t_, _, _ = best.value  # type: ignore[misc]
-            smallest = static + k_ + t_
+            best = min(plans, key=lambda p: p.peak(nodes, loss))
+            smallest = static + best.peak(nodes, loss)
             raise BudgetError(
                 f"strategy {label!r} cannot fit the budget {_format_bytes(budget)}: its smallest "
                 f"peak is {_format_bytes(smallest)} ({smallest:.0f} bytes; "
-                f"{_breakdown(static, k_, t_)}). Use strategy 'optimal', which finds the "
-                f"smallest peak any plan reaches, or a budget of at least {_format_bytes(smallest)}"
+                f"{_breakdown(nodes, best, static, loss)}). Use strategy 'optimal', which finds "
+                f"the smallest peak any plan reaches, or a budget of at least "
+                f"{_format_bytes(smallest)}"
             )
-        chosen = min(fits, key=lambda p: (p.value[2], p.value[3], p.value[0] + p.value[1]))  # type: ignore[index]
-    return _solution(nodes, chosen, label, budget, static, plans)
+        chosen = min(
+            fits, key=lambda p: (p.evaluated(nodes)[2], p.evaluated(nodes)[3], p.peak(nodes, loss))
+        )
+    return _solution(nodes, chosen, label, budget, static, loss, plans)
 
 
-def _breakdown(static: float, kept: float, transient: float) -> str:
-    return (
-        f"static {_format_bytes(static)}, kept activations {_format_bytes(kept)}, "
-        f"largest recompute transient {_format_bytes(transient)}"
-    )
+def _breakdown(nodes: list[_Node], plan: _Plan, static: float, loss: float) -> str:
+    kept, high, _, _ = plan.evaluated(nodes)
+    if high > kept + loss:
+        where = f"the highest rebuild in backward {_format_bytes(high - kept)} above the kept"
+    else:
+        where = f"the loss {_format_bytes(loss)} at the end of forward"
+    return f"static {_format_bytes(static)}, kept activations {_format_bytes(kept)}, then {where}"
 
 
 def _solution(
@@ -657,18 +715,14 @@ def _solution(
     label: str,
     budget: float | None,
     static: float,
+    loss: float,
     family: list[_Plan],
     *,
     exact: bool = True,
 ) -> Solution:
-    if plan.value is None:
-        plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
-    kept, trans, secs, flops = plan.value
-    points = []
-    for p in family:
-        if p.value is None:
-            p.value = _evaluate_nodes(nodes, p.decision, p.segs)
-        points.append((static + p.value[0] + p.value[1], p.value[2], p.value[3]))
+    kept, _, secs, flops = plan.evaluated(nodes)
+    peak = plan.peak(nodes, loss)
+    points = [(static + p.peak(nodes, loss),) + p.evaluated(nodes)[2:] for p in family]
     return Solution(
         decisions={n.name: plan.decision[n.idx] for n in nodes},
         segments={nodes[u].name: sorted(r) for u, r in sorted(plan.segs.items())},
@@ -676,8 +730,8 @@ def _solution(
         budget_bytes=budget,
         static_bytes=static,
         kept_bytes=kept,
-        transient_bytes=trans,
-        predicted_peak_bytes=static + kept + trans,
+        transient_bytes=peak - kept,
+        predicted_peak_bytes=static + peak,
         recompute_flops=flops,
         recompute_seconds=secs,
         frontier=[FrontierPoint(p, s, f) for p, s, f in _pareto3(points)],
@@ -695,1071 +749,353 @@ def _pareto3(points: list[tuple[float, float, float]]) -> list[tuple[float, floa
     return out
 
 
-# --------------------------------------------------------------------------- optimal: exact
+# --------------------------------------------------------------------------- optimal
 #
-# A frontier is a list of points (kept, seconds, flops, ref) sorted by kept, on which no
-# point is matched or beaten in kept by one that is cheaper in (seconds, flops), compared
-# lexicographically. ``ref`` records how the point was built, for reconstruction: None
-# (nothing recomputed), a pair (ref, ref) of two parts, ("recompute" | "selective", unit)
-# or ("segment", unit, start, end, ref of what precedes the segment).
+# The programme walks the tree in forward order. Its state is a frontier: the plans of
+# everything walked so far that are Pareto-optimal in (bytes kept so far, recompute time),
+# each a point (kept, seconds, flops, highest rebuild, ref). ``ref`` is a linked list of
+# the choices made, for reconstruction: None, or (ref, code, unit, start, end) with code 0
+# recompute, 1 selective, 2 segment. A cap on the peak above static turns every rebuild
+# into a constraint on the bytes kept before it, which the walk checks as it goes; so one
+# pass finds the cheapest plan under one cap, exactly.
 
-_KEY = itemgetter(0)
-_EMPTY: list = [(0.0, 0.0, 0.0, None)]
+_RECOMPUTE, _SELECTIVE, _SEGMENT = 0, 1, 2
+_BY_TIME = itemgetter(0, 1, 2, 3)
+_BY_HIGH = itemgetter(0, 3, 1, 2)
+_START: list = [(0.0, 0.0, 0.0, 0.0, None)]
+
+
+def _least_kept(nodes: list[_Node]) -> tuple[list[float], list[float]]:
+    """Lower bounds on the bytes each unit keeps under any plan, and when it keeps."""
+    low = [0.0] * len(nodes)
+    keep_low = [0.0] * len(nodes)
+    for node in reversed(nodes):
+        seq = node.seq and len(node.children) >= 2
+        # In a chain, a recomputable child may sit inside a segment and keep nothing.
+        inner = sum(0.0 if seq and nodes[c].can_rec else low[c] for c in node.children)
+        keep_low[node.idx] = low[node.idx] = node.own + inner
+        if node.can_rec:
+            low[node.idx] = min(low[node.idx], node.inp)
+    return low, keep_low
+
+
+class _Pass:
+    """One walk of the tree under a cap on the peak above static.
+
+    ``least_peak=False``: frontiers in (kept, time), every rebuild within ``cap``; the
+    cheapest final point is the cheapest plan whose peak is within ``cap``.
+    ``least_peak=True``: frontiers in (kept, highest rebuild), for the smallest peak any
+    plan reaches (``cap`` then only bounds the search).
+
+    Points that cannot lead to a plan are dropped as the walk goes: those whose kept bytes,
+    plus the least that the rest of the walk must keep, pass the cap, and those slower than
+    ``seconds`` (the time of a plan already known to fit).
+    """
+
+    def __init__(
+        self,
+        nodes: list[_Node],
+        bounds: tuple[list[float], list[float]],
+        cap: float,
+        loss: float,
+        least_peak: bool,
+        seconds: float = math.inf,
+        thin: bool = False,
+    ) -> None:
+        self.nodes = nodes
+        self.low, self.keep_low = bounds
+        self.cap = cap
+        self.limit = cap - loss  # kept bytes only grow, and must end within this
+        self.least_peak = least_peak
+        self.seconds = seconds
+        self.work = _EXACT_WORK
+        self.thin = thin
+
+    def run(self) -> list:
+        return self.visit(0, _START, 0.0)
+
+    # -- frontiers
+
+    def prune(self, points: list) -> list:
+        """Sort by kept bytes and drop dominated points (thin them past the work limit)."""
+        self.work -= len(points)
+        out: list = []
+        append = out.append
+        if self.least_peak:
+            points.sort(key=_BY_HIGH)
+            best = math.inf
+            for p in points:
+                if p[3] < best:
+                    append(p)
+                    best = p[3]
+        else:
+            points.sort(key=_BY_TIME)
+            best_s = best_f = math.inf
+            for p in points:
+                if p[1] < best_s or (p[1] == best_s and p[2] < best_f):
+                    append(p)
+                    best_s, best_f = p[1], p[2]
+        if self.thin:
+            return self.thinned(out) if len(out) > _THIN_POINTS else out
+        if self.work < 0:
+            raise _TooLarge
+        return out
+
+    @staticmethod
+    def thinned(points: list) -> list:
+        # Split the kept range into _THIN_POINTS equal slices and keep the fastest point of
+        # each (the last), and the least-kept point of all: every kept plan is real, only
+        # some in-between trade-offs are lost.
+        low, high = points[0][0], points[-1][0]
+        width = (high - low) / _THIN_POINTS or 1.0
+        out = [points[0]]
+        for p, q in zip(points[1:], points[2:], strict=False):
+            if (q[0] - low) // width != (p[0] - low) // width:
+                out.append(p)
+        out.append(points[-1])
+        return out
+
+    def rebuilt(
+        self,
+        frontier: list,
+        add: float,
+        rebuild: float,
+        secs: float,
+        flops: float,
+        limit: float,
+        how: tuple,
+    ) -> list:
+        """The frontier after a recomputed piece that keeps ``add`` bytes and, when rebuilt,
+        holds ``rebuild`` bytes above what was kept before it."""
+        out = []
+        append = out.append
+        top = min(self.cap - rebuild, limit - add)
+        slowest = self.seconds - secs
+        for k, s, f, h, ref in frontier:  # by increasing k: stop at the first that fails
+            if k > top:
+                break
+            if s <= slowest:
+                append((k + add, s + secs, f + flops, max(h, k + rebuild), (ref, *how)))
+        return out
+
+    # -- the walk
+
+    def visit(self, u: int, frontier: list, after: float) -> list:
+        """``after``: the least the rest of the walk must keep."""
+        node = self.nodes[u]
+        limit = self.limit - after
+        options: list = []
+        if node.can_rec:
+            how = (_RECOMPUTE, u, 0, 0)
+            rebuild = 2 * node.inp + node.saved
+            options += self.rebuilt(frontier, node.inp, rebuild, node.fwd_s, node.fwd_f, limit, how)
+        if node.can_sel:
+            how = (_SELECTIVE, u, 0, 0)
+            rebuild = 2 * node.inp + node.saved
+            add = node.inp + node.mm
+            options += self.rebuilt(frontier, add, rebuild, node.sel_s, node.sel_f, limit, how)
+        # Keep: the unit's own saved bytes are counted from its start (a bound: some of its
+        # ops may run after a child, whose rebuild would then not see them).
+        own = node.own
+        top = limit - self.keep_low[u]
+        kept = [(k + own, s, f, h, r) for k, s, f, h, r in frontier if k <= top]
+        if kept and node.children:
+            if node.seq and len(node.children) >= 2:
+                kept = self.chain(node, kept, after)
+            else:
+                low = self.low
+                rest = sum(low[c] for c in node.children)
+                for c in node.children:
+                    rest -= low[c]
+                    kept = self.visit(c, kept, after + rest)
+                    if not kept:
+                        break
+        if not options:
+            return kept
+        return self.prune(options + kept)
+
+    def chain(self, node: _Node, frontier: list, after: float) -> list:
+        """Children of a sequential unit, each on its own or in segments of two or more."""
+        nodes, low = self.nodes, self.low
+        kids = node.children
+        # What the children after position j must keep at least (recomputable ones may be
+        # segment members, which keep nothing).
+        rest = [0.0] * (len(kids) + 1)
+        for pos in range(len(kids) - 1, -1, -1):
+            c = kids[pos]
+            rest[pos] = rest[pos + 1] + (0.0 if nodes[c].can_rec else low[c])
+        before = [frontier]  # before[i]: the frontier before child i
+        live: list[int] = []  # segment starts that can still be extended
+        for j, c in enumerate(kids):
+            parts = self.visit(c, before[j], after + rest[j + 1]) if before[j] else []
+            if nodes[c].can_rec:
+                limit = self.limit - after - rest[j + 1]
+                still = []
+                if self.thin:  # only starts at geometric distances (see _EXACT_WORK)
+                    starts = [j - d for d in _GEOMETRIC if j - d >= node.run_start[j]]
+                else:
+                    starts = live
+                for i in starts:
+                    start = before[i]
+                    inp = node.kid_inp[i]
+                    rebuild = 2 * inp + node.pre_saved[j + 1] - node.pre_saved[i]
+                    if not start or start[0][0] + rebuild > self.cap:
+                        continue  # longer segments from i only save more: it stays dead
+                    still.append(i)
+                    parts += self.rebuilt(
+                        start,
+                        inp,
+                        rebuild,
+                        node.pre_s[j + 1] - node.pre_s[i],
+                        node.pre_f[j + 1] - node.pre_f[i],
+                        limit,
+                        (_SEGMENT, node.idx, i, j),
+                    )
+                live = [*still, j]
+            else:
+                live = []
+            before.append(self.prune(parts) if len(parts) > 1 else parts)
+        return before[-1]
 
 
 class _TooLarge(Exception):
-    """The exact programme outgrew its work limit; the relaxation takes over."""
+    """An exact pass outgrew its work limit; the approximate passes take over."""
 
 
-class _Work:
-    """The exact programme's work limit, and the bounds it may prune with: points that take
-    ``seconds`` or more, or keep more than ``kept`` bytes, cannot lead to a better plan
-    (kept only grows towards the root, and so does time)."""
-
-    __slots__ = ("left", "seconds", "kept")
-
-    def __init__(self, limit: int, seconds: float = math.inf, kept: float = math.inf) -> None:
-        self.left = limit
-        self.seconds = seconds
-        self.kept = kept
-
-    def spend(self, n: int) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise _TooLarge
+# Distances from a segment's end to its start that approximate passes try.
+_GEOMETRIC = sorted({1, 2, 3} | {1 << e for e in range(2, 20)} | {3 << e for e in range(1, 19)})
 
 
-def _prune(points: list, work: _Work) -> list:
-    """Sort points by memory and drop the dominated ones."""
-    work.spend(len(points))
-    # Sorting on memory alone is several times faster than on (memory, time, flops); a
-    # point that ties the last one kept on memory but is cheaper replaces it instead.
-    points.sort(key=_KEY)
-    out: list = []
-    append = out.append
-    best_s, best_f = work.seconds, math.inf
-    for p in points:
-        if p[0] > work.kept:
-            break
-        s = p[1]
-        if s < best_s or (s == best_s and p[2] < best_f):
-            if out and out[-1][0] == p[0]:
-                out[-1] = p
-            else:
-                append(p)
-            best_s, best_f = s, p[2]
-    return out
-
-
-def _minkowski(a: list, b: list, work: _Work) -> list:
-    """Frontier of the sums of one point of ``a`` and one of ``b``."""
-    if len(a) == 1:
-        a, b = b, a
-    if len(b) == 1:
-        bk, bs, bf, br = b[0]
-        if br is None and bk == 0.0 and bs == 0.0 and bf == 0.0:
-            return a
-        work.spend(len(a))
-        return [(k + bk, s + bs, f + bf, (r, br)) for k, s, f, r in a]
-    work.spend(len(a) * len(b))
-    return _prune(
-        [(ak + bk, as_ + bs, af + bf, (ar, br)) for ak, as_, af, ar in a for bk, bs, bf, br in b],
-        work,
-    )
-
-
-def _node_frontier(
-    node: _Node,
-    rec_ok: bool,
-    sel_ok: bool,
-    lo: list[int] | None,
-    kids: list[list],
-    work: _Work,
-) -> list:
-    if lo is not None:
-        combined = _chain(node, lo, kids, work)
-    else:
-        combined = _EMPTY
-        for f in kids:
-            combined = _minkowski(combined, f, work)
-    own = node.own
-    points = [(k + own, s, f, r) for k, s, f, r in combined] if own else list(combined)
-    if not (rec_ok or sel_ok):
-        return points
-    if rec_ok:
-        points.append((node.inp, node.fwd_s, node.fwd_f, ("recompute", node.idx)))
-    if sel_ok:
-        points.append((node.inp + node.mm, node.sel_s, node.sel_f, ("selective", node.idx)))
-    return _prune(points, work)
-
-
-class _WindowUnion:
-    """Pareto union of a sliding window of frontiers (a queue), amortized O(size) per step.
-
-    The classic two-stack queue: the union is associative, so the front stack keeps
-    running unions from its bottom and the back stack one running union.
-    """
-
-    def __init__(self, work: _Work) -> None:
-        self.work = work
-        self.front: list[tuple[int, list]] = []  # (start index, frontier); top is oldest
-        self.front_union: list[list] = []
-        self.back: list[tuple[int, list]] = []
-        self.back_union: list = []
-
-    def push(self, index: int, frontier: list) -> None:
-        self.back.append((index, frontier))
-        self.back_union = _prune(self.back_union + frontier, self.work)
-
-    def pop_before(self, index: int) -> None:
-        while True:
-            if not self.front:
-                if not self.back:
-                    return
-                self.front = self.back[::-1]
-                self.front_union = []
-                for _, f in self.front:
-                    prev = self.front_union[-1] if self.front_union else []
-                    self.front_union.append(_prune(prev + f, self.work))
-                self.back, self.back_union = [], []
-            if self.front[-1][0] >= index:
-                return
-            self.front.pop()
-            self.front_union.pop()
-
-    def parts(self) -> list[list]:
-        """Frontiers whose union is the window's union (merged by the caller's prune)."""
-        out = [self.back_union] if self.back_union else []
-        if self.front_union:
-            out.append(self.front_union[-1])
-        return out
-
-
-def _chain(node: _Node, lo: list[int], kids: list[list], work: _Work) -> list:
-    """Frontier of a sequential unit's children, segments [i..j] allowed for lo[j] <= i < j.
-
-    prefix[j] is the frontier of children 0..j-1. A segment [i..j] adds child i's input to
-    kept and the forward times of children i..j, so its candidates for prefix[j + 1] are
-    prefix[i] shifted; storing prefix[i] shifted by -pre_s[i] makes the shift the same,
-    +pre_s[j + 1], for every start, and the window of starts a sliding one.
-    """
-    pre_s, pre_f, kid_inp, idx = node.pre_s, node.pre_f, node.kid_inp, node.idx
-    window = _WindowUnion(work)
-    older: list = []  # prefix[j - 1]
-    prefix = _EMPTY  # prefix[j]
-    for j, f in enumerate(kids):
-        if j > 0:
-            i = j - 1
-            inp, ds, df = kid_inp[i], pre_s[i], pre_f[i]
-            work.spend(len(older))
-            window.push(i, [(k + inp, s - ds, fl - df, r, i) for k, s, fl, r in older])
-        window.pop_before(lo[j])
-        if lo[j] < j:
-            # One prune for both kinds of candidates: child j alone after prefix[j], and
-            # the segments ending at j.
-            cand = [
-                (ak + bk, as_ + bs, af + bf, (ar, br))
-                for bk, bs, bf, br in f
-                for ak, as_, af, ar in prefix
-            ]
-            ds, df = pre_s[j + 1], pre_f[j + 1]
-            for part in window.parts():
-                cand.extend(
-                    (k, s + ds, fl + df, ("segment", idx, i, j, r)) for k, s, fl, r, i in part
-                )
-            cand = _prune(cand, work)
-        else:
-            cand = _minkowski(prefix, f, work)
-        older, prefix = prefix, cand
-    return prefix
-
-
-def _window(node: _Node, cap: float) -> list[int] | None:
-    """lo[j]: the first child a segment ending at child j may start at under transient
-    ``cap``; None when no segment fits at all (or the unit is not sequential)."""
-    if not node.pre_saved:
-        return None
-    pre, run_start = node.pre_saved, node.run_start
-    lo: list[int] = []
-    i = 0
-    any_segment = False
-    for j in range(len(run_start)):
-        i = max(i, run_start[j])
-        while i < j and pre[j + 1] - pre[i] > cap:
-            i += 1
-        lo.append(i)
-        any_segment = any_segment or i < j
-    return lo if any_segment else None
-
-
-def _transients(nodes: list[_Node], limit: int) -> list[float] | None:
-    """Every distinct transient a piece can have, below the no-checkpoint activations
-    (a larger one never beats keeping everything), ascending and after 0; None when there
-    are more than ``limit``."""
-    top = nodes[0].saved
-    caps: set[float] = set()
-    for node in nodes[1:]:
-        if node.can_rec:
-            caps.add(node.rec_t)
-        if node.can_sel:
-            caps.add(node.sel_t)
-    seq = [n for n in nodes if n.pre_saved]
-    if sum(j - start for n in seq for j, start in enumerate(n.run_start)) > _MAX_SEGMENT_SUMS:
-        return None
-    for node in seq:
-        pre = node.pre_saved
-        for j, start in enumerate(node.run_start):
-            end = pre[j + 1]
-            caps.update(end - pre[i] for i in range(start, j))
-    positive = sorted(c for c in caps if 0 < c < top)
-    return None if len(positive) + 1 > limit else [0.0, *positive]
-
-
-def _reconstruct(nodes: list[_Node], ref: object) -> _Plan:
+def _rebuild_plan(nodes: list[_Node], ref: object) -> _Plan:
     decision = ["keep"] * len(nodes)
     segs: dict[int, list[tuple[int, int]]] = {}
-    stack = [ref]
-    while stack:
-        r = stack.pop()
-        if r is None:
-            continue
-        kind = r[0]  # type: ignore[index]
-        if type(kind) is not str:
-            stack.extend(r)  # type: ignore[arg-type]
-        elif kind == "segment":
-            _, node, i, j, prev = r  # type: ignore[misc]
-            segs.setdefault(node, []).append((i, j))
-            stack.append(prev)
+    while ref is not None:
+        ref, code, u, i, j = ref  # type: ignore[misc]
+        if code == _SEGMENT:
+            segs.setdefault(u, []).append((i, j))
         else:
-            decision[r[1]] = kind  # type: ignore[index]
+            decision[u] = "recompute" if code == _RECOMPUTE else "selective"
     for ranges in segs.values():
         ranges.sort()
     return _Plan(decision, segs)
 
 
-def _exact_points(nodes: list[_Node], work: _Work, keep_cap: Any = None) -> list:
-    """The tree's exact Pareto frontier as points (kept + cap, seconds, flops, ref).
+class _Search:
+    """The passes of one optimal solve: exact until one outgrows its work limit, then
+    approximate (``exact`` becomes False)."""
 
-    For each cap T on the transient, one bottom-up pass computes every unit's frontier of
-    (kept, seconds) over the plans whose recomputed pieces each fit in T; such a plan
-    peaks at no more than static + kept + T, with equality when its largest piece is T.
-    Every plan is counted exactly under the cap equal to its largest piece, so the union
-    over all distinct transients, pruned, is the exact frontier. Raises _TooLarge past the
-    work limit. With bounds in ``work``, only the frontier's points within them are kept,
-    and only the caps ``keep_cap(cap)`` accepts are tried.
-    """
-    levels = _transients(nodes, 10**9 if keep_cap else _EXACT_LEVELS)
-    if levels is not None and keep_cap is not None:
-        levels = [cap for cap in levels if keep_cap(cap)]
-    if levels is None or len(levels) > _EXACT_LEVELS:
-        raise _TooLarge
-    # A unit's frontier depends only on which pieces inside it the cap allows, so it is
-    # keyed by that (interned to an int) and reused across caps that allow the same ones.
-    interned: dict[tuple, int] = {}
-    cache: list[dict[int, list]] = [{} for _ in nodes]
-    key_of = [0] * len(nodes)
-    post_order = nodes[::-1]
-    union: list = []
-    previous_root = -1
-    for cap in levels:
-        for node in post_order:
-            rec_ok = node.can_rec and node.rec_t <= cap
-            sel_ok = node.can_sel and node.sel_t <= cap
-            lo = _window(node, cap)
-            kids = node.children
-            key = (
-                rec_ok,
-                sel_ok,
-                tuple([key_of[c] for c in kids]),
-                None if lo is None else tuple(lo),
-            )
-            k = interned.get(key)
-            if k is None:
-                k = interned[key] = len(interned)
-            key_of[node.idx] = k
-            if k not in cache[node.idx]:
-                frontiers = [cache[c][key_of[c]] for c in kids]
-                cache[node.idx][k] = _node_frontier(node, rec_ok, sel_ok, lo, frontiers, work)
-        if key_of[0] == previous_root:
-            continue  # the same plans as under the previous, smaller cap: nothing new
-        previous_root = key_of[0]
-        union.extend((k + cap, s, f, r) for k, s, f, r in cache[0][key_of[0]])
-    return _prune(union, _Work(len(union) + 1, work.seconds))
-
-
-# --------------------------------------------------------------------------- optimal: relaxation
-#
-# Past the exact programme's reach, the solver minimizes seconds + lam * kept for a fixed
-# cap T on the transient: one scalar pass over the tree, linear in its size (a chain
-# keeps its window of segment starts in a monotone queue). Each pass returns a plan on the
-# lower convex hull of the frontier under T. A Newton search over lam finds the two hull
-# vertices around the budget; a local search then spends the memory the one that fits
-# leaves unused, from it and from the fixed strategies' best plans. Last, the exact
-# programme runs again, pruning all that cannot beat the plan found.
-
-
-class _Vertex:
-    """A plan found by a scalar pass: its totals and the choices to rebuild it."""
-
-    __slots__ = ("kept", "secs", "flops", "trans", "choice", "chains")
-
-    def __init__(self, root: tuple, choice: list[int], chains: dict[int, list[int]]) -> None:
-        _, self.kept, self.secs, self.flops, self.trans = root
-        self.choice = choice
-        self.chains = chains
-
-    def plan(self, nodes: list[_Node]) -> _Plan:
-        decision = ["keep"] * len(nodes)
-        segs: dict[int, list[tuple[int, int]]] = {}
-        stack = [0]
-        while stack:
-            u = stack.pop()
-            ch = self.choice[u]
-            if ch:
-                decision[u] = "recompute" if ch == 1 else "selective"
-                continue
-            picks = self.chains.get(u)
-            kids = nodes[u].children
-            if picks is None:
-                stack.extend(kids)
-                continue
-            j = len(picks)
-            while j > 0:
-                i = picks[j - 1]
-                if i < 0:
-                    stack.append(kids[j - 1])
-                    j -= 1
-                else:
-                    segs.setdefault(u, []).append((i, j - 1))
-                    j = i
-        for ranges in segs.values():
-            ranges.sort()
-        return _Plan(decision, segs, (self.kept, self.trans, self.secs, self.flops))
-
-
-def _scalar_pass(
-    nodes: list[_Node],
-    cap: float,
-    windows: dict[int, list[int] | None],
-    a: float,
-    b: float,
-    tie_memory: bool,
-) -> _Vertex:
-    """The plan minimizing a * seconds + b * kept with every piece's transient <= cap.
-
-    Ties go to less memory when ``tie_memory``, else to less time. Values are tuples
-    (objective, kept, seconds, flops, largest transient).
-    """
-    best: list[tuple] = [()] * len(nodes)
-    choice = [0] * len(nodes)
-    chains: dict[int, list[int]] = {}
-    for node in reversed(nodes):
-        u = node.idx
-        own = node.own
-        lo = windows.get(u)
-        if lo is not None:
-            v, k, s, f, t = _scalar_chain(node, lo, best, a, b, tie_memory, chains)
-            v += b * own
-            k += own
-        else:
-            v, k, s, f, t = b * own, own, 0.0, 0.0, 0.0
-            for c in node.children:
-                cv, ck, cs, cf, ct = best[c]
-                v += cv
-                k += ck
-                s += cs
-                f += cf
-                if ct > t:
-                    t = ct
-        cur = (v, k, s, f, t)
-        tie = k if tie_memory else s
-        ch = 0
-        if node.can_rec and node.rec_t <= cap:
-            rv = a * node.fwd_s + b * node.inp
-            rt = node.inp if tie_memory else node.fwd_s
-            if rv < v or (rv == v and rt < tie):
-                cur = (rv, node.inp, node.fwd_s, node.fwd_f, node.rec_t)
-                v, tie, ch = rv, rt, 1
-        if node.can_sel and node.sel_t <= cap:
-            sk = node.inp + node.mm
-            sv = a * node.sel_s + b * sk
-            st = sk if tie_memory else node.sel_s
-            if sv < v or (sv == v and st < tie):
-                cur = (sv, sk, node.sel_s, node.sel_f, node.sel_t)
-                ch = 2
-        best[u] = cur
-        choice[u] = ch
-    return _Vertex(best[0], choice, chains)
-
-
-def _scalar_chain(
-    node: _Node,
-    lo: list[int],
-    best: list[tuple],
-    a: float,
-    b: float,
-    tie_memory: bool,
-    chains: dict[int, list[int]],
-) -> tuple:
-    # d[j]: the best plan of children 0..j-1. A segment [i..j] scores
-    # d[i] + b * input_i + a * (pre_s[j + 1] - pre_s[i]): the part that depends on i is
-    # kept, for the window of starts, in a queue of increasing scores.
-    kids, pre_s, pre_f, pre_t, kid_inp = (
-        node.children,
-        node.pre_s,
-        node.pre_f,
-        node.pre_saved,
-        node.kid_inp,
-    )
-    d: list[tuple] = [(0.0, 0.0, 0.0, 0.0, 0.0)]
-    picks: list[int] = []
-    queue: deque[tuple[float, float, int]] = deque()
-    for j, c in enumerate(kids):
-        if j > 0:
-            i = j - 1
-            pv, pk, ps, _, _ = d[i]
-            score = pv + b * kid_inp[i] - a * pre_s[i]
-            tie = pk + kid_inp[i] if tie_memory else ps - pre_s[i]
-            while queue and (
-                queue[-1][0] > score or (queue[-1][0] == score and queue[-1][1] >= tie)
-            ):
-                queue.pop()
-            queue.append((score, tie, i))
-        while queue and queue[0][2] < lo[j]:
-            queue.popleft()
-        pv, pk, ps, pf, pt = d[j]
-        cv, ck, cs, cf, ct = best[c]
-        cur = (pv + cv, pk + ck, ps + cs, pf + cf, max(pt, ct))
-        pick = -1
-        if queue:
-            score, tie, i = queue[0]
-            sv = score + a * pre_s[j + 1]
-            if not tie_memory:
-                tie += pre_s[j + 1]
-            if sv < cur[0] or (sv == cur[0] and tie < (cur[1] if tie_memory else cur[2])):
-                qv, qk, qs, qf, qt = d[i]
-                cur = (
-                    sv,
-                    qk + kid_inp[i],
-                    qs + pre_s[j + 1] - pre_s[i],
-                    qf + pre_f[j + 1] - pre_f[i],
-                    max(qt, pre_t[j + 1] - pre_t[i]),
-                )
-                pick = i
-        d.append(cur)
-        picks.append(pick)
-    chains[node.idx] = picks
-    return d[-1]
-
-
-def _unit_transients(nodes: list[_Node]) -> set[float]:
-    caps: set[float] = set()
-    for node in nodes[1:]:
-        if node.can_rec:
-            caps.add(node.rec_t)
-        if node.can_sel:
-            caps.add(node.sel_t)
-    return caps
-
-
-def _segment_transients(nodes: list[_Node], low: float, high: float) -> list[float]:
-    """Distinct segment transients in (low, high); a geometric grid over that part of
-    their range instead when there are too many to list."""
-    seq = [n for n in nodes if n.pre_saved]
-    if sum(j - start for n in seq for j, start in enumerate(n.run_start)) <= _MAX_SEGMENT_SUMS:
-        caps: set[float] = set()
-        for node in seq:
-            pre = node.pre_saved
-            for j, start in enumerate(node.run_start):
-                end = pre[j + 1]
-                caps.update(end - pre[i] for i in range(start, j))
-        return sorted(c for c in caps if low < c < high)
-    least, most = math.inf, 0.0
-    for node in seq:
-        pre = node.pre_saved
-        for j, start in enumerate(node.run_start):
-            if start < j:
-                least = min(least, pre[j + 1] - pre[j - 1])
-                most = max(most, pre[j + 1] - pre[start])
-    least, most = max(least, low), min(most, high)
-    if not 0 < least < most:
-        return []
-    steps = 4 * _RELAXED_LEVELS
-    return [least * (most / least) ** (q / steps) for q in range(steps + 1)]
-
-
-def _pick(values: list[float], count: int) -> list[float]:
-    """At most ``count`` of the sorted ``values``: half spread by rank (where transients
-    crowd) and half geometrically (so every scale is covered), the largest always."""
-    if len(values) <= count:
-        return values
-    chosen = {values[-1]}
-    half = max(1, count // 2)
-    chosen.update(values[round(q * (len(values) - 1) / half)] for q in range(half))
-    low, high = values[0], values[-1]
-    if low > 0:
-        for q in range(count - half - 1):
-            target = low * (high / low) ** (q / max(1, count - half - 1))
-            chosen.add(values[max(0, bisect_right(values, target * (1 + 1e-12)) - 1)])
-    return sorted(chosen)
-
-
-def _first_caps(nodes: list[_Node]) -> list[float]:
-    """The caps of the relaxation's first sweep: every distinct transient when the passes
-    stay within _PASS_WORK, else at most that many, the units' own transients first (they
-    are few when blocks repeat) and segment transients in the room left."""
-    top = nodes[0].saved
-    count = max(_RELAXED_LEVELS, _PASS_WORK // (_PASSES_PER_CAP * len(nodes)))
-    units = sorted(c for c in _unit_transients(nodes) if 0 < c < top)
-    caps = _pick(units, count // 2)
-    segments = _segment_transients(nodes, 0.0, top)
-    caps = sorted(set(caps) | set(_pick(segments, count - len(caps))))
-    if len(caps) < count:
-        caps = sorted(set(caps) | set(_pick(units, count - len(caps))))
-    return [0.0, *caps]
-
-
-def _caps_between(nodes: list[_Node], low: float, high: float, count: int) -> list[float]:
-    values = {c for c in _unit_transients(nodes) if low < c < high}
-    values.update(_segment_transients(nodes, low, high))
-    return _pick(sorted(values), count)
-
-
-class _Level:
-    """What the relaxation found under one cap: the vertices, the one that fits, the
-    lower bound on the time of any plan that fits, and the (lam, min of seconds + lam *
-    kept) pairs the bound came from."""
-
-    __slots__ = ("cap", "found", "fits", "bound", "duals")
-
-    def __init__(
-        self,
-        cap: float,
-        found: list[_Vertex],
-        fits: _Vertex | None,
-        bound: float,
-        duals: list[tuple[float, float]] | None = None,
-    ) -> None:
-        self.cap, self.found, self.fits, self.bound = cap, found, fits, bound
-        self.duals = duals or []
-
-    def bound_at(self, room: float) -> float:
-        """A lower bound on the time of plans under this cap that keep at most ``room``."""
-        return max((v - lam * room for lam, v in self.duals), default=-math.inf)
-
-
-def _relax_level(nodes: list[_Node], cap: float, room: float | None) -> _Level:
-    """Hull vertices under ``cap``: the least-memory and least-time plans and, given the
-    room (bytes for kept activations), the Newton search's vertices around it, with the
-    vertex that fits and the Lagrangian lower bound on the time of any plan that fits.
-    With ``room`` None, a fixed spread of multipliers maps the hull for the report."""
-    windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
-    least_memory = _scalar_pass(nodes, cap, windows, 0.0, 1.0, False)
-    least_time = _scalar_pass(nodes, cap, windows, 1.0, 0.0, True)
-    found = [least_memory, least_time]
-    span = least_time.kept - least_memory.kept
-    if room is None:
-        if span > 0:
-            slope = (least_memory.secs - least_time.secs) / span
-            for q in (-3, -2, -1, 0, 1, 2, 3):
-                found.append(_scalar_pass(nodes, cap, windows, 1.0, slope * 4.0**q, True))
-        return _Level(cap, found, None, math.inf)
-    duals = [(0.0, least_time.secs)]
-    if least_memory.kept > room:
-        return _Level(cap, found, None, math.inf, duals)
-    if least_time.kept <= room:
-        return _Level(cap, found, least_time, least_time.secs, duals)
-    low, high = least_time, least_memory  # low: too big; high: fits
-    # Every pass gives a lower bound on the time of any plan that fits under this cap:
-    # min(seconds + lam * kept) - lam * room (lam = 0: the least time at all). At the last
-    # lam, with low and high adjacent on the hull, it is the best such bound.
-    bound = least_time.secs
-    for _ in range(_NEWTON_STEPS):
-        lam = (high.secs - low.secs) / (low.kept - high.kept)
-        if not lam > 0:
-            break
-        x = _scalar_pass(nodes, cap, windows, 1.0, lam, True)
-        duals.append((lam, x.secs + lam * x.kept))
-        bound = max(bound, x.secs + lam * (x.kept - room))
-        line = low.secs + lam * low.kept
-        if x.secs + lam * x.kept >= line - 1e-9 * abs(line):
-            break  # no vertex between the two: they are adjacent on the hull
-        found.append(x)
-        if x.kept <= room:
-            high = x
-        else:
-            low = x
-    return _Level(cap, found, high, bound, duals)
-
-
-_NEWTON_STEPS = 40
-# How many caps the relaxation adds around the most promising one, and how many of the
-# caps' best plans the local search polishes.
-_REFINE = 8
-_REFINED = 3
-_POLISHED = 3
-# Node visits the first sweep may spend (about _PASSES_PER_CAP passes per cap): all the
-# distinct transients of a mid-sized tree fit in it.
-_PASS_WORK = 200_000
-_PASSES_PER_CAP = 8
-# Fixed strategies whose plans seed the relaxation: (name, k).
-_SEEDS: tuple[tuple[str, int | None], ...] = (
-    ("full", None),
-    ("uniform", None),
-    ("uniform", 2),
-    ("uniform", 4),
-    ("uniform", 8),
-    ("sqrt", None),
-)
-
-
-def _solve_relaxed(
-    nodes: list[_Node], label: str, budget: float | None, static: float, retry: bool = True
-) -> Solution:
-    caps = _first_caps(nodes)
-    if budget is None:
-        # Nothing to fit. For the report: the least-memory plan under every cap of the
-        # sweep (the frontier's smallest peak) and the hull under a few of them.
-        plans = [
-            v.plan(nodes)
-            for cap in caps[:: max(1, len(caps) // 8)]
-            for v in _relax_level(nodes, cap, None).found
-        ]
-        for cap in caps:
-            windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
-            plans.append(_scalar_pass(nodes, cap, windows, 0.0, 1.0, False).plan(nodes))
-        chosen = _Plan(["keep"] * len(nodes), {})
-        plans.append(chosen)
-        sol = _solution(nodes, chosen, label, budget, static, plans, exact=False)
-        sol.note = "no budget given: the cheapest plan is chosen, and it recomputes nothing"
-        return sol
-    room = budget - static
-    levels = [_relax_level(nodes, cap, room - cap) for cap in caps]
-    # Refine around the caps with the lowest bounds: the best cap is rarely far from them.
-    ranked = sorted(range(len(levels)), key=lambda i: levels[i].bound)
-    tried = {level.cap for level in levels}
-    # (around the best one only on large trees, where each cap costs more)
-    for i in ranked[: _REFINED if len(nodes) <= _BOUNDED_UNITS else 1]:
-        if levels[i].bound == math.inf:
-            break
-        low = levels[i - 1].cap if i > 0 else 0.0
-        high = levels[i + 1].cap if i + 1 < len(caps) else nodes[0].saved
-        for cap in _caps_between(nodes, low, high, _REFINE):
-            if cap not in tried:
-                tried.add(cap)
-                levels.append(_relax_level(nodes, cap, room - cap))
-    plans = [v.plan(nodes) for level in levels for v in level.found]
-
-    def peak(p: _Plan) -> float:
-        return p.value[0] + p.value[1]  # type: ignore[index]
-
-    def cost(p: _Plan) -> tuple[float, float, float]:
-        return (p.value[2], p.value[3], peak(p))  # type: ignore[index]
-
-    # The fixed strategies' best plans are cheap to find and seed the local search: the
-    # result is never worse than theirs.
-    chains = _find_chains(nodes)
-    for name, k in _SEEDS:
-        plans.extend(_family(nodes, chains, name, k, room))
-    fits = [p for p in plans if peak(p) <= room]
-    if fits:
-        # Polish the fitting vertex of the caps with the lowest bounds (the bound says how
-        # much a cap could still gain; the vertex's own time does not), and the best plan.
-        promising = sorted((lv for lv in levels if lv.fits is not None), key=lambda lv: lv.bound)
-        starts = [level.fits.plan(nodes) for level in promising[:_POLISHED]]  # type: ignore[union-attr]
-        starts.append(min(fits, key=cost))
-        polished = [_polish(nodes, start, room) for start in starts]
-        fits.extend(polished)
-        plans.extend(polished)
-    best = min(fits, key=cost) if fits else None
-    # The exact programme again, now pruning every point that cannot beat the best plan
-    # found or fit the room: it often finishes on mid-sized trees, and then the plan is
-    # proven optimal.
-    exact = False
-    if retry:
-        # A cap whose Lagrangian bound is no better than the plan in hand cannot give a
-        # better plan: only the others are tried (with a margin for the passes' rounding).
-        limit = best.value[2] if best else math.inf  # type: ignore[index]
-        bound = _cap_bounds(levels, room)
-        try:
-            points = _exact_points(
-                nodes,
-                _Work(_BOUNDED_WORK, limit, room),
-                lambda cap: bound(cap) < limit * (1 + 1e-9) + 1e-12,
-            )
-        except _TooLarge:
-            points = []
-        else:
-            exact = True
-        fitting = [p for p in points if p[0] <= room]
-        if fitting:
-            candidate = _reconstruct(nodes, fitting[-1][3])
-            candidate.value = _evaluate_nodes(nodes, candidate.decision, candidate.segs)
-            plans.append(candidate)
-            fits.append(candidate)
-    # The scalar passes sum in another order than the evaluation: take the numbers of the
-    # chosen plan from the evaluation, and the next plan should rounding push it out.
-    for plan in sorted(fits, key=cost):
-        plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
-        if peak(plan) <= room:
-            return _solution(nodes, plan, label, budget, static, plans, exact=exact)
-    raise BudgetError(_too_small(budget, _least_peak(nodes), static))
-
-
-def _cap_bounds(levels: list[_Level], room: float) -> Any:
-    """A lower bound on the time of plans that fit under any cap T, from the caps tried.
-
-    Tried: its own bound. Between tried caps a < T < b: plans under T are plans under b
-    (fewer pieces allowed) that keep at most room - T <= room - a, so b's Lagrangian
-    bound at room - a holds for them.
-    """
-    tried = sorted(levels, key=lambda lv: lv.cap)
-    caps = [lv.cap for lv in tried]
-    exact = {lv.cap: lv.bound for lv in tried}
-
-    def bound(cap: float) -> float:
-        if cap in exact:
-            return exact[cap]
-        k = bisect_right(caps, cap)
-        if k == len(caps):
-            return -math.inf
-        below = caps[k - 1] if k > 0 else 0.0
-        return tried[k].bound_at(room - below)
-
-    return bound
-
-
-def _least_peak(nodes: list[_Node]) -> _Plan:
-    """The plan with the smallest peak: the least-memory plan under each distinct cap (or,
-    past 512 of them, under a spread of 512)."""
-    caps = _transients(nodes, 10**9) or [
-        0.0,
-        *_unit_transients(nodes),
-        *_segment_transients(nodes, 0.0, math.inf),
-    ]
-    best: _Plan | None = None
-    for cap in _pick(sorted(set(caps)), 512):
-        windows = {n.idx: _window(n, cap) for n in nodes if n.pre_saved}
-        plan = _scalar_pass(nodes, cap, windows, 0.0, 1.0, False).plan(nodes)
-        if best is None or plan.value[0] + plan.value[1] < best.value[0] + best.value[1]:  # type: ignore[index]
-            best = plan
-    return best  # type: ignore[return-value]
-
-
-def _polish(nodes: list[_Node], plan: _Plan, room: float) -> _Plan:
-    """Local search from ``plan``: spend the memory it leaves under ``room`` (bytes for
-    kept + transient) on recomputing less.
-
-    Moves that save time: keep a recomputed unit whole ("drop"), recompute it selectively,
-    recompute its children one by one instead ("split"), or take one child off either end
-    of a segment. Moves that save memory at no time: merge two adjacent pieces of a chain
-    into one segment. Each round applies the time-saving moves that fit, most time saved
-    per byte spent first, else the merge that frees the most memory. A move depends only on
-    its piece (and, for a merge, its neighbour), so moves are kept per piece and only the
-    pieces a round changes are looked at again.
-    """
-    state = _PolishState(nodes, plan)
-    for _ in range(4 * len(nodes) + 16):
-        if not state.round(room):
-            break
-    polished = _Plan(state.decision, {u: sorted(r) for u, r in state.segs.items() if r})
-    polished.value = _evaluate_nodes(nodes, polished.decision, polished.segs)
-    if polished.value[0] + polished.value[1] > room or polished.value[2] > plan.value[2]:  # type: ignore[index]
-        return plan  # cannot happen under the cost model; a safety net for rounding
-    return polished
-
-
-class _PolishState:
-    """A plan as pieces, with running totals and the moves of each piece (see _polish).
-
-    A piece is ("u", unit) for a unit recomputed or selective, or ("s", unit, i, j) for a
-    segment of a sequential unit. A move is (d_kept, d_seconds, d_flops, transients
-    removed, transients added, pieces removed, pieces added, decisions to set).
-    """
-
-    def __init__(self, nodes: list[_Node], plan: _Plan) -> None:
+    def __init__(self, nodes: list[_Node], loss: float) -> None:
         self.nodes = nodes
-        self.decision = list(plan.decision)
-        self.segs: dict[int, list[tuple[int, int]]] = {u: list(r) for u, r in plan.segs.items()}
-        self.kept = plan.value[0]  # type: ignore[index]
-        self.parent = [-1] * len(nodes)
-        self.position = [0] * len(nodes)
-        for node in nodes:
-            for pos, c in enumerate(node.children):
-                self.parent[c], self.position[c] = node.idx, pos
-        self.moves: dict[tuple, list[tuple]] = {}
-        self.ranges: dict[int, list[tuple[int, int]]] = {}  # mergeable pieces per chain
-        self.ts: list[float] = []
-        for u, d in enumerate(self.decision):
-            if d != "keep":
-                self._add(("u", u))
-        for u, ranges in self.segs.items():
-            for i, j in ranges:
-                self._add(("s", u, i, j))
+        self.loss = loss
+        self.bounds = _least_kept(nodes)
+        self.exact = True
 
-    # ---------------------------------------------------------------- pieces
-
-    def _piece(self, u: int, i: int, j: int) -> tuple:
-        """The piece covering children i..j of chain u: a segment, or child i alone."""
-        return ("u", self.nodes[u].children[i]) if i == j else ("s", u, i, j)
-
-    def _transient(self, piece: tuple) -> float:
-        if piece[0] == "s":
-            pre = self.nodes[piece[1]].pre_saved
-            return pre[piece[3] + 1] - pre[piece[2]]
-        node = self.nodes[piece[1]]
-        return node.rec_t if self.decision[node.idx] == "recompute" else node.sel_t
-
-    def _chain_range(self, piece: tuple) -> tuple[int, tuple[int, int]] | None:
-        if piece[0] == "s":
-            return piece[1], (piece[2], piece[3])
-        u = piece[1]
-        if self.decision[u] == "recompute" and u and self.nodes[self.parent[u]].pre_saved:
-            return self.parent[u], (self.position[u], self.position[u])
-        return None
-
-    def _add(self, piece: tuple) -> None:
-        insort(self.ts, self._transient(piece))
-        self.moves[piece] = self._piece_moves(piece)
-        where = self._chain_range(piece)
-        if where is None:
-            return
-        u, (i, j) = where
-        ranges = self.ranges.setdefault(u, [])
-        k = bisect_right(ranges, (i, j))
-        ranges.insert(k, (i, j))
-        if k > 0 and ranges[k - 1][1] + 1 == i:
-            self._add_merge(u, ranges[k - 1], (i, j))
-        if k + 1 < len(ranges) and ranges[k + 1][0] == j + 1:
-            self._add_merge(u, (i, j), ranges[k + 1])
-
-    def _remove(self, piece: tuple) -> None:
-        self.ts.remove(self._transient(piece))
-        del self.moves[piece]
-        where = self._chain_range(piece)
-        if where is None:
-            return
-        u, (i, j) = where
-        ranges = self.ranges[u]
-        k = ranges.index((i, j))
-        if k > 0:
-            self.moves.pop(("m", u, ranges[k - 1], (i, j)), None)
-        if k + 1 < len(ranges):
-            self.moves.pop(("m", u, (i, j), ranges[k + 1]), None)
-        del ranges[k]
-
-    def _add_merge(self, u: int, left: tuple[int, int], right: tuple[int, int]) -> None:
-        node = self.nodes[u]
-        if node.run_start[right[1]] > left[0]:
-            return
-        a, b = self._piece(u, *left), self._piece(u, *right)
-        pre = node.pre_saved
-        self.moves[("m", u, left, right)] = [
-            (
-                -node.kid_inp[right[0]],
-                0.0,
-                0.0,
-                (self._transient(a), self._transient(b)),
-                (pre[right[1] + 1] - pre[left[0]],),
-                (a, b),
-                (("s", u, left[0], right[1]),),
-                tuple((p[1], "keep") for p in (a, b) if p[0] == "u"),
+    def walk(self, cap: float, least_peak: bool, seconds: float = math.inf) -> list:
+        while True:
+            walk = _Pass(
+                self.nodes, self.bounds, cap, self.loss, least_peak, seconds, not self.exact
             )
-        ]
+            try:
+                return walk.run()
+            except _TooLarge:
+                self.exact = False
 
-    def _piece_moves(self, piece: tuple) -> list[tuple]:
-        nodes = self.nodes
-        out: list[tuple] = []
-        if piece[0] == "s":
-            _, u, i, j = piece
-            node = nodes[u]
-            old = (self._transient(piece),)
-            first, last = nodes[node.children[i]], nodes[node.children[j]]
-            pre = node.pre_saved
-            # Off the end: the segment shrinks, or the child left becomes a single piece.
-            out.append(
-                (
-                    last.saved,
-                    -last.fwd_s,
-                    -last.fwd_f,
-                    old,
-                    (first.rec_t if i == j - 1 else pre[j] - pre[i],),
-                    (piece,),
-                    (self._piece(u, i, j - 1),),
-                    ((first.idx, "recompute"),) if i == j - 1 else (),
-                )
-            )
-            out.append(
-                (
-                    first.saved - node.kid_inp[i] + node.kid_inp[i + 1],
-                    -first.fwd_s,
-                    -first.fwd_f,
-                    old,
-                    (last.rec_t if i + 1 == j else pre[j + 1] - pre[i + 1],),
-                    (piece,),
-                    (self._piece(u, i + 1, j),),
-                    ((last.idx, "recompute"),) if i + 1 == j else (),
-                )
-            )
-            return out
-        u = piece[1]
-        node = nodes[u]
-        if self.decision[u] == "recompute":
-            pk, ps, pf, pt = node.inp, node.fwd_s, node.fwd_f, node.rec_t
-        else:
-            pk, ps, pf, pt = node.inp + node.mm, node.sel_s, node.sel_f, node.sel_t
-        out.append((node.saved - pk, -ps, -pf, (pt,), (), (piece,), (), ((u, "keep"),)))
-        if self.decision[u] == "recompute" and node.can_sel:
-            out.append(
-                (
-                    node.mm,
-                    node.sel_s - ps,
-                    node.sel_f - pf,
-                    (pt,),
-                    (node.sel_t,),
-                    (piece,),
-                    (piece,),
-                    ((u, "selective"),),
-                )
-            )
-        if self.decision[u] == "recompute" and node.children:
-            dk, ds, df = node.own - pk, -ps, -pf
-            added: list[float] = []
-            pieces: list[tuple] = []
-            changes: list[tuple[int, str]] = [(u, "keep")]
-            for c in node.children:
-                child = nodes[c]
-                if child.can_rec:
-                    dk, ds, df = dk + child.inp, ds + child.fwd_s, df + child.fwd_f
-                    added.append(child.rec_t)
-                    pieces.append(("u", c))
-                    changes.append((c, "recompute"))
-                else:
-                    dk += child.saved
-            out.append((dk, ds, df, (pt,), tuple(added), (piece,), tuple(pieces), tuple(changes)))
-        return out
+    def cheapest(self, cap: float, seed: _Plan | None = None) -> _Plan | None:
+        """The cheapest plan whose peak above static is within ``cap``, or None.
+        ``seed``, a plan known to fit, bounds the search."""
+        nodes, loss = self.nodes, self.loss
+        seconds = math.inf
+        if seed is not None and seed.peak(nodes, loss) <= cap:
+            seconds = seed.evaluated(nodes)[2]
+        final = self.walk(cap, False, seconds)
+        if not final:
+            # An approximate pass can lose every plan as fast as the seed; the seed fits.
+            return seed if seconds < math.inf else None
+        # Pruned by time: the last point is the cheapest; among equal times the least kept.
+        return _rebuild_plan(nodes, final[-1][4])
 
-    # ---------------------------------------------------------------- search
-
-    def _largest_without(self, removed: tuple) -> float:
-        skip = list(removed)
-        for v in reversed(self.ts):
-            if v in skip:
-                skip.remove(v)
-            else:
-                return v
-        return 0.0
-
-    def _peak(self, move: tuple) -> float:
-        """kept + largest transient after ``move``."""
-        ts = self.ts
-        top = ts[-1] if ts else 0.0
-        removed = move[3]
-        # Many pieces often share the largest transient: removing one of them then leaves
-        # the largest as it is, with no search.
-        if top in removed and removed.count(top) >= len(ts) - bisect_left(ts, top):
-            top = self._largest_without(removed)
-        for t in move[4]:
-            if t > top:
-                top = t
-        return self.kept + move[0] + top
-
-    def round(self, room: float) -> bool:
-        """Apply this round's moves; False when there is none left.
-
-        The time-saving moves that fit are applied by time saved per byte spent, each if it
-        still fits and touches no piece an earlier one changed; without any, the merge that
-        frees the most memory.
-        """
-        current = self.kept + (self.ts[-1] if self.ts else 0.0)
-        scored: list[tuple[float, int, tuple]] = []
-        best_merge, best_peak = None, current
-        for moves in self.moves.values():
-            for move in moves:
-                peak = self._peak(move)
-                if peak > room:
-                    continue
-                dk, ds, df = move[:3]
-                if ds < 0 or (ds == 0 and df < 0 and dk <= 0):
-                    ratio = -ds / max(peak - current, 1e-12 * room) if ds < 0 else math.inf
-                    scored.append((ratio, len(scored), move))
-                elif ds == 0 and df == 0 and peak < best_peak:
-                    best_peak, best_merge = peak, move
-        if not scored:
-            if best_merge is None:
-                return False
-            self.apply(best_merge)
-            return True
-        scored.sort(key=lambda x: (-x[0], x[1]))
-        touched: set[tuple] = set()
-        for _, _, move in scored:
-            if touched.isdisjoint(move[5]) and self._peak(move) <= room:
-                self.apply(move)
-                touched.update(move[5])
-                touched.update(move[6])
-        return True
-
-    def apply(self, move: tuple) -> None:
-        # Pieces are removed under the old decisions (their transients depend on them) and
-        # added under the new ones.
-        self.kept += move[0]
-        for piece in move[5]:
-            self._remove(piece)
-            if piece[0] == "s":
-                self.segs[piece[1]].remove((piece[2], piece[3]))
-        for u, d in move[7]:
-            self.decision[u] = d
-        for piece in move[6]:
-            if piece[0] == "s":
-                self.segs.setdefault(piece[1], []).append((piece[2], piece[3]))
-            self._add(piece)
+    def least_peak(self, bound: float) -> float:
+        """The smallest peak above static any plan reaches (searched within ``bound``)."""
+        final = self.walk(bound, True)
+        return min((max(k + self.loss, h) for k, _, _, h, _ in final), default=bound)
 
 
-def _solve_optimal(nodes: list[_Node], label: str, budget: float | None, static: float) -> Solution:
-    try:
-        points = _exact_points(nodes, _Work(_EXACT_WORK))
-    except _TooLarge:
-        points = None
-    if points is None:
-        # The exact retry bounded by the relaxation's plan finishes on mid-sized trees (it
-        # needs 2 to 6 times less work than the full programme); on large ones it would
-        # only spend the time.
-        retry = len(nodes) <= _BOUNDED_UNITS
-        return _solve_relaxed(nodes, label, budget, static, retry)
-    # points run from least memory to least time; each one's peak is static + p[0].
+def _seed(nodes: list[_Node], chains: list, cap: float, loss: float) -> _Plan | None:
+    """The cheapest fixed-strategy plan within ``cap`` above static, or None."""
+    fits = [
+        plan
+        for name, k in _SEEDS
+        for plan in _family(nodes, chains, name, k, cap, loss)
+        if plan.peak(nodes, loss) <= cap
+    ]
+    return min(fits, key=lambda p: p.evaluated(nodes)[2], default=None)
+
+
+_SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("uniform", 8))
+
+
+def _solve_optimal(
+    nodes: list[_Node], label: str, budget: float | None, static: float, loss: float
+) -> Solution:
+    search = _Search(nodes, loss)
+    none = _Plan(["keep"] * len(nodes), {})
+    chains = _find_chains(nodes)
+    # A bound for the least-peak search: the smallest peak of the fixed strategies.
+    bound = min(
+        none.peak(nodes, loss),
+        _family_plan(nodes, chains, "full", None, None).peak(nodes, loss),
+        _family_plan(nodes, chains, "sqrt", None, None).peak(nodes, loss),
+    )
     if budget is None:
-        chosen = len(points) - 1
+        chosen = none
     else:
-        fits = [i for i, p in enumerate(points) if static + p[0] <= budget]
-        if not fits:
-            plan = _reconstruct(nodes, points[0][3])
-            plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs)
-            raise BudgetError(_too_small(budget, plan, static))
-        chosen = fits[-1]  # the cheapest that fits: time falls along the frontier
-    shown = _spread(len(points), _MAX_REPORTED, chosen)
-    plans = {i: _reconstruct(nodes, points[i][3]) for i in shown}
-    sol = _solution(nodes, plans[chosen], label, budget, static, list(plans.values()))
+        room = budget - static
+        found = search.cheapest(room, _seed(nodes, chains, room, loss))
+        if found is None:
+            least = search.least_peak(bound)
+            smallest = search.cheapest(least) or none
+            raise BudgetError(_too_small(nodes, budget, smallest, static, loss))
+        chosen = found
+    exact = search.exact
+    family = _frontier_plans(search, chains, bound)
+    sol = _solution(nodes, chosen, label, budget, static, loss, [*family, chosen], exact=exact)
     if budget is None:
-        sol.note = "no budget given: the cheapest plan is chosen" + (
-            ", and it recomputes nothing" if sol.recompute_seconds == 0 else ""
-        )
+        sol.note = "no budget given: the cheapest plan is chosen, and it recomputes nothing"
     return sol
 
 
-def _spread(n: int, count: int, must: int) -> list[int]:
-    """About ``count`` indices spread evenly over range(n), always with ``must``."""
-    if n <= count:
-        return list(range(n))
-    return sorted({round(q * (n - 1) / (count - 1)) for q in range(count)} | {must})
+def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
+    """Plans on the (peak, time) frontier: walked point by point from the no-checkpoint
+    end (each pass finds the cheapest plan below the last one's peak), then sampled at
+    evenly spread caps down to the least peak when the walk is long."""
+    nodes, loss = search.nodes, search.loss
+    plans: list[_Plan] = []
+    cap = nodes[0].saved + loss
+    # Small trees get their whole frontier, point by point.
+    steps = _STAIRCASE if len(nodes) > _SMALL_TREE else math.inf
+    while steps > 0 and search.exact:
+        steps -= 1
+        found = search.cheapest(cap, _seed(nodes, chains, cap, loss))
+        if found is None:
+            return plans
+        plans.append(found)
+        cap = math.nextafter(found.peak(nodes, loss), -math.inf)
+    least = search.least_peak(min(bound, cap))
+    count = _SAMPLED if search.exact else _SAMPLED_LARGE
+    for q in range(count + 1):
+        at = least + (cap - least) * q / count
+        found = search.cheapest(at, _seed(nodes, chains, at, loss))
+        if found is not None:
+            plans.append(found)
+    return plans
 
 
-def _too_small(budget: float, plan: _Plan, static: float) -> str:
-    kept, trans = plan.value[0], plan.value[1]  # type: ignore[index]
-    smallest = static + kept + trans
+def _too_small(nodes: list[_Node], budget: float, plan: _Plan, static: float, loss: float) -> str:
+    smallest = static + plan.peak(nodes, loss)
     head = (
         f"budget {_format_bytes(budget)} is below the smallest peak any checkpoint plan "
         f"reaches, {_format_bytes(smallest)} ({smallest:.0f} bytes): "
-        f"{_breakdown(static, kept, trans)}. "
+        f"{_breakdown(nodes, plan, static, loss)}. "
     )
     if static >= budget:
         return head + (
@@ -1768,7 +1104,7 @@ def _too_small(budget: float, plan: _Plan, static: float) -> str:
             "precision master weights, a sharded or smaller optimizer state, a smaller model) "
             f"or raise the budget to at least {_format_bytes(smallest)}"
         )
-    if static >= kept + trans:
+    if static >= smallest - static:
         return head + (
             "Static memory dominates and checkpointing cannot lower it; shrink it or raise "
             f"the budget to at least {_format_bytes(smallest)}"
