@@ -86,8 +86,9 @@ class StepMemory:
     base_bytes: float
     """Held all step: parameters, buffers, optimizer state, fp32 masters, the inputs."""
     loss_bytes: float
-    """Held from the end of forward until the loss's backward: the model's output and what
-    the loss saves. Freed before the first recomputed piece is rebuilt."""
+    """Held from the end of forward until the loss's backward: the model's output, what the
+    loss saves, and the gradient its backward makes (bounded by what it saves). Freed
+    before the first recomputed piece is rebuilt."""
     grad_bytes: float
     """Gradients of what the optimizer updates, all present at the optimizer step."""
     in_flight_bytes: float
@@ -100,6 +101,7 @@ def step_memory(
     policy: PrecisionPolicy,
     optimizer: torch.optim.Optimizer | None,
     extra_loss_bytes: float = 0.0,
+    loss_saved_bytes: float | None = None,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -128,10 +130,13 @@ def step_memory(
             for p in m.parameters(recurse=False)
             if p.dtype == torch.float32 and p.dim() >= 2
         )
+    # The loss's backward makes the gradient of the model's output while everything kept,
+    # and the loss's own tensors, are still held; it is at most the size of what it saves.
+    loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
     base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes + cast_cache
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
-        loss_bytes=float(prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes),
+        loss_bytes=float(prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes + loss_saved),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=float(max((u.output_bytes for u in prof.root.walk()), default=0.0)),
     )
@@ -180,10 +185,11 @@ def _solve(
     policy: PrecisionPolicy,
     optimizer: torch.optim.Optimizer | None,
     extra_loss_bytes: float = 0.0,
+    loss_saved_bytes: float | None = None,
 ) -> Plan:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
-    mem = step_memory(model, prof, policy, optimizer, extra_loss_bytes)
+    mem = step_memory(model, prof, policy, optimizer, extra_loss_bytes, loss_saved_bytes)
     optimizer_phase = mem.base_bytes + mem.grad_bytes
     if budget_bytes is not None and optimizer_phase > budget_bytes:
         raise BudgetError(
@@ -262,7 +268,18 @@ def plan_step(
     # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
     # output lives until the loss's backward: neither can be recomputed by a plan.
     outside = prof.root.own_saved_bytes + model_root.output_bytes
-    return _solve(model, prof, root, structure, budget, strategy, policy, optimizer, outside)
+    return _solve(
+        model,
+        prof,
+        root,
+        structure,
+        budget,
+        strategy,
+        policy,
+        optimizer,
+        outside,
+        loss_saved_bytes=prof.root.own_saved_bytes,
+    )
 
 
 def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any) -> Plan:
