@@ -32,44 +32,48 @@ def _total(unit: UnitCost) -> float:
     return unit.own_saved_bytes + sum(_total(c) for c in unit.children)
 
 
-def _then(
-    a: set[tuple[float, float, float, float]], b: set[tuple[float, float, float, float]]
-) -> set[tuple[float, float, float, float]]:
-    """Configurations of ``a`` followed by ``b`` in forward order: b's rebuilds happen
-    while all that a keeps is still held."""
-    return {(x[0] + y[0], max(x[1], x[0] + y[1]), x[2] + y[2], x[3] + y[3]) for x in a for y in b}
+# kept, highest rebuild, seconds, flops, the unit is a piece, the unit ends with a piece
+Config = tuple[float, float, float, float, bool, bool]
 
 
-def _configs(unit: UnitCost, is_root: bool) -> set[tuple[float, float, float, float]]:
-    """Every (kept, highest rebuild, seconds, flops) the cost model allows for ``unit``,
-    enumerated straight from the rules in costs.py, independently of the solver."""
+def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
+    """Every configuration the cost model allows for ``unit``, enumerated straight from
+    the rules in costs.py, independently of the solver: children in forward order, each
+    rebuild seeing what is kept before it."""
     kids = unit.children
     options = [_configs(c, False) for c in kids]
-    if unit.sequential and len(kids) >= 2:
-        # Children positions j..end: each child on its own, or a segment [j..e], e > j.
-        tails: dict[int, set] = {len(kids): {(0.0, 0.0, 0.0, 0.0)}}
-        for j in range(len(kids) - 1, -1, -1):
-            out = _then(options[j], tails[j + 1])
+    chain = unit.sequential and len(kids) >= 2
+    # at[j]: the configurations of children 0..j-1 (the flag: the last one ended a piece).
+    at: dict[int, set] = {0: {(unit.own_saved_bytes, 0.0, 0.0, 0.0, False)}}
+    for j in range(len(kids)):
+        shared = min(kids[j].input_saved_by_previous_bytes, kids[j].input_bytes)
+        held = min(kids[j].input_saved_by_both_bytes, shared)
+        for k, m, s, f, ended in at[j]:
+            for k2, m2, s2, f2, piece, ends in options[j]:
+                # A kept child after a piece holds the piece's output, which it saves.
+                b = held if j and ended and not piece else 0.0
+                at.setdefault(j + 1, set()).add(
+                    (k + b + k2, max(m, k + b + m2), s + s2, f + f2, ends)
+                )
+            if not chain:
+                continue
             for e in range(j + 1, len(kids)):
                 members = kids[j : e + 1]
                 if all(c.can_recompute for c in members):
-                    piece = (
-                        kids[j].input_bytes,
-                        2 * kids[j].input_bytes + sum(_total(c) for c in members),
-                        sum(c.fwd_seconds for c in members),
-                        sum(c.fwd_flops for c in members),
+                    inp = kids[j].input_bytes
+                    at.setdefault(e + 1, set()).add(
+                        (
+                            k + inp,
+                            max(m, k + 2 * inp + sum(_total(c) for c in members)),
+                            s + sum(c.fwd_seconds for c in members),
+                            f + sum(c.fwd_flops for c in members),
+                            True,
+                        )
                     )
-                    out |= _then({piece}, tails[e + 1])
-            tails[j] = out
-        inner = tails[0]
-    else:
-        inner = {(0.0, 0.0, 0.0, 0.0)}
-        for o in options:
-            inner = _then(inner, o)
-    result = _then({(unit.own_saved_bytes, 0.0, 0.0, 0.0)}, inner)
+    result = {(k, m, s, f, False, ends) for k, m, s, f, ends in at.get(len(kids), set())}
     if not is_root and unit.can_recompute:
         rebuild = 2 * unit.input_bytes + _total(unit)
-        result.add((unit.input_bytes, rebuild, unit.fwd_seconds, unit.fwd_flops))
+        result.add((unit.input_bytes, rebuild, unit.fwd_seconds, unit.fwd_flops, True, True))
         if unit.matmul_saved_bytes > 0:
             result.add(
                 (
@@ -77,6 +81,8 @@ def _configs(unit: UnitCost, is_root: bool) -> set[tuple[float, float, float, fl
                     rebuild,
                     unit.non_matmul_fwd_seconds,
                     unit.non_matmul_fwd_flops,
+                    True,
+                    True,
                 )
             )
     return result
@@ -85,7 +91,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[tuple[float, float, float, fl
 def _brute_points(
     root: UnitCost, static: float, loss: float = 0.0
 ) -> set[tuple[float, float, float]]:
-    return {(static + max(k + loss, h), s, f) for k, h, s, f in _configs(root, True)}
+    return {(static + max(k + loss, h), s, f) for k, h, s, f, _, _ in _configs(root, True)}
 
 
 def _pareto(points: set[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
@@ -119,6 +125,9 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
         unit.fwd_flops = draw(small)
         unit.can_recompute = draw(st.integers(0, 4)) > 0
         unit.sequential = draw(st.booleans())
+        if draw(st.booleans()):
+            unit.input_saved_by_previous_bytes = draw(small)
+            unit.input_saved_by_both_bytes = draw(small)
     for unit in units:
         if draw(st.integers(0, 2)) == 0:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))

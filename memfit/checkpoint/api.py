@@ -172,7 +172,7 @@ def plan(
 
 #: Share of the budget kept free when planning: the allocator's slack, the gradients that
 #: accumulate while later pieces are rebuilt, and small temporaries the model leaves out.
-RESERVE = 0.05
+RESERVE = 0.02
 
 
 def _solve(

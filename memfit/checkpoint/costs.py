@@ -60,6 +60,9 @@ class UnitCost:
     input_saved_by_previous_bytes: float = 0.0
     """Bytes of this unit's inputs that the sibling before it saves for backward. When this
     unit is recomputed and that sibling kept, the checkpoint keeps nothing new for them."""
+    input_saved_by_both_bytes: float = 0.0
+    """Of those, the bytes this unit saves too. When the sibling before is recomputed and
+    this unit kept, they stay held although the sibling's saved bytes counted them."""
 
     def total_saved_bytes(self) -> float:
         """Bytes the whole subtree saves for backward when nothing is recomputed."""

@@ -432,6 +432,7 @@ class _Recorder:
         self.bwd_events: list[tuple[float, str | None]] = []
         self.resident: set[Any] = set()
         self.saved_seen: dict[Any, Any] = {}
+        self.saved_by: dict[Any, set[str | None]] = {}  # every unit that saves a storage
         self.saved_owner: dict[Any, str | None] = {}
         self.mm_seen: dict[Any, Any] = {}
         self.loss_saved = 0
@@ -569,7 +570,10 @@ class _Recorder:
         if self.phase not in ("fwd", "loss"):
             return t
         key, nbytes, ref = _storage(t)
-        if key in self.resident or key in self.saved_seen:
+        if key in self.resident:
+            return t
+        self.saved_by.setdefault(key, set()).add(self.stack[-1].name if self.stack else None)
+        if key in self.saved_seen:
             return t
         self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
@@ -905,6 +909,7 @@ def profile(
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
             saved_owner = dict(rec.saved_owner)
+            saved_by = dict(rec.saved_by)
             del output, rec  # frees the step's saved references before the timed step
             if measured:
                 # The instrumented step above doubles as warm-up; this one is only timed.
@@ -915,7 +920,7 @@ def profile(
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
     root = _build(tree.root, stats, chains, iterated, measured)
-    _mark_shared_inputs(tree.root, root, stats, saved_owner)
+    _mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
         structure=structure_fingerprint(model, tree),
@@ -943,25 +948,35 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _mark_shared_inputs(
-    unit: Unit, cost: UnitCost, stats: dict[str, _Stats], saved_owner: dict[Any, str | None]
+    unit: Unit,
+    cost: UnitCost,
+    stats: dict[str, _Stats],
+    saved_owner: dict[Any, str | None],
+    saved_by: dict[Any, set[str | None]],
 ) -> None:
     """Set each unit's ``input_saved_by_previous_bytes``: bytes of its inputs that the
     sibling before it already saves for backward (e.g. a block whose last ReLU saves the
-    output the next block receives)."""
+    output the next block receives), and ``input_saved_by_both_bytes``: those it saves too
+    (a convolution saves its input; under autocast it saves a 16-bit copy instead)."""
+
+    def inside(owner: str | None, name: str) -> bool:
+        return owner is not None and (owner == name or owner.startswith(name + "."))
+
     by_name = {c.name: c for c in cost.children}
     units = {u.name: u for u in unit.children}
     for prev, cur in zip(cost.children, cost.children[1:]):
-        prefix = prev.name + "."
-        cur.input_saved_by_previous_bytes = float(
-            sum(
-                n
-                for key, n in stats[cur.name].input_keys.items()
-                if (owner := saved_owner.get(key)) is not None
-                and (owner == prev.name or owner.startswith(prefix))
-            )
+        shared = {
+            key: n
+            for key, n in stats[cur.name].input_keys.items()
+            if inside(saved_owner.get(key), prev.name)
+        }
+        both = sum(
+            n for key, n in shared.items() if any(inside(o, cur.name) for o in saved_by[key])
         )
+        cur.input_saved_by_previous_bytes = float(sum(shared.values()))
+        cur.input_saved_by_both_bytes = float(both)
     for name, child in by_name.items():
-        _mark_shared_inputs(units[name], child, stats, saved_owner)
+        _mark_shared_inputs(units[name], child, stats, saved_owner, saved_by)
 
 
 def _build(

@@ -184,6 +184,7 @@ class _Node:
         "run_start",
         "kid_inp",
         "shared",
+        "held",
     )
 
     def __init__(self, idx: int, unit: UnitCost, is_root: bool) -> None:
@@ -200,6 +201,8 @@ class _Node:
         self.mm = float(unit.matmul_saved_bytes)
         # Input bytes the sibling before this unit already saves (see evaluate's shared_inputs).
         self.shared = min(float(unit.input_saved_by_previous_bytes), self.inp)
+        # Of those, what this unit saves too (held after a recomputed sibling before it).
+        self.held = min(float(unit.input_saved_by_both_bytes), self.shared)
         # The root is the whole model: there is nothing outside it to hold its inputs.
         self.can_rec = bool(unit.can_recompute) and not is_root
         # Selective recompute only differs from recompute when matmul outputs are saved.
@@ -236,6 +239,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
             "non_matmul_fwd_flops",
             "bwd_seconds",
             "input_saved_by_previous_bytes",
+            "input_saved_by_both_bytes",
         ):
             value = getattr(unit, attr)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -304,24 +308,33 @@ def _evaluate_nodes(
                 and all(untouched[c] for c in node.children)
             )
 
-    def visit(u: int, k: float, credit: float) -> tuple[float, float, float, float]:
+    def visit(u: int, k: float, credit: float) -> tuple[float, float, float, float, bool]:
+        """(kept after u, highest rebuild, seconds, flops, whether u ends with a piece)."""
         node = nodes[u]
+        inherited = credit
         d = decision[u]
         if d == "recompute":
             k += node.inp - credit
-            return k, k + node.inp + node.saved, node.fwd_s, node.fwd_f
+            return k, k + node.inp + node.saved, node.fwd_s, node.fwd_f, True
         if d == "selective":
             k += node.inp - credit
-            return k + node.mm, k + node.inp + node.saved, node.sel_s, node.sel_f
+            return k + node.mm, k + node.inp + node.saved, node.sel_s, node.sel_f, True
         k += node.own
         high, secs, flops = 0.0, 0.0, 0.0
         ends = dict(segs.get(u, ()))
         kids = node.children
         pos = 0
+        after_piece = False  # the sibling before ended a recomputed piece
         while pos < len(kids):
             c = kids[pos]
-            # A piece whose input the wholly kept sibling before it saves keeps nothing new.
-            credit = nodes[c].shared if shared_inputs and pos and untouched[kids[pos - 1]] else 0.0
+            # A piece whose input the wholly kept sibling before it saves keeps nothing new;
+            # a first child receives its parent's input, and the parent's credit with it.
+            if pos == 0:
+                credit = min(inherited, nodes[c].inp)
+            elif shared_inputs and untouched[kids[pos - 1]]:
+                credit = nodes[c].shared
+            else:
+                credit = 0.0
             if pos in ends:
                 end = ends[pos]
                 k += nodes[c].inp - credit
@@ -330,13 +343,18 @@ def _evaluate_nodes(
                 secs += node.pre_s[end + 1] - node.pre_s[pos]
                 flops += node.pre_f[end + 1] - node.pre_f[pos]
                 pos = end + 1
+                after_piece = True
                 continue
-            k, h, s, f = visit(c, k, credit)
+            if after_piece and decision[c] == "keep":
+                # The piece before is freed after forward, but its output, which this
+                # unit receives and saves, stays: the piece's saved bytes counted it.
+                k += nodes[c].held
+            k, h, s, f, after_piece = visit(c, k, credit)
             high, secs, flops = max(high, h), secs + s, flops + f
             pos += 1
-        return k, high, secs, flops
+        return k, high, secs, flops, after_piece
 
-    return visit(0, 0.0, 0.0)
+    return visit(0, 0.0, 0.0)[:4]
 
 
 def _check_plan(
@@ -812,7 +830,10 @@ class _Pass:
         self.thin = thin
 
     def run(self) -> list:
-        return self.visit(0, _START, 0.0)
+        ended, kept = self.visit(0, _START, 0.0)
+        if ended and kept:
+            return self.prune(ended + kept)
+        return ended or kept
 
     # -- frontiers
 
@@ -880,39 +901,72 @@ class _Pass:
 
     # -- the walk
 
-    def visit(self, u: int, frontier: list, after: float) -> list:
-        """``after``: the least the rest of the walk must keep."""
+    def visit(
+        self, u: int, frontier: list, after: float, keep_in: list | None = None
+    ) -> tuple[list, list]:
+        """The frontiers after unit ``u`` (pieces ending at ``u``, and ``u`` kept), from
+        ``frontier`` (``keep_in`` for the keep option, when it differs: see ``boundary``).
+        ``after``: the least the rest of the walk must keep."""
         node = self.nodes[u]
         limit = self.limit - after
-        options: list = []
+        pieces: list = []
         if node.can_rec:
             how = (_RECOMPUTE, u, 0, 0)
             rebuild = 2 * node.inp + node.saved
-            options += self.rebuilt(frontier, node.inp, rebuild, node.fwd_s, node.fwd_f, limit, how)
+            pieces += self.rebuilt(frontier, node.inp, rebuild, node.fwd_s, node.fwd_f, limit, how)
         if node.can_sel:
             how = (_SELECTIVE, u, 0, 0)
             rebuild = 2 * node.inp + node.saved
             add = node.inp + node.mm
-            options += self.rebuilt(frontier, add, rebuild, node.sel_s, node.sel_f, limit, how)
+            pieces += self.rebuilt(frontier, add, rebuild, node.sel_s, node.sel_f, limit, how)
+        if len(pieces) > 1 and node.can_sel:
+            pieces = self.prune(pieces)
         # Keep: the unit's own saved bytes are counted from its start (a bound: some of its
         # ops may run after a child, whose rebuild would then not see them).
         own = node.own
         top = limit - self.keep_low[u]
-        kept = [(k + own, s, f, h, r) for k, s, f, h, r in frontier if k <= top]
+        source = frontier if keep_in is None else keep_in
+        kept = [(k + own, s, f, h, r) for k, s, f, h, r in source if k <= top]
         if kept and node.children:
             if node.seq and len(node.children) >= 2:
-                kept = self.chain(node, kept, after)
+                inner_ended, kept = self.chain(node, kept, after)
             else:
-                low = self.low
-                rest = sum(low[c] for c in node.children)
-                for c in node.children:
-                    rest -= low[c]
-                    kept = self.visit(c, kept, after + rest)
-                    if not kept:
-                        break
-        if not options:
-            return kept
-        return self.prune(options + kept)
+                inner_ended, kept = self.sequence(node, kept, after)
+            # A kept unit whose last child ended a piece ends with that piece too.
+            if inner_ended:
+                pieces = self.prune(pieces + inner_ended) if pieces else inner_ended
+        return pieces, kept
+
+    def boundary(self, ended: list, kept: list, nxt: int | None) -> tuple[list, list]:
+        """(all, keep_in) before sibling ``nxt``: when a piece ended just before it and
+        ``nxt`` is kept, the piece's output that ``nxt`` saves stays held (the piece's saved
+        bytes, now freed, had counted it). ``ended``: the points whose last unit ended with
+        a piece; ``kept``: the others."""
+        merged = self.prune(ended + kept) if ended and kept else (ended or kept)
+        shared = self.nodes[nxt].held if nxt is not None else 0.0
+        if not shared or not ended:
+            return merged, merged
+        moved = [(k + shared, s, f, h, r) for k, s, f, h, r in ended]
+        return merged, self.prune(moved + kept) if kept else moved
+
+    def sequence(self, node: _Node, frontier: list, after: float) -> tuple[list, list]:
+        """Children of a unit that are not a chain memfit iterates: one after another.
+        Returns the frontiers after the last child: ended with a piece, and the others."""
+        low = self.low
+        kids = node.children
+        rest = sum(low[c] for c in kids)
+        current, keep_in = frontier, frontier
+        ended: list = []
+        kept: list = frontier
+        for pos, c in enumerate(kids):
+            rest -= low[c]
+            ended, kept = self.visit(c, current, after + rest, keep_in)
+            nxt = kids[pos + 1] if pos + 1 < len(kids) else None
+            if nxt is not None:
+                current, keep_in = self.boundary(ended, kept, nxt)
+                if not current:
+                    return [], []
+        return ended, kept
 
     def chain(self, node: _Node, frontier: list, after: float) -> list:
         """Children of a sequential unit, each on its own or in segments of two or more."""
@@ -925,9 +979,13 @@ class _Pass:
             c = kids[pos]
             rest[pos] = rest[pos + 1] + (0.0 if nodes[c].can_rec else low[c])
         before = [frontier]  # before[i]: the frontier before child i
+        keep_in = frontier  # the same, for child i's keep option
         live: list[int] = []  # segment starts that can still be extended
         for j, c in enumerate(kids):
-            parts = self.visit(c, before[j], after + rest[j + 1]) if before[j] else []
+            if before[j]:
+                ended, kept = self.visit(c, before[j], after + rest[j + 1], keep_in)
+            else:
+                ended, kept = [], []
             if nodes[c].can_rec:
                 limit = self.limit - after - rest[j + 1]
                 still = []
@@ -942,7 +1000,7 @@ class _Pass:
                     if not start or start[0][0] + rebuild > self.cap:
                         continue  # longer segments from i only save more: it stays dead
                     still.append(i)
-                    parts += self.rebuilt(
+                    ended += self.rebuilt(
                         start,
                         inp,
                         rebuild,
@@ -954,8 +1012,13 @@ class _Pass:
                 live = [*still, j]
             else:
                 live = []
-            before.append(self.prune(parts) if len(parts) > 1 else parts)
-        return before[-1]
+            if len(ended) > 1:
+                ended = self.prune(ended)
+            if j + 1 == len(kids):
+                return ended, kept
+            merged, keep_in = self.boundary(ended, kept, kids[j + 1])
+            before.append(merged)
+        return [], before[-1]
 
 
 class _TooLarge(Exception):
