@@ -32,6 +32,10 @@ def _total(unit: UnitCost) -> float:
     return unit.own_saved_bytes + sum(_total(c) for c in unit.children)
 
 
+def _rebuilt(unit: UnitCost) -> float:
+    return _total(unit) + unit.recompute_extra_bytes
+
+
 # kept, highest rebuild, seconds, flops, the unit is a piece, the unit ends with a piece
 Config = tuple[float, float, float, float, bool, bool]
 
@@ -64,7 +68,13 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                     at.setdefault(e + 1, set()).add(
                         (
                             k + inp,
-                            max(m, k + 2 * inp + sum(_total(c) for c in members)),
+                            max(
+                                m,
+                                k
+                                + 2 * inp
+                                + sum(_rebuilt(c) for c in members)
+                                + kids[j].grads_from_bytes,
+                            ),
                             s + sum(c.fwd_seconds for c in members),
                             f + sum(c.fwd_flops for c in members),
                             True,
@@ -72,7 +82,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                     )
     result = {(k, m, s, f, False, ends) for k, m, s, f, ends in at.get(len(kids), set())}
     if not is_root and unit.can_recompute:
-        rebuild = 2 * unit.input_bytes + _total(unit)
+        rebuild = 2 * unit.input_bytes + _rebuilt(unit) + unit.grads_from_bytes
         result.add((unit.input_bytes, rebuild, unit.fwd_seconds, unit.fwd_flops, True, True))
         if unit.matmul_saved_bytes > 0:
             result.add(
@@ -128,6 +138,10 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
         if draw(st.booleans()):
             unit.input_saved_by_previous_bytes = draw(small)
             unit.input_saved_by_both_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.recompute_extra_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.grads_from_bytes = draw(small)
     for unit in units:
         if draw(st.integers(0, 2)) == 0:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))

@@ -3,14 +3,14 @@
 The budget is the peak of a whole training step (what ``memfit.measure`` reports). The part
 checkpointing cannot change, the *static* bytes, is counted from the model and optimizer:
 
-* parameters and buffers, as they are held (low-precision in the ``*-master`` modes), and
-  autocast's 16-bit copies of fp32 weights in the mixed modes;
+* parameters and buffers, as they are held (low-precision in the ``*-master`` modes);
 * gradients of everything the optimizer updates (fp32 masters' gradients in the master
   modes, since the low-precision ones are freed as they arrive);
 * optimizer state: measured if the optimizer already has state, else its known size
   (Adam/AdamW two fp32 buffers per parameter, SGD with momentum and Adagrad one);
 * fp32 master weights in the master modes;
-* the step's inputs, the model's output and what the loss saves for backward.
+* the step's inputs; and at the end of forward only, the model's output, what the loss
+  saves, and autocast's 16-bit copies of fp32 weights in the mixed modes.
 
 Example::
 
@@ -87,8 +87,9 @@ class StepMemory:
     """Held all step: parameters, buffers, optimizer state, fp32 masters, the inputs."""
     loss_bytes: float
     """Held from the end of forward until the loss's backward: the model's output, what the
-    loss saves, and the gradient its backward makes (bounded by what it saves). Freed
-    before the first recomputed piece is rebuilt."""
+    loss saves, and the larger of autocast's 16-bit weight copies (held until the autocast
+    region ends) and the gradient the loss's backward makes (bounded by what the loss
+    saves). Freed before the first recomputed piece is rebuilt."""
     grad_bytes: float
     """Gradients of what the optimizer updates, all present at the optimizer step."""
     in_flight_bytes: float
@@ -119,27 +120,79 @@ def step_memory(
         p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
     )
     # Under autocast with fp32 weights, torch keeps a 16-bit copy of each weight it casts
-    # for the whole forward (and again while a recompute runs).
-    cast_cache = 0
-    if policy.mixed and not policy.master_weights:
-        width = torch.finfo(policy.compute_dtype).bits // 8
-        cast_cache = sum(
-            p.numel() * width
-            for m in model.modules()
-            if not policy.is_island(m)
-            for p in m.parameters(recurse=False)
-            if p.dtype == torch.float32 and p.dim() >= 2
-        )
+    # until the autocast region ends, after the loss: held at the end of forward, gone in
+    # backward (a recompute casts only its own piece's weights again).
+    cast_cache = _cast_bytes(model, policy)
     # The loss's backward makes the gradient of the model's output while everything kept,
     # and the loss's own tensors, are still held; it is at most the size of what it saves.
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
-    base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes + cast_cache
+    base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes
+    # The cast copies and the loss's gradient do not meet: the loss's backward runs after
+    # the autocast region has ended.
+    end_of_forward = max(cast_cache, loss_saved)
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
-        loss_bytes=float(prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes + loss_saved),
+        loss_bytes=float(
+            prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes + end_of_forward
+        ),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=float(max((u.output_bytes for u in prof.root.walk()), default=0.0)),
     )
+
+
+def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
+    """Bytes of the 16-bit copies autocast makes of ``module``'s fp32 weights (0 outside
+    the mixed modes): matrices and filters of modules that are not fp32 islands."""
+    if not policy.mixed or policy.master_weights:
+        return 0
+    width = torch.finfo(policy.compute_dtype).bits // 8
+    return sum(
+        p.numel() * width
+        for m in module.modules()
+        if not policy.is_island(m)
+        for p in m.parameters(recurse=False)
+        if p.dtype == torch.float32 and p.dim() >= 2
+    )
+
+
+def _with_backward_costs(root: UnitCost, model: nn.Module, policy: PrecisionPolicy) -> UnitCost:
+    """``root`` with what a rebuild in backward holds besides activations, per unit:
+
+    * ``recompute_extra_bytes``: a rebuild runs under autocast again and casts the unit's
+      weights again;
+    * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
+      unit and of every unit after it in forward order, and (not knowing where in their
+      forward they are used) those of its ancestors' own parameters.
+    """
+    width = 4 if policy.master_weights else None
+
+    def grad_bytes(params: list[nn.Parameter]) -> float:
+        return float(sum(p.numel() * (width or p.element_size()) for p in params))
+
+    order: list[UnitCost] = list(root.walk())  # forward order: parents before children
+    own: dict[str, float] = {}
+    for unit in order:
+        module = model.get_submodule(unit.name)
+        inner = {id(p) for c in unit.children for p in model.get_submodule(c.name).parameters()}
+        own[unit.name] = grad_bytes(
+            [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
+        )
+    after: dict[str, float] = {}
+    total = 0.0
+    for unit in reversed(order):
+        total += own[unit.name]
+        after[unit.name] = total
+
+    def fill(unit: UnitCost, above: float) -> UnitCost:
+        children = [fill(c, above + own[unit.name]) for c in unit.children]
+        return dataclasses.replace(
+            unit,
+            children=children,
+            recompute_extra_bytes=float(_cast_bytes(model.get_submodule(unit.name), policy)),
+            grads_from_bytes=after[unit.name] + above,
+        )
+
+    return fill(root, 0.0)
 
 
 def plan(
@@ -199,6 +252,7 @@ def _solve(
             "smaller optimizer state, or shard the model."
         )
     planning_budget = None if budget_bytes is None else budget_bytes * (1 - RESERVE)
+    root = _with_backward_costs(root, model, policy)
     held = mem.base_bytes + mem.in_flight_bytes
     try:
         solution = solve(root, strategy, planning_budget, held, mem.loss_bytes)

@@ -60,6 +60,12 @@ class UnitCost:
     input_saved_by_previous_bytes: float = 0.0
     """Bytes of this unit's inputs that the sibling before it saves for backward. When this
     unit is recomputed and that sibling kept, the checkpoint keeps nothing new for them."""
+    recompute_extra_bytes: float = 0.0
+    """Bytes a rebuild of this unit allocates beyond what it saves and its input's gradient,
+    for the whole subtree (e.g. autocast's 16-bit copies of its weights, cast again)."""
+    grads_from_bytes: float = 0.0
+    """Parameter gradients that exist when backward rebuilds this unit: those of the unit
+    and of everything after it in forward order (backward has made them by then)."""
     input_saved_by_both_bytes: float = 0.0
     """Of those, the bytes this unit saves too. When the sibling before is recomputed and
     this unit kept, they stay held although the sibling's saved bytes counted them."""

@@ -68,7 +68,7 @@ _EXACT_WORK = 150_000
 _THIN_POINTS = 32
 _STAIRCASE = 24
 _SAMPLED = 12
-_SAMPLED_LARGE = 3
+_SAMPLED_LARGE = 1
 _SMALL_TREE = 64
 # Points of the optimal frontier reported in a Solution (spread evenly in memory).
 _MAX_REPORTED = 256
@@ -179,6 +179,10 @@ class _Node:
         "rec_t",
         "sel_t",
         "pre_saved",
+        "pre_rebuilt",
+        "rebuilt",
+        "grads",
+        "kid_grads",
         "pre_s",
         "pre_f",
         "run_start",
@@ -211,6 +215,13 @@ class _Node:
         self.rec_t = 0.0
         self.sel_t = 0.0
         self.pre_saved: list[float] = []
+        self.pre_rebuilt: list[float] = []
+        # What a rebuild holds besides the input and its gradient: everything the subtree
+        # saves, and what recomputing it allocates besides (cast weights).
+        self.rebuilt = float(unit.recompute_extra_bytes)
+        # Parameter gradients that exist when backward reaches this unit.
+        self.grads = float(unit.grads_from_bytes)
+        self.kid_grads: list[float] = []
         self.pre_s: list[float] = []
         self.pre_f: list[float] = []
         self.run_start: list[int] = []
@@ -240,6 +251,8 @@ def _flatten(root: UnitCost) -> list[_Node]:
             "bwd_seconds",
             "input_saved_by_previous_bytes",
             "input_saved_by_both_bytes",
+            "recompute_extra_bytes",
+            "grads_from_bytes",
         ):
             value = getattr(unit, attr)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -255,11 +268,14 @@ def _flatten(root: UnitCost) -> list[_Node]:
             stack.append((child, node.idx))
     for node in reversed(nodes):
         node.saved = node.own + sum(nodes[c].saved for c in node.children)
+        node.rebuilt += node.saved
         node.rec_t = node.saved
         node.sel_t = max(0.0, node.saved - node.mm)
         if node.seq and len(node.children) >= 2:
             kids = [nodes[c] for c in node.children]
             node.pre_saved = _prefix(k.saved for k in kids)
+            node.pre_rebuilt = _prefix(k.rebuilt for k in kids)
+            node.kid_grads = [k.grads for k in kids]
             node.pre_s = _prefix(k.fwd_s for k in kids)
             node.pre_f = _prefix(k.fwd_f for k in kids)
             node.kid_inp = [k.inp for k in kids]
@@ -315,10 +331,11 @@ def _evaluate_nodes(
         d = decision[u]
         if d == "recompute":
             k += node.inp - credit
-            return k, k + node.inp + node.saved, node.fwd_s, node.fwd_f, True
+            return k, k + node.inp + node.rebuilt + node.grads, node.fwd_s, node.fwd_f, True
         if d == "selective":
             k += node.inp - credit
-            return k + node.mm, k + node.inp + node.saved, node.sel_s, node.sel_f, True
+            high = k + node.inp + node.rebuilt + node.grads
+            return k + node.mm, high, node.sel_s, node.sel_f, True
         k += node.own
         high, secs, flops = 0.0, 0.0, 0.0
         ends = dict(segs.get(u, ()))
@@ -338,8 +355,8 @@ def _evaluate_nodes(
             if pos in ends:
                 end = ends[pos]
                 k += nodes[c].inp - credit
-                rebuilt = node.pre_saved[end + 1] - node.pre_saved[pos]
-                high = max(high, k + nodes[c].inp + rebuilt)
+                rebuilt = node.pre_rebuilt[end + 1] - node.pre_rebuilt[pos]
+                high = max(high, k + nodes[c].inp + rebuilt + nodes[c].grads)
                 secs += node.pre_s[end + 1] - node.pre_s[pos]
                 flops += node.pre_f[end + 1] - node.pre_f[pos]
                 pos = end + 1
@@ -891,12 +908,20 @@ class _Pass:
         out = []
         append = out.append
         top = min(self.cap - rebuild, limit - add)
+        if self.least_peak:
+            for k, s, f, h, ref in frontier:  # by increasing k: stop at the first that fails
+                if k > top:
+                    break
+                high = k + rebuild
+                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
+            return out
+        # By time, the highest rebuild is not needed (the cap is checked as the walk goes).
         slowest = self.seconds - secs
-        for k, s, f, h, ref in frontier:  # by increasing k: stop at the first that fails
+        for k, s, f, h, ref in frontier:
             if k > top:
                 break
             if s <= slowest:
-                append((k + add, s + secs, f + flops, max(h, k + rebuild), (ref, *how)))
+                append((k + add, s + secs, f + flops, h, (ref, *how)))
         return out
 
     # -- the walk
@@ -912,11 +937,11 @@ class _Pass:
         pieces: list = []
         if node.can_rec:
             how = (_RECOMPUTE, u, 0, 0)
-            rebuild = 2 * node.inp + node.saved
+            rebuild = 2 * node.inp + node.rebuilt + node.grads
             pieces += self.rebuilt(frontier, node.inp, rebuild, node.fwd_s, node.fwd_f, limit, how)
         if node.can_sel:
             how = (_SELECTIVE, u, 0, 0)
-            rebuild = 2 * node.inp + node.saved
+            rebuild = 2 * node.inp + node.rebuilt + node.grads
             add = node.inp + node.mm
             pieces += self.rebuilt(frontier, add, rebuild, node.sel_s, node.sel_f, limit, how)
         if len(pieces) > 1 and node.can_sel:
@@ -996,7 +1021,8 @@ class _Pass:
                 for i in starts:
                     start = before[i]
                     inp = node.kid_inp[i]
-                    rebuild = 2 * inp + node.pre_saved[j + 1] - node.pre_saved[i]
+                    rebuilt = node.pre_rebuilt[j + 1] - node.pre_rebuilt[i]
+                    rebuild = 2 * inp + rebuilt + node.kid_grads[i]
                     if not start or start[0][0] + rebuild > self.cap:
                         continue  # longer segments from i only save more: it stays dead
                     still.append(i)
