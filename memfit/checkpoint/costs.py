@@ -3,22 +3,20 @@
 Plain dataclasses with no torch in them, so the solvers (``solve.py``) can serve any
 framework's recompute primitive. ``profile.py`` fills them in from one measured step.
 
-Cost model (docs/planner.md has the full statement and its assumptions):
+Cost model (docs/planner.md has the full statement and its assumptions), per option:
 
-* ``keep``      - the unit's own ops save what they save; its child units decide for themselves.
-                  kept = own saved bytes + children's kept; transient = max of children's.
-* ``recompute`` - checkpoint the whole unit: keep its inputs, re-run its forward in backward.
-                  kept = input bytes; transient = the subtree's total saved bytes;
-                  extra time = the subtree's forward time.
-* ``selective`` - checkpoint, but save the outputs of matmul-like ops and recompute the rest.
-                  kept = input bytes + matmul saved bytes; transient = total saved - matmul saved;
-                  extra time = forward time of the non-matmul ops.
-* segment i..j  - for ``sequential`` units: children i..j (j > i) checkpointed as one piece.
-                  kept = child i's input bytes; transient = sum of their total saved bytes;
-                  extra time = sum of their forward times.
+* ``keep``      - kept: the unit's own saved bytes + what its children keep.
+* ``recompute`` - checkpoint the whole unit: kept = its input bytes; extra time = the
+                  subtree's forward time.
+* ``selective`` - checkpoint, but save the outputs of matmul-like ops: kept = input bytes +
+                  matmul saved bytes; extra time = ``non_matmul_fwd_seconds``.
+* segment i..j  - for ``sequential`` units: children i..j (j > i) as one piece: kept = child
+                  i's input bytes; extra time = the sum of their forward times.
 
-Predicted peak = static bytes + kept(root) + transient(root), where the transient of a
-tree is the largest transient of any one recomputed piece (only one is rebuilt at a time).
+Backward rebuilds one piece at a time, after everything after it in forward order has been
+freed: a rebuild holds what is kept before the piece, its input and the input's gradient,
+all the piece saves, ``recompute_extra_bytes`` and ``grads_from_bytes``. Predicted peak =
+static + max(kept + loss bytes at the end of forward, the highest rebuild).
 """
 
 from __future__ import annotations
@@ -52,7 +50,9 @@ class UnitCost:
     non_matmul_fwd_flops: float = 0.0
     """Forward FLOPs of the subtree's ops that selective recompute re-runs."""
     non_matmul_fwd_seconds: float = 0.0
-    """Forward time of the subtree's ops that selective recompute re-runs."""
+    """Time charged to a selective recompute of the subtree: the forward time of the ops it
+    re-runs, or more where the selective machinery is known to cost more (see
+    ``memfit.checkpoint.profile.SELECTIVE_TIME_SHARE``)."""
     can_recompute: bool = True
     """False when re-running the unit is unsafe (side effects, non-determinism) or impossible."""
     sequential: bool = False
