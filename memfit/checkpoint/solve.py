@@ -1144,13 +1144,35 @@ def _solve_optimal(
             least = search.least_peak(bound)
             smallest = search.cheapest(least) or none
             raise BudgetError(_too_small(nodes, budget, smallest, static, loss))
-        chosen = found
+        chosen = found if search.exact else _polish(nodes, found, room, loss)
     exact = search.exact
     family = _frontier_plans(search, chains, bound)
     sol = _solution(nodes, chosen, label, budget, static, loss, [*family, chosen], exact=exact)
     if budget is None:
         sol.note = "no budget given: the cheapest plan is chosen, and it recomputes nothing"
     return sol
+
+
+def _polish(nodes: list[_Node], plan: _Plan, cap: float, loss: float) -> _Plan:
+    """An approximate plan, with every recomputed piece that the budget can afford to keep
+    kept instead, the slowest first (each one tried once; a kept piece's units keep)."""
+    pieces = [(nodes[u].fwd_s, u, None) for u, d in enumerate(plan.decision) if d != "keep"]
+    for u, ranges in plan.segs.items():
+        pre = nodes[u].pre_s
+        pieces += [(pre[j + 1] - pre[i], u, (i, j)) for i, j in ranges]
+    for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
+        decision = list(plan.decision)
+        segs = {k: list(v) for k, v in plan.segs.items()}
+        if rng is None:
+            decision[u] = "keep"
+        else:
+            segs[u].remove(rng)
+            if not segs[u]:
+                del segs[u]
+        trial = _Plan(decision, segs)
+        if trial.peak(nodes, loss) <= cap:
+            plan = trial
+    return plan
 
 
 def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
