@@ -93,13 +93,16 @@ class Plan:
     budget_bytes: float | None = None
     """The budget the plan was made for (the peak of a whole step), or None."""
     predicted_peak_bytes: float = 0.0
-    """static + kept + transient, as the planner predicts it."""
+    """static + kept + transient as the planner predicts it (or, when higher, what the
+    optimizer step holds: parameters, all gradients, optimizer state)."""
     static_bytes: float = 0.0
-    """Bytes checkpointing cannot change: parameters, gradients, optimizer state, inputs."""
+    """Bytes held all step that checkpointing cannot change: parameters, optimizer state,
+    inputs, the activation gradient in flight."""
     kept_bytes: float = 0.0
     """Activation bytes held from forward to backward under the plan."""
     transient_bytes: float = 0.0
-    """The largest extra bytes while one recomputed piece is rebuilt in backward."""
+    """What the peak holds beyond static and kept: the loss at the end of forward, or, when
+    higher, a piece being rebuilt in backward (what is kept after it is freed by then)."""
     recompute_flops: float = 0.0
     """Extra forward FLOPs per step."""
     recompute_seconds: float = 0.0
@@ -308,9 +311,9 @@ class Plan:
           nothing is recomputed (1 unit keeps its activations)
         <BLANKLINE>
           predicted peak     1.00 GiB
-            static           1.00 GiB  parameters, gradients, optimizer state, inputs
+            static           1.00 GiB  parameters, optimizer state, inputs
             kept                  0 B  activations held for backward
-            transient             0 B  the largest piece rebuilt in backward
+            transient             0 B  the loss, or the highest rebuild in backward
           recompute        0.00 GFLOP  0.00 ms per step
         """
         budget = (
@@ -326,11 +329,11 @@ class Plan:
         lines += [
             "",
             f"  predicted peak {_format_bytes(self.predicted_peak_bytes):>12}",
-            f"    static       {_format_bytes(self.static_bytes):>12}  parameters, gradients, "
+            f"    static       {_format_bytes(self.static_bytes):>12}  parameters, "
             "optimizer state, inputs",
             f"    kept         {_format_bytes(self.kept_bytes):>12}  activations held for backward",
-            f"    transient    {_format_bytes(self.transient_bytes):>12}  the largest piece "
-            "rebuilt in backward",
+            f"    transient    {_format_bytes(self.transient_bytes):>12}  the loss, or the "
+            "highest rebuild in backward",
             f"  recompute      {f'{self.recompute_flops / 1e9:.2f} GFLOP':>12}  "
             f"{self.recompute_seconds * 1e3:.2f} ms per step",
         ]
