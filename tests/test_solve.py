@@ -556,3 +556,30 @@ def test_a_thousand_units_solve_in_well_under_a_second(name: str, make) -> None:
             except BudgetError:
                 continue
             assert sol.recompute_seconds <= fixed.recompute_seconds * (1 + 1e-9)
+
+
+def test_fractional_costs_terminate_and_fit() -> None:
+    # Sums of fractional costs taken in different orders differ in the last bits; the
+    # frontier walk must still end, and plans must fit their budget up to rounding.
+    rng = random.Random(7)
+    for _ in range(60):
+        kids = [
+            UnitCost(
+                f"b{i}",
+                own_saved_bytes=rng.uniform(1, 10),
+                input_bytes=rng.uniform(0, 1),
+                fwd_seconds=rng.uniform(0.1, 2),
+                grads_from_bytes=rng.uniform(0, 3),
+                recompute_extra_bytes=rng.uniform(0, 1),
+                input_saved_by_previous_bytes=rng.uniform(0, 1),
+                input_saved_by_both_bytes=rng.uniform(0, 1),
+            )
+            for i in range(rng.randint(2, 6))
+        ]
+        root = UnitCost("", children=kids, sequential=rng.random() < 0.5, own_saved_bytes=0.16)
+        sol = solve(root, "optimal", None, loss_bytes=rng.uniform(0, 2))
+        peaks = [p.peak_bytes for p in sol.frontier]
+        assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+        budget = rng.uniform(min(peaks), max(peaks))
+        fitted = solve(root, "optimal", budget)
+        assert fitted.predicted_peak_bytes <= budget * (1 + 1e-12)

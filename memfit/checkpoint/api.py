@@ -223,8 +223,8 @@ def plan(
     return _solve(model, prof, prof.root, prof.structure, budget, strategy, policy, optimizer)
 
 
-#: Share of the budget kept free when planning: the allocator's slack, the gradients that
-#: accumulate while later pieces are rebuilt, and small temporaries the model leaves out.
+#: Share of the budget kept free when planning: the allocator's slack and the temporaries
+#: of backward the cost model leaves out.
 RESERVE = 0.02
 
 

@@ -65,7 +65,8 @@ class UnitCost:
     for the whole subtree (e.g. autocast's 16-bit copies of its weights, cast again)."""
     grads_from_bytes: float = 0.0
     """Parameter gradients that exist when backward rebuilds this unit: those of the unit
-    and of everything after it in forward order (backward has made them by then)."""
+    and of everything after it in forward order (backward has made them by then), and of
+    its ancestors' own parameters (where in their forward those are used is not known)."""
     input_saved_by_both_bytes: float = 0.0
     """Of those, the bytes this unit saves too. When the sibling before is recomputed and
     this unit kept, they stay held although the sibling's saved bytes counted them."""

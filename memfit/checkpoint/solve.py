@@ -492,8 +492,9 @@ def solve(
 
     ``budget_bytes`` is the peak of a whole training step; ``static_bytes`` is the part of
     it checkpointing cannot change; ``loss_bytes`` is held at the end of forward only (the
-    model's output and what the loss saves, freed before backward reaches the model). With ``budget_bytes=None`` the optimal solver has
-    nothing to fit and returns the plan without recompute, and the other strategies apply
+    model's output and what the loss saves, freed before backward reaches the model). With
+    ``budget_bytes=None`` the optimal solver has nothing to fit and returns the plan without
+    recompute, and the other strategies apply
     their plan to every block. Raises :class:`~memfit.errors.BudgetError` when the
     strategy cannot fit the budget, and :class:`~memfit.errors.ConfigError` for an
     unknown strategy.
@@ -1140,8 +1141,12 @@ def _solve_optimal(
     else:
         room = budget - static
         found = search.cheapest(room, _seed(nodes, chains, room, loss))
+        least = None
         if found is None:
             least = search.least_peak(bound)
+            if least <= room:  # an approximate walk lost the plans that fit; take the least
+                found = search.cheapest(least)
+        if found is None:
             smallest = search.cheapest(least) or none
             raise BudgetError(_too_small(nodes, budget, smallest, static, loss))
         chosen = found if search.exact else _polish(nodes, found, room, loss)
@@ -1190,7 +1195,9 @@ def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
         if found is None:
             return plans
         plans.append(found)
-        cap = math.nextafter(found.peak(nodes, loss), -math.inf)
+        # min(): with fractional costs, sums taken in another order can put the evaluated
+        # peak an ulp above the cap the walk checked; the cap must still go down.
+        cap = math.nextafter(min(cap, found.peak(nodes, loss)), -math.inf)
     least = search.least_peak(min(bound, cap))
     count = _SAMPLED if search.exact else _SAMPLED_LARGE
     for q in range(count + 1):
