@@ -117,7 +117,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """Plain remarks, e.g. that the budget needs no checkpointing."""
     exact: bool = True
-    """False when the optimal solver fell back to its relaxation (a cheaper plan may exist)."""
+    """False when the optimal solver fell back to approximate walks on a large tree (a
+    cheaper plan may exist)."""
     pieces: list[Piece] = field(default_factory=list)
     """The recomputed pieces with what each trades, when the costs were given."""
     version: int = VERSION

@@ -70,8 +70,6 @@ _STAIRCASE = 24
 _SAMPLED = 12
 _SAMPLED_LARGE = 1
 _SMALL_TREE = 64
-# Points of the optimal frontier reported in a Solution (spread evenly in memory).
-_MAX_REPORTED = 256
 
 
 @dataclass(frozen=True)
