@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import types
@@ -129,7 +130,9 @@ def _save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
 # --------------------------------------------------------------------------- recompute core
 
 
-def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in ``obj``: nested mappings, lists, tuples and dataclasses."""
+    out = [] if out is None else out
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, Mapping):
@@ -138,6 +141,9 @@ def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _tensors(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _tensors(getattr(obj, f.name), out)
     return out
 
 
@@ -269,7 +275,7 @@ def _checkpoint(
 
     # checkpoint finds the devices whose RNG state it must save from its positional
     # arguments only; tensors passed by keyword are appended so dropout replays on them too.
-    extra = tuple(_tensors(kwargs, []))
+    extra = tuple(_tensors(kwargs))
     return checkpoint(
         run,
         *args,

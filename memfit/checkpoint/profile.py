@@ -57,10 +57,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +75,7 @@ from torch.utils.flop_counter import (
 )
 
 from memfit.checkpoint import apply as _apply
-from memfit.checkpoint.apply import MATMUL_OPS
+from memfit.checkpoint.apply import MATMUL_OPS, _tensors
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.tree import (
     Unit,
@@ -87,6 +86,7 @@ from memfit.checkpoint.tree import (
     unit_tree,
 )
 from memfit.errors import PlanError
+from memfit.memory import _call
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes
 
@@ -274,22 +274,6 @@ class Profile:
 # --------------------------------------------------------------------------- helpers
 
 
-def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _tensors(getattr(obj, f.name), out)
-    return out
-
-
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -310,14 +294,6 @@ def _storage(t: torch.Tensor) -> tuple[Any, int, Any]:
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         # Tensors without a plain storage (sparse, some subclasses): count the tensor itself.
         return ("tensor", id(t)), t.numel() * t.element_size(), t
-
-
-def _call_model(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -706,7 +682,7 @@ def _run_step(
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
             rec.phase = "fwd"
             with policy.autocast(device_type):
-                output = _call_model(model, inputs)
+                output = _call(model, inputs)
                 rec.phase = "loss"
                 loss = loss_fn(output)
             if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
