@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -23,14 +22,7 @@ from memfit.checkpoint.profile import flop_counter, profile
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import PlanError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models: thread start-up and contention cost more than the arithmetic.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- test models

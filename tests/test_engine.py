@@ -24,13 +24,7 @@ from memfit.precision import MODES, LossScaler
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: one intra-op thread is fastest, and two test workers share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,14 +13,7 @@ import memfit
 from memfit.errors import ConfigError
 from memfit.precision import MasterWeights, PrecisionPolicy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: one intra-op thread is fastest, and two test workers share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0) -> nn.Sequential:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,14 +21,7 @@ from memfit.precision import (
 )
 from memfit.precision.policy import DEFAULT_FP32_ISLANDS
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: one intra-op thread is fastest, and two test workers share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- modes and aliases ---------------------------------------------------------------------

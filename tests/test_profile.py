@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -13,14 +11,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profile import SELECTIVE_TIME_SHARE, Profile, flop_counter, profile
 from memfit.errors import PlanError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models: thread start-up and contention cost more than the arithmetic.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _chain() -> nn.Sequential:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,7 @@ import torch
 from memfit.errors import CheckpointError
 from memfit.savefile import FORMAT, VERSION, atomic_save, digest, safe_load
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # A tensor whose raw bytes are easy to find in the file.

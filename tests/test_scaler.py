@@ -15,14 +15,7 @@ from torch import nn
 from memfit.errors import ConfigError, ScalerStateError
 from memfit.precision import LossScaler, ScalerStats
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: one intra-op thread is fastest, and two test workers share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 X = torch.tensor([0.5, -1.25, 2.0, 0.75])
