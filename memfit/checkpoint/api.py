@@ -101,10 +101,13 @@ def step_memory(
     prof: Profile,
     policy: PrecisionPolicy,
     optimizer: torch.optim.Optimizer | None,
-    extra_loss_bytes: float = 0.0,
+    output_bytes: float | None = None,
     loss_saved_bytes: float | None = None,
 ) -> StepMemory:
-    """What a training step holds whatever the plan (see the module docstring)."""
+    """What a training step holds whatever the plan (see the module docstring).
+
+    ``output_bytes`` and ``loss_saved_bytes``: the model's output and what the loss saves,
+    when they are not the profiled step's own (default: ``prof``'s)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     if optimizer is not None:
@@ -123,18 +126,16 @@ def step_memory(
     # until the autocast region ends, after the loss: held at the end of forward, gone in
     # backward (a recompute casts only its own piece's weights again).
     cast_cache = _cast_bytes(model, policy)
-    # The loss's backward makes the gradient of the model's output while everything kept,
-    # and the loss's own tensors, are still held; it is at most the size of what it saves.
+    output = prof.output_bytes if output_bytes is None else output_bytes
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
     base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes
-    # The cast copies and the loss's gradient do not meet: the loss's backward runs after
-    # the autocast region has ended.
+    # The loss's backward makes the gradient of the model's output while everything kept,
+    # and the loss's own tensors, are still held; it is at most the size of what the loss
+    # saves. It does not meet the cast copies: it runs after the autocast region has ended.
     end_of_forward = max(cast_cache, loss_saved)
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
-        loss_bytes=float(
-            prof.output_bytes + prof.loss_saved_bytes + extra_loss_bytes + end_of_forward
-        ),
+        loss_bytes=float(output + loss_saved + end_of_forward),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=float(max((u.output_bytes for u in prof.root.walk()), default=0.0)),
     )
@@ -237,12 +238,12 @@ def _solve(
     strategy: str,
     policy: PrecisionPolicy,
     optimizer: torch.optim.Optimizer | None,
-    extra_loss_bytes: float = 0.0,
+    output_bytes: float | None = None,
     loss_saved_bytes: float | None = None,
 ) -> Plan:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
-    mem = step_memory(model, prof, policy, optimizer, extra_loss_bytes, loss_saved_bytes)
+    mem = step_memory(model, prof, policy, optimizer, output_bytes, loss_saved_bytes)
     optimizer_phase = mem.base_bytes + mem.grad_bytes
     if budget_bytes is not None and optimizer_phase > budget_bytes:
         raise BudgetError(
@@ -321,7 +322,6 @@ def plan_step(
     structure = structure_fingerprint(model, names)
     # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
     # output lives until the loss's backward: neither can be recomputed by a plan.
-    outside = prof.root.own_saved_bytes + model_root.output_bytes
     return _solve(
         model,
         prof,
@@ -331,8 +331,8 @@ def plan_step(
         strategy,
         policy,
         optimizer,
-        outside,
-        loss_saved_bytes=prof.root.own_saved_bytes,
+        output_bytes=prof.output_bytes + model_root.output_bytes,
+        loss_saved_bytes=prof.loss_saved_bytes + prof.root.own_saved_bytes,
     )
 
 
