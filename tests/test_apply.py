@@ -340,24 +340,41 @@ def _flops(model: nn.Module, inputs: object) -> int:
     return counter.get_total_flops()
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize(
-    ("plan", "recomputed", "selective"),
+    ("plan", "recomputed", "last", "selective"),
     [
-        ({"blocks.0": "recompute"}, ["blocks.0"], []),
-        ({"blocks.0": "recompute", "blocks.2": "recompute"}, ["blocks.0", "blocks.2"], []),
-        ({"decisions": {}, "segments": {"blocks": [(0, 1)]}}, ["blocks.0", "blocks.1"], []),
-        ({"blocks.1": "selective"}, [], ["blocks.1"]),
+        ({"blocks.0": "recompute"}, ["blocks.0"], ["blocks.0"], []),
+        (
+            {"blocks.0": "recompute", "blocks.2": "recompute"},
+            ["blocks.0", "blocks.2"],
+            ["blocks.0", "blocks.2"],
+            [],
+        ),
+        (
+            {"decisions": {}, "segments": {"blocks": [(0, 1)]}},
+            ["blocks.0", "blocks.1"],
+            ["blocks.1"],
+            [],
+        ),
+        ({"blocks.1": "selective"}, [], [], ["blocks.1"]),
     ],
 )
-def test_recompute_flops_match_profile(plan: dict, recomputed: list, selective: list) -> None:
+def test_recompute_flops_match_profile(
+    plan: dict, recomputed: list, last: list, selective: list, early_stop: bool
+) -> None:
     model = MiniTransformer(p=0.0)
     x = _tokens()
     prof = profile(model, x, loss_fn=_loss)
     base = _flops(model, x)
-    with planned(model, plan):
+    with planned(model, plan, early_stop=early_stop):
         extra = _flops(model, x) - base
     expected = sum(prof[n].fwd_flops for n in recomputed)
     expected += sum(prof[n].non_matmul_fwd_flops for n in selective)
+    if early_stop:
+        # Each piece's tail (the block's output projection) is not run again.
+        assert all(prof[n].tail_flops > 0 for n in last)
+        expected -= sum(prof[n].tail_flops for n in last)
     assert extra == expected
     if recomputed:
         assert extra > 0
@@ -369,7 +386,9 @@ def test_recompute_flops_cnn() -> None:
     prof = profile(model, x, loss_fn=_loss)
     base = _flops(model, x)
     with planned(
-        model, {"decisions": {"stages.1.1": "recompute"}, "segments": {"stages.0": [(0, 1)]}}
+        model,
+        {"decisions": {"stages.1.1": "recompute"}, "segments": {"stages.0": [(0, 1)]}},
+        early_stop=False,
     ):
         extra = _flops(model, x) - base
     assert extra == prof["stages.0"].fwd_flops + prof["stages.1.1"].fwd_flops > 0
@@ -379,9 +398,9 @@ def test_early_stop_recomputes_less() -> None:
     model = MiniTransformer(p=0.0)
     x = _tokens()
     base = _flops(model, x)
-    with planned(model, {"blocks.0": "recompute"}):
+    with planned(model, {"blocks.0": "recompute"}, early_stop=False):
         full = _flops(model, x) - base
-    with planned(model, {"blocks.0": "recompute"}, early_stop=True):
+    with planned(model, {"blocks.0": "recompute"}):
         early = _flops(model, x) - base
     assert 0 < early < full
 

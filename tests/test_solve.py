@@ -75,15 +75,18 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                 + sum(_rebuilt(c) for c in members)
                                 + kids[j].grads_from_bytes,
                             ),
-                            s + sum(c.fwd_seconds for c in members),
-                            f + sum(c.fwd_flops for c in members),
+                            # A rebuild stops early: the last member's tail is skipped.
+                            s + sum(c.fwd_seconds for c in members) - members[-1].tail_seconds,
+                            f + sum(c.fwd_flops for c in members) - members[-1].tail_flops,
                             True,
                         )
                     )
     result = {(k, m, s, f, False, ends) for k, m, s, f, ends in at.get(len(kids), set())}
     if not is_root and unit.can_recompute:
         rebuild = 2 * unit.input_bytes + _rebuilt(unit) + unit.grads_from_bytes
-        result.add((unit.input_bytes, rebuild, unit.fwd_seconds, unit.fwd_flops, True, True))
+        seconds = unit.fwd_seconds - unit.tail_seconds
+        flops = unit.fwd_flops - unit.tail_flops
+        result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
         if unit.matmul_saved_bytes > 0:
             result.add(
                 (
@@ -133,6 +136,9 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
         unit.input_bytes = draw(small)
         unit.fwd_seconds = draw(small)
         unit.fwd_flops = draw(small)
+        if draw(st.booleans()):
+            unit.tail_seconds = float(draw(st.integers(0, int(unit.fwd_seconds))))
+            unit.tail_flops = float(draw(st.integers(0, int(unit.fwd_flops))))
         unit.can_recompute = draw(st.integers(0, 4)) > 0
         unit.sequential = draw(st.booleans())
         if draw(st.booleans()):

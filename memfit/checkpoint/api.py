@@ -341,12 +341,10 @@ def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any
 
     A :class:`Plan` is applied as given. ``"auto"`` and ``"optimal"`` plan optimally under
     ``memory_budget`` (default: 90% of the device's memory); ``"full"``, ``"uniform:k"`` and
-    ``"sqrt"`` use that strategy (under the budget when one is given). Plans are applied
-    with ``early_stop=True`` (torch's default): a rebuild stops once every saved tensor is
-    back, so the plan's recompute time and FLOPs are upper bounds.
+    ``"sqrt"`` use that strategy (under the budget when one is given).
     """
     if isinstance(request, Plan):
-        apply_plan(engine.model, request, early_stop=True)
+        apply_plan(engine.model, request)
         return request
     if not isinstance(request, str):
         raise ConfigError(
@@ -360,6 +358,5 @@ def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any
     result = plan_step(
         engine.model, micro_batch, loss_fn, budget, strategy, engine.policy, engine.optimizer
     )
-    # The trailing ops of a piece (often its last projection) are skipped on rebuild.
-    apply_plan(engine.model, result, early_stop=True)
+    apply_plan(engine.model, result)
     return result

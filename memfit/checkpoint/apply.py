@@ -24,10 +24,11 @@ running statistics, or any buffer whose version counter moved) are put back afte
 recompute, so they are updated once per forward, as without a plan; BatchNorm in training
 mode normalizes with batch statistics, so its recomputed output is the forward's.
 
-By default the recompute re-runs the unit's whole forward (``early_stop=False``), which is
-what the planner's cost model assumes. ``early_stop=True`` lets torch stop once every
-saved tensor is rebuilt: cheaper (the trailing ops whose outputs backward does not need,
-often a block's last projection, are skipped) but no longer what the plan predicted.
+By default (``early_stop=True``, torch's default too) a recompute stops once every tensor
+the piece saves is rebuilt: the trailing ops whose outputs backward does not need, often a
+block's last projection and residual add, are not run again. The profiler measures that
+tail per unit and the planner counts it, so a plan's recompute FLOPs are exactly what runs.
+``early_stop=False`` re-runs each piece's whole forward (its tail included).
 
 While segments are applied, iterating a swapped container yields segment callables, not
 blocks; index it to reach a block. ``torch.save(model)`` (pickling the module object)
@@ -495,7 +496,7 @@ def _validate(
 # --------------------------------------------------------------------------- public API
 
 
-def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = False) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Module:
     """Apply a checkpoint plan to ``model`` in place; returns ``model``.
 
     Idempotent: applying a plan again changes nothing, and applying another one replaces
@@ -507,8 +508,9 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = False) -> nn.M
             "keep" | "recompute" | "selective"}`` and ``segments`` ``{container name:
             [(start, end), ...]}``, ends inclusive), or a dict ``{unit name: decision}``.
             When the plan carries a ``structure`` fingerprint it must match the model.
-        early_stop: Let torch stop each recompute once every saved tensor is rebuilt
-            (cheaper, but not what the cost model predicts). See the module docstring.
+        early_stop: Let torch stop each recompute once every saved tensor is rebuilt, as
+            the plan counts (False re-runs each piece's trailing ops too). See the module
+            docstring.
 
     Raises:
         PlanError: For a plan made for another model, an unknown unit name or decision, a
@@ -607,7 +609,7 @@ def applied_plan(model: nn.Module) -> Any:
 
 
 @contextlib.contextmanager
-def planned(model: nn.Module, plan: Any, *, early_stop: bool = False) -> Iterator[nn.Module]:
+def planned(model: nn.Module, plan: Any, *, early_stop: bool = True) -> Iterator[nn.Module]:
     """Apply ``plan`` inside a ``with`` block; afterwards the model is as it was before.
 
     Example::

@@ -7,11 +7,16 @@ Cost model (docs/planner.md has the full statement and its assumptions), per opt
 
 * ``keep``      - kept: the unit's own saved bytes + what its children keep.
 * ``recompute`` - checkpoint the whole unit: kept = its input bytes; extra time = the
-                  subtree's forward time.
+                  subtree's forward time less its tail (below).
 * ``selective`` - checkpoint, but save the outputs of matmul-like ops: kept = input bytes +
                   matmul saved bytes; extra time = ``non_matmul_fwd_seconds``.
 * segment i..j  - for ``sequential`` units: children i..j (j > i) as one piece: kept = child
-                  i's input bytes; extra time = the sum of their forward times.
+                  i's input bytes; extra time = the sum of their forward times less child
+                  j's tail.
+
+A rebuild stops once every tensor the piece saves is back (torch's ``early_stop``): the
+*tail*, the ops after the last one that saves a tensor (often a block's last projection
+and residual add), is not run again.
 
 Backward rebuilds one piece at a time, after everything after it in forward order has been
 freed: a rebuild holds what is kept before the piece, its input and the input's gradient,
@@ -67,9 +72,22 @@ class UnitCost:
     """Parameter gradients that exist when backward rebuilds this unit: those of the unit
     and of everything after it in forward order (backward has made them by then), and of
     its ancestors' own parameters (where in their forward those are used is not known)."""
+    tail_flops: float = 0.0
+    """Forward FLOPs of the subtree's trailing ops, those after the last op that saves a
+    tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""
+    tail_seconds: float = 0.0
+    """Forward time of those trailing ops."""
     input_saved_by_both_bytes: float = 0.0
     """Of those, the bytes this unit saves too. When the sibling before is recomputed and
     this unit kept, they stay held although the sibling's saved bytes counted them."""
+
+    def rebuild_seconds(self) -> float:
+        """Time of a rebuild of this unit as a piece of its own (its forward less its tail)."""
+        return max(0.0, self.fwd_seconds - self.tail_seconds)
+
+    def rebuild_flops(self) -> float:
+        """FLOPs of a rebuild of this unit as a piece of its own."""
+        return max(0.0, self.fwd_flops - self.tail_flops)
 
     def total_saved_bytes(self) -> float:
         """Bytes the whole subtree saves for backward when nothing is recomputed."""

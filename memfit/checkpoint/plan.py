@@ -450,7 +450,13 @@ def _pieces(
         if d == "recompute":
             out.append(
                 Piece(
-                    name, d, None, saved[name], unit.input_bytes, unit.fwd_seconds, unit.fwd_flops
+                    name,
+                    d,
+                    None,
+                    saved[name],
+                    unit.input_bytes,
+                    unit.rebuild_seconds(),
+                    unit.rebuild_flops(),
                 )
             )
         else:
@@ -478,8 +484,9 @@ def _pieces(
                     (a, b),
                     sum(saved[c.name] for c in members),
                     members[0].input_bytes,
-                    sum(c.fwd_seconds for c in members),
-                    sum(c.fwd_flops for c in members),
+                    # The last member's tail is not run again (see UnitCost.tail_flops).
+                    sum(c.fwd_seconds for c in members) - members[-1].tail_seconds,
+                    sum(c.fwd_flops for c in members) - members[-1].tail_flops,
                 )
             )
     return out

@@ -19,6 +19,10 @@ How each number is measured:
 * **FLOPs**: ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention),
   plus :data:`FLOP_FORMULAS` for CPU attention kernels torch does not count. Elementwise
   ops count 0 FLOPs, as in ``FlopCounterMode``; :func:`flop_counter` counts the same way.
+* **Tail** (what a rebuild that stops early skips): the FLOPs and op time of the unit's ops
+  after the last one whose tensors autograd saves (saved-tensor hooks mark the point; every
+  saved tensor counts, parameters too, as torch's ``early_stop`` counts them). The time is
+  the tail ops' share of the unit's op time, applied to its forward time.
 * **Times**: forward time from forward pre/post hooks with ``time.perf_counter`` (the
   device synchronized on CUDA), in a second, uninstrumented step (the first warms up).
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
@@ -342,6 +346,8 @@ class _Stats:
     nm_time_own: float = 0.0
     saved_own: int = 0
     mm_out_own: int = 0
+    tail_flops: float = 0.0
+    tail_time: float = 0.0
     input_bytes: int = 0
     output_bytes: int = 0
     input_keys: dict[Any, int] = field(default_factory=dict)
@@ -356,6 +362,10 @@ class _Stats:
 class _Call:
     name: str
     t0: float = 0.0
+    # FLOPs and op time since the last tensor saved for backward inside this call: the
+    # tail a rebuild that stops early skips.
+    tail_flops: float = 0.0
+    tail_time: float = 0.0
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
@@ -502,6 +512,8 @@ class _Recorder:
                     "would see the updated value"
                 )
         st.output_bytes += self.nonresident_bytes(_tensors(output))
+        st.tail_flops += call.tail_flops
+        st.tail_time += call.tail_time
         self.chain_exit(name, output)
 
     def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -545,6 +557,10 @@ class _Recorder:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase not in ("fwd", "loss"):
             return t
+        # A rebuild that stops early stops here if nothing is saved after this (resident
+        # tensors count: checkpoint counts every saved tensor).
+        for call in self.stack:
+            call.tail_flops = call.tail_time = 0.0
         key, nbytes, ref = _storage(t)
         if key in self.resident:
             return t
@@ -582,6 +598,9 @@ class _Recorder:
         st.flops_own += flops
         st.est_fwd_own += estimate
         op_time = seconds if self.measured else estimate
+        for call in self.stack:
+            call.tail_flops += flops
+            call.tail_time += op_time
         if packet in MATMUL_OPS:
             st.mm_time_own += op_time
             for t in _tensors(out):
@@ -993,6 +1012,8 @@ def _build(
     bwd_seconds = total("bwd_time_own") if measured else total("est_bwd_own")
     mm_time, nm_time = total("mm_time_own"), total("nm_time_own")
     share = nm_time / (mm_time + nm_time) if mm_time + nm_time > 0 else 0.0
+    # The tail's time: its ops' share of the unit's op time, as for selective recompute.
+    tail_share = min(1.0, st.tail_time / (mm_time + nm_time)) if mm_time + nm_time > 0 else 0.0
     chain = chains.get(unit.name)
     sequential = (
         unit.is_chain
@@ -1014,6 +1035,8 @@ def _build(
         matmul_saved_bytes=total("mm_out_own"),
         non_matmul_fwd_flops=total("nm_flops_own"),
         non_matmul_fwd_seconds=fwd_seconds * max(share, SELECTIVE_TIME_SHARE),
+        tail_flops=min(st.tail_flops, total("flops_own")),
+        tail_seconds=fwd_seconds * tail_share,
         can_recompute=not st.reasons,
         sequential=bool(sequential),
     )

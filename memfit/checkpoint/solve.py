@@ -183,6 +183,8 @@ class _Node:
         "kid_grads",
         "pre_s",
         "pre_f",
+        "upto_s",
+        "upto_f",
         "run_start",
         "kid_inp",
         "shared",
@@ -196,8 +198,10 @@ class _Node:
         self.own = float(unit.own_saved_bytes)
         self.saved = 0.0
         self.inp = float(unit.input_bytes)
-        self.fwd_s = float(unit.fwd_seconds)
-        self.fwd_f = float(unit.fwd_flops)
+        # What a piece ending with this unit costs to rebuild: its forward less its tail,
+        # the trailing ops a rebuild that stops early skips.
+        self.fwd_s = float(unit.rebuild_seconds())
+        self.fwd_f = float(unit.rebuild_flops())
         self.sel_s = float(unit.non_matmul_fwd_seconds)
         self.sel_f = float(unit.non_matmul_fwd_flops)
         self.mm = float(unit.matmul_saved_bytes)
@@ -220,8 +224,12 @@ class _Node:
         # Parameter gradients that exist when backward reaches this unit.
         self.grads = float(unit.grads_from_bytes)
         self.kid_grads: list[float] = []
+        # Segments i..j of the children cost upto_s[j] - pre_s[i]: the children's whole
+        # forwards, but the last one's tail is skipped.
         self.pre_s: list[float] = []
         self.pre_f: list[float] = []
+        self.upto_s: list[float] = []
+        self.upto_f: list[float] = []
         self.run_start: list[int] = []
         self.kid_inp: list[float] = []
 
@@ -230,6 +238,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
     if not isinstance(root, UnitCost):
         raise PlanError(f"solve() needs the UnitCost tree's root, got {type(root).__name__}")
     nodes: list[_Node] = []
+    unit_of: list[UnitCost] = []
     seen: set[str] = set()
     stack: list[tuple[UnitCost, int]] = [(root, -1)]
     while stack:
@@ -251,6 +260,8 @@ def _flatten(root: UnitCost) -> list[_Node]:
             "input_saved_by_both_bytes",
             "recompute_extra_bytes",
             "grads_from_bytes",
+            "tail_seconds",
+            "tail_flops",
         ):
             value = getattr(unit, attr)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -259,6 +270,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
                 )
         node = _Node(len(nodes), unit, is_root=parent < 0)
         nodes.append(node)
+        unit_of.append(unit)
         if parent >= 0:
             nodes[parent].children.append(node.idx)
         # Reversed so that children pop, and are numbered, in forward order.
@@ -274,8 +286,11 @@ def _flatten(root: UnitCost) -> list[_Node]:
             node.pre_saved = _prefix(k.saved for k in kids)
             node.pre_rebuilt = _prefix(k.rebuilt for k in kids)
             node.kid_grads = [k.grads for k in kids]
-            node.pre_s = _prefix(k.fwd_s for k in kids)
-            node.pre_f = _prefix(k.fwd_f for k in kids)
+            units = unit_of[node.idx].children
+            node.pre_s = _prefix(c.fwd_seconds for c in units)
+            node.pre_f = _prefix(c.fwd_flops for c in units)
+            node.upto_s = [node.pre_s[j] + k.fwd_s for j, k in enumerate(kids)]
+            node.upto_f = [node.pre_f[j] + k.fwd_f for j, k in enumerate(kids)]
             node.kid_inp = [k.inp for k in kids]
             # run_start[j]: the first child of the run of recomputable children ending at j.
             start = 0
@@ -355,8 +370,8 @@ def _evaluate_nodes(
                 k += nodes[c].inp - credit
                 rebuilt = node.pre_rebuilt[end + 1] - node.pre_rebuilt[pos]
                 high = max(high, k + nodes[c].inp + rebuilt + nodes[c].grads)
-                secs += node.pre_s[end + 1] - node.pre_s[pos]
-                flops += node.pre_f[end + 1] - node.pre_f[pos]
+                secs += node.upto_s[end] - node.pre_s[pos]
+                flops += node.upto_f[end] - node.pre_f[pos]
                 pos = end + 1
                 after_piece = True
                 continue
@@ -1029,8 +1044,8 @@ class _Pass:
                         start,
                         inp,
                         rebuild,
-                        node.pre_s[j + 1] - node.pre_s[i],
-                        node.pre_f[j + 1] - node.pre_f[i],
+                        node.upto_s[j] - node.pre_s[i],
+                        node.upto_f[j] - node.pre_f[i],
                         limit,
                         (_SEGMENT, node.idx, i, j),
                     )
@@ -1161,8 +1176,8 @@ def _polish(nodes: list[_Node], plan: _Plan, cap: float, loss: float) -> _Plan:
     kept instead, the slowest first (each one tried once; a kept piece's units keep)."""
     pieces = [(nodes[u].fwd_s, u, None) for u, d in enumerate(plan.decision) if d != "keep"]
     for u, ranges in plan.segs.items():
-        pre = nodes[u].pre_s
-        pieces += [(pre[j + 1] - pre[i], u, (i, j)) for i, j in ranges]
+        node = nodes[u]
+        pieces += [(node.upto_s[j] - node.pre_s[i], u, (i, j)) for i, j in ranges]
     for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
         decision = list(plan.decision)
         segs = {k: list(v) for k, v in plan.segs.items()}
