@@ -45,6 +45,12 @@ def test_linear_relu_chain_fp32_by_hand() -> None:
     flops = {u.name: u.fwd_flops for u in prof.root.walk()}
     assert flops == {"": 4480, "0": 1280, "1": 0, "2": 2560, "3": 0, "4": 640}
     assert all(u.non_matmul_fwd_flops == 0 for u in prof.root.walk())
+    # A rebuild stops once the last saved tensor is back: addmm saves its inputs before it
+    # runs, so a Linear's whole forward is its tail; ReLU saves its output after it runs.
+    tails = {u.name: u.tail_flops for u in prof.root.walk()}
+    assert tails == {"": 640, "0": 1280, "1": 0, "2": 2560, "3": 0, "4": 640}
+    # The two ReLUs do the same work: they get the same (median) time.
+    assert prof["1"].fwd_seconds == prof["3"].fwd_seconds > 0
     params = (8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4) * 4
     assert prof.param_bytes == prof.grad_bytes == params
     assert prof.input_bytes == 5 * 8 * 4 and prof.output_bytes == 80

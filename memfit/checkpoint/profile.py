@@ -61,6 +61,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
@@ -915,6 +916,8 @@ def profile(
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
     root = _build(tree.root, stats, chains, iterated, measured)
+    if measured:
+        _pool_times(tree.root, root)
     _mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
@@ -940,6 +943,42 @@ def profile(
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({key: nbytes for key, nbytes, _ in map(_storage, tensors)}.values())
+
+
+def _pool_times(unit: Unit, cost: UnitCost) -> None:
+    """Give units that do the same work the median of their measured times.
+
+    Units of one class with the same FLOPs, saved, input and output bytes and tail, and
+    children alike (the blocks of a transformer, the residual blocks of a ResNet stage), run
+    the same kernels on the same shapes; one step's timings of them differ only by noise
+    (a millisecond in ten on a busy CPU), which would make the planner prefer one block over
+    its twin for nothing."""
+    classes = {u.name: u.class_name for u in unit.walk()}
+    groups: dict[tuple, list[UnitCost]] = {}
+
+    def signature(c: UnitCost) -> tuple:
+        key = (
+            classes[c.name],
+            c.fwd_flops,
+            c.own_saved_bytes,
+            c.input_bytes,
+            c.output_bytes,
+            c.tail_flops,
+            c.matmul_saved_bytes,
+            c.can_recompute,
+            tuple(signature(k) for k in c.children),
+        )
+        groups.setdefault(key, []).append(c)
+        return key
+
+    signature(cost)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for attr in ("fwd_seconds", "bwd_seconds", "tail_seconds", "non_matmul_fwd_seconds"):
+            median = statistics.median(getattr(m, attr) for m in members)
+            for m in members:
+                setattr(m, attr, median)
 
 
 def _mark_shared_inputs(
