@@ -297,7 +297,7 @@ class _Patch:
     def __init__(self) -> None:
         self.decision = "keep"
         self.segments: list[tuple[int, int]] = []
-        self.early_stop = False
+        self.early_stop = True
         self.forward_patched = False
         # An instance-level forward that was there before memfit (restored on removal).
         self.orig_forward: Any = None
