@@ -975,10 +975,14 @@ def _pool_times(unit: Unit, cost: UnitCost) -> None:
     for members in groups.values():
         if len(members) < 2:
             continue
-        for attr in ("fwd_seconds", "bwd_seconds", "tail_seconds", "non_matmul_fwd_seconds"):
-            median = statistics.median(getattr(m, attr) for m in members)
-            for m in members:
-                setattr(m, attr, median)
+        fwd = statistics.median(m.fwd_seconds for m in members)
+        bwd = statistics.median(m.bwd_seconds for m in members)
+        for m in members:
+            # The parts of the forward (tail, selective) keep their share of it.
+            scale = fwd / m.fwd_seconds if m.fwd_seconds > 0 else 0.0
+            m.tail_seconds = m.tail_seconds * scale if scale else 0.0
+            m.non_matmul_fwd_seconds = m.non_matmul_fwd_seconds * scale if scale else 0.0
+            m.fwd_seconds, m.bwd_seconds = fwd, bwd
 
 
 def _mark_shared_inputs(

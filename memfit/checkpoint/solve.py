@@ -59,16 +59,16 @@ STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 
 # The optimal solver's limits (docs/planner.md, "Large trees"). An exact pass may visit
 # _EXACT_WORK frontier points; past that, passes are approximate: frontiers are thinned to
-# _THIN_POINTS points and segments of long chains start only at geometric distances
-# (1, 2, 3, 4, 6, 8, 12, ...) before their end. Every plan is still valid and exactly
-# evaluated; a cheaper one may have been dropped. The (peak, time) frontier is walked point
-# by point for at most _STAIRCASE passes, then sampled at _SAMPLED caps (_SAMPLED_LARGE
-# on trees that needed approximate passes).
+# _THIN_POINTS points (_SEGMENT_POINTS where segments start from) and segments of long
+# chains start only at geometric distances (1, 2, 3, 4, 6, 8, 12, ...) before their end.
+# Every plan is still valid and exactly evaluated; a cheaper one may have been dropped. The
+# (peak, time) frontier is walked point by point for at most _STAIRCASE passes, then
+# sampled at _SAMPLED caps (trees that needed approximate passes get only its ends).
 _EXACT_WORK = 150_000
-_THIN_POINTS = 32
+_THIN_POINTS = 128
+_SEGMENT_POINTS = 16
 _STAIRCASE = 24
 _SAMPLED = 12
-_SAMPLED_LARGE = 1
 _SMALL_TREE = 64
 
 
@@ -888,18 +888,20 @@ class _Pass:
                     append(p)
                     best_s, best_f = p[1], p[2]
         if self.thin:
-            return self.thinned(out) if len(out) > _THIN_POINTS else out
+            return self.thinned(out, _THIN_POINTS)
         if self.work < 0:
             raise _TooLarge
         return out
 
     @staticmethod
-    def thinned(points: list) -> list:
-        # Split the kept range into _THIN_POINTS equal slices and keep the fastest point of
+    def thinned(points: list, count: int) -> list:
+        # Split the kept range into ``count`` equal slices and keep the fastest point of
         # each (the last), and the least-kept point of all: every kept plan is real, only
         # some in-between trade-offs are lost.
+        if len(points) <= count:
+            return points
         low, high = points[0][0], points[-1][0]
-        width = (high - low) / _THIN_POINTS or 1.0
+        width = (high - low) / count or 1.0
         out = [points[0]]
         for p, q in zip(points[1:], points[2:], strict=False):
             if (q[0] - low) // width != (p[0] - low) // width:
@@ -1018,6 +1020,9 @@ class _Pass:
             c = kids[pos]
             rest[pos] = rest[pos + 1] + (0.0 if nodes[c].can_rec else low[c])
         before = [frontier]  # before[i]: the frontier before child i
+        # Where segments start from: in approximate passes, thinned further (a long chain
+        # tries every start for every end).
+        from_ = [self.thinned(frontier, _SEGMENT_POINTS) if self.thin else frontier]
         keep_in = frontier  # the same, for child i's keep option
         live: list[int] = []  # segment starts that can still be extended
         for j, c in enumerate(kids):
@@ -1033,7 +1038,7 @@ class _Pass:
                 else:
                     starts = live
                 for i in starts:
-                    start = before[i]
+                    start = from_[i]
                     inp = node.kid_inp[i]
                     rebuilt = node.pre_rebuilt[j + 1] - node.pre_rebuilt[i]
                     rebuild = 2 * inp + rebuilt + node.kid_grads[i]
@@ -1058,6 +1063,7 @@ class _Pass:
                 return ended, kept
             merged, keep_in = self.boundary(ended, kept, kids[j + 1])
             before.append(merged)
+            from_.append(self.thinned(merged, _SEGMENT_POINTS) if self.thin else merged)
         return [], before[-1]
 
 
@@ -1092,6 +1098,8 @@ class _Search:
         self.loss = loss
         self.bounds = _least_kept(nodes)
         self.exact = True
+        self.none = _Plan(["keep"] * len(nodes), {})
+        self.none_peak = self.none.peak(nodes, loss)
 
     def walk(self, cap: float, least_peak: bool, seconds: float = math.inf) -> list:
         while True:
@@ -1107,6 +1115,8 @@ class _Search:
         """The cheapest plan whose peak above static is within ``cap``, or None.
         ``seed``, a plan known to fit, bounds the search."""
         nodes, loss = self.nodes, self.loss
+        if cap >= self.none_peak:
+            return self.none  # recomputes nothing: nothing is cheaper
         seconds = math.inf
         if seed is not None and seed.peak(nodes, loss) <= cap:
             seconds = seed.evaluated(nodes)[2]
@@ -1117,10 +1127,14 @@ class _Search:
         # Pruned by time: the last point is the cheapest; among equal times the least kept.
         return _rebuild_plan(nodes, final[-1][4])
 
-    def least_peak(self, bound: float) -> float:
-        """The smallest peak above static any plan reaches (searched within ``bound``)."""
+    def least_peak(self, bound: float) -> tuple[float, _Plan | None]:
+        """The smallest peak above static any plan reaches (searched within ``bound``), and
+        a plan that reaches it (not always the cheapest one)."""
         final = self.walk(bound, True)
-        return min((max(k + self.loss, h) for k, _, _, h, _ in final), default=bound)
+        if not final:
+            return bound, None
+        best = min(final, key=lambda p: (max(p[0] + self.loss, p[3]), p[1]))
+        return max(best[0] + self.loss, best[3]), _rebuild_plan(self.nodes, best[4])
 
 
 def _seed(nodes: list[_Node], chains: list, cap: float, loss: float) -> _Plan | None:
@@ -1156,7 +1170,7 @@ def _solve_optimal(
         found = search.cheapest(room, _seed(nodes, chains, room, loss))
         least = None
         if found is None:
-            least = search.least_peak(bound)
+            least = search.least_peak(bound)[0]
             if least <= room:  # an approximate walk lost the plans that fit; take the least
                 found = search.cheapest(least)
         if found is None:
@@ -1211,8 +1225,12 @@ def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
         # min(): with fractional costs, sums taken in another order can put the evaluated
         # peak an ulp above the cap the walk checked; the cap must still go down.
         cap = math.nextafter(min(cap, found.peak(nodes, loss)), -math.inf)
-    least = search.least_peak(min(bound, cap))
-    count = _SAMPLED if search.exact else _SAMPLED_LARGE
+    least, reaches = search.least_peak(min(bound, cap))
+    if not search.exact:
+        # Large trees: the plan the least-peak walk found stands for the low end (a second
+        # walk for the cheapest plan at that peak would cost as much as the solve).
+        return [*plans, *([reaches] if reaches is not None else []), search.none]
+    count = _SAMPLED
     for q in range(count + 1):
         at = least + (cap - least) * q / count
         found = search.cheapest(at, _seed(nodes, chains, at, loss))
