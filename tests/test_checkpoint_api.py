@@ -8,6 +8,7 @@ within 10% of it; recompute FLOPs counted by FlopCounterMode equal the plan's.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -144,6 +145,12 @@ def test_budget_too_small_names_smallest_feasible() -> None:
     message = str(info.value)
     assert "smallest peak" in message
     assert "at least" in message and "static" in message.lower()
+    # The budget it names is one that fits, the planner's reserve included, to the byte.
+    needed = int(re.search(r"at least [\d.]+ \w+ \((\d+) bytes\)", message).group(1))
+    plan = plan_step(model, batch, loss_fn, needed, "optimal", "fp32", engine.optimizer)
+    assert plan.predicted_peak_bytes <= needed
+    with pytest.raises(BudgetError):
+        plan_step(model, batch, loss_fn, needed - 64, "optimal", "fp32", engine.optimizer)
 
 
 def test_budget_below_optimizer_step_says_what_dominates() -> None:

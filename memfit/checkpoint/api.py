@@ -252,16 +252,10 @@ def _solve(
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
         )
-    planning_budget = None if budget_bytes is None else budget_bytes * (1 - RESERVE)
     root = _with_backward_costs(root, model, policy)
     held = mem.base_bytes + mem.in_flight_bytes
-    try:
-        solution = solve(root, strategy, planning_budget, held, mem.loss_bytes)
-    except BudgetError as exc:
-        raise BudgetError(
-            f"{exc} (memfit plans within {1 - RESERVE:.0%} of the budget "
-            f"{format_bytes(budget_bytes)}, keeping the rest for allocator slack)"
-        ) from None
+    # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
+    solution = solve(root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE)
     solution.budget_bytes = budget_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.

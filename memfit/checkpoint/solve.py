@@ -500,6 +500,8 @@ def solve(
     budget_bytes: float | None,
     static_bytes: float = 0.0,
     loss_bytes: float = 0.0,
+    *,
+    reserve: float = 0.0,
 ) -> Solution:
     """Choose which units to recompute.
 
@@ -508,7 +510,9 @@ def solve(
     model's output and what the loss saves, freed before backward reaches the model). With
     ``budget_bytes=None`` the optimal solver has nothing to fit and returns the plan without
     recompute, and the other strategies apply
-    their plan to every block. Raises :class:`~memfit.errors.BudgetError` when the
+    their plan to every block. ``reserve``: the share of the budget kept free (for
+    allocator slack); plans fit ``budget_bytes * (1 - reserve)``, and errors say what
+    budget would fit with it. Raises :class:`~memfit.errors.BudgetError` when the
     strategy cannot fit the budget, and :class:`~memfit.errors.ConfigError` for an
     unknown strategy.
 
@@ -531,10 +535,12 @@ def solve(
             )
         if not budget_bytes > 0:
             raise ConfigError(f"budget_bytes must be positive, got {budget_bytes!r}")
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
+        raise ConfigError(f"reserve must be a number in [0, 1), got {reserve!r}")
     for what, value in (("static_bytes", static_bytes), ("loss_bytes", loss_bytes)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
-    budget = None if budget_bytes is None else float(budget_bytes)
+    budget = None if budget_bytes is None else float(budget_bytes) * (1 - reserve)
     static, loss = float(static_bytes), float(loss_bytes)
     nodes = _flatten(root)
     none_peak = static + nodes[0].saved + loss
@@ -543,13 +549,13 @@ def solve(
         plan = _Plan(["keep"] * len(nodes), {})
         sol = _solution(nodes, plan, label, budget, static, loss, [plan])
         sol.note = (
-            f"budget {_format_bytes(budget)} is at or above the no-checkpoint peak "
+            f"budget {_budget_words(budget, reserve)} is at or above the no-checkpoint peak "
             f"{_format_bytes(none_peak)}: nothing is recomputed"
         )
         return sol
 
     if name == "optimal":
-        return _solve_optimal(nodes, label, budget, static, loss)
+        return _solve_optimal(nodes, label, budget, static, loss, reserve)
     if name == "none":
         plans = [_Plan(["keep"] * len(nodes), {})]
     else:
@@ -559,7 +565,7 @@ def solve(
         else:
             room = None if budget is None else budget - static
             plans = _family(nodes, chains, name, k, room, loss)
-    return _pick_family(nodes, plans, label, budget, static, loss)
+    return _pick_family(nodes, plans, label, budget, static, loss, reserve)
 
 
 # --------------------------------------------------------------------------- simple strategies
@@ -728,6 +734,7 @@ def _pick_family(
     budget: float | None,
     static: float,
     loss: float,
+    reserve: float,
 ) -> Solution:
     if budget is None:
         chosen = plans[-1]
@@ -737,11 +744,12 @@ def _pick_family(
             best = min(plans, key=lambda p: p.peak(nodes, loss))
             smallest = static + best.peak(nodes, loss)
             raise BudgetError(
-                f"strategy {label!r} cannot fit the budget {_format_bytes(budget)}: its smallest "
+                f"strategy {label!r} cannot fit the budget {_budget_words(budget, reserve)}: its "
+                f"smallest "
                 f"peak is {_format_bytes(smallest)} ({smallest:.0f} bytes; "
                 f"{_breakdown(nodes, best, static, loss)}). Use strategy 'optimal', which finds "
                 f"the smallest peak any plan reaches, or a budget of at least "
-                f"{_format_bytes(smallest)}"
+                f"{_at_least(smallest / (1 - reserve))}"
             )
         chosen = min(
             fits, key=lambda p: (p.evaluated(nodes)[2], p.evaluated(nodes)[3], p.peak(nodes, loss))
@@ -1152,7 +1160,7 @@ _SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("unif
 
 
 def _solve_optimal(
-    nodes: list[_Node], label: str, budget: float | None, static: float, loss: float
+    nodes: list[_Node], label: str, budget: float | None, static: float, loss: float, reserve: float
 ) -> Solution:
     search = _Search(nodes, loss)
     none = _Plan(["keep"] * len(nodes), {})
@@ -1175,7 +1183,7 @@ def _solve_optimal(
                 found = search.cheapest(least)
         if found is None:
             smallest = search.cheapest(least) or none
-            raise BudgetError(_too_small(nodes, budget, smallest, static, loss))
+            raise BudgetError(_too_small(nodes, budget, smallest, static, loss, reserve))
         chosen = found if search.exact else _polish(nodes, found, room, loss)
     exact = search.exact
     family = _frontier_plans(search, chains, bound)
@@ -1239,10 +1247,34 @@ def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
     return plans
 
 
-def _too_small(nodes: list[_Node], budget: float, plan: _Plan, static: float, loss: float) -> str:
+def _at_least(n: float) -> str:
+    """``n`` bytes written as a budget that fits: rounded up, and exactly in bytes."""
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    shown = f"{math.ceil(value)} B" if unit == "B" else f"{math.ceil(value * 100) / 100:.2f} {unit}"
+    return f"{shown} ({math.ceil(n)} bytes)"
+
+
+def _budget_words(planned: float, reserve: float) -> str:
+    """The caller's budget, and what of it is planned when part is kept free."""
+    if not reserve:
+        return _format_bytes(planned)
+    return (
+        f"{_format_bytes(planned / (1 - reserve))} ({_format_bytes(planned)} of it planned, "
+        f"{reserve:.0%} kept free for allocator slack)"
+    )
+
+
+def _too_small(
+    nodes: list[_Node], budget: float, plan: _Plan, static: float, loss: float, reserve: float
+) -> str:
     smallest = static + plan.peak(nodes, loss)
+    needed = _at_least(smallest / (1 - reserve))
     head = (
-        f"budget {_format_bytes(budget)} is below the smallest peak any checkpoint plan "
+        f"budget {_budget_words(budget, reserve)} is below the smallest peak any checkpoint plan "
         f"reaches, {_format_bytes(smallest)} ({smallest:.0f} bytes): "
         f"{_breakdown(nodes, plan, static, loss)}. "
     )
@@ -1251,14 +1283,14 @@ def _too_small(nodes: list[_Node], budget: float, plan: _Plan, static: float, lo
             f"Static memory alone ({_format_bytes(static)}: parameters, gradients, optimizer "
             "state) exceeds the budget and checkpointing cannot lower it; shrink it (lower "
             "precision master weights, a sharded or smaller optimizer state, a smaller model) "
-            f"or raise the budget to at least {_format_bytes(smallest)}"
+            f"or raise the budget to at least {needed}"
         )
     if static >= smallest - static:
         return head + (
             "Static memory dominates and checkpointing cannot lower it; shrink it or raise "
-            f"the budget to at least {_format_bytes(smallest)}"
+            f"the budget to at least {needed}"
         )
     return head + (
         "Activations dominate even with everything possible recomputed; use a smaller "
-        f"micro-batch or sequence, or raise the budget to at least {_format_bytes(smallest)}"
+        f"micro-batch or sequence, or raise the budget to at least {needed}"
     )
