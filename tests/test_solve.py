@@ -206,18 +206,55 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
     highest = max(p[0] for p in brute)
     budget = max(0.5, lowest + where * (highest - lowest))
     best = min((p for p in brute if p[0] <= budget), key=lambda p: (p[1], p[2]))
-    saved = solve_module._EXACT_WORK, solve_module._THIN_POINTS
+    names = ("_EXACT_WORK", "_THIN_POINTS", "_SEGMENT_POINTS")
+    saved = [getattr(solve_module, n) for n in names]
     try:
         # Every pass approximate, frontiers thinned hard: a plan that fits, never better
         # than the optimum, its numbers those of an independent evaluation.
-        solve_module._EXACT_WORK, solve_module._THIN_POINTS = -1, 2
+        for name, value in zip(names, (-1, 2, 2)):
+            setattr(solve_module, name, value)
         approx = solve(root, "optimal", budget)
     finally:
-        solve_module._EXACT_WORK, solve_module._THIN_POINTS = saved
+        for name, value in zip(names, saved):
+            setattr(solve_module, name, value)
     assert approx.predicted_peak_bytes <= budget
     assert approx.recompute_seconds >= best[1]
     check = evaluate(root, approx.decisions, approx.segments)
     assert check.peak_bytes == approx.predicted_peak_bytes
+
+
+def _polish_by_trying_each(nodes: list, plan, cap: float):  # noqa: ANN001, ANN202
+    """The polish rule, stated plainly: each piece, slowest first, kept if the plan fits."""
+    pieces = [(nodes[u].fwd_s, u, None) for u, d in enumerate(plan.decision) if d != "keep"]
+    for u, ranges in plan.segs.items():
+        pieces += [(nodes[u].upto_s[j] - nodes[u].pre_s[i], u, (i, j)) for i, j in ranges]
+    for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
+        decision = list(plan.decision)
+        segs = {k: [r for r in v if r != rng or k != u] for k, v in plan.segs.items()}
+        if rng is None:
+            decision[u] = "keep"
+        trial = solve_module._Plan(decision, {k: v for k, v in segs.items() if v})
+        if trial.peak(nodes, 0.0) <= cap:
+            plan = trial
+    return plan
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_trees(), st.sampled_from(["full", "uniform"]), st.floats(0.0, 1.0))
+def test_polish_skips_only_pieces_that_cannot_fit(
+    root: UnitCost, family: str, where: float
+) -> None:
+    nodes = solve_module._flatten(root)
+    chains = solve_module._find_chains(nodes)
+    plan = solve_module._family_plan(
+        nodes, chains, family, 2 if family == "uniform" else None, None
+    )
+    low = plan.peak(nodes, 0.0)
+    cap = low + where * (nodes[0].saved - low)
+    fast = solve_module._polish(nodes, plan, cap, 0.0)
+    slow = _polish_by_trying_each(nodes, plan, cap)
+    assert (fast.decision, fast.segs) == (slow.decision, slow.segs)
+    assert fast.peak(nodes, 0.0) <= max(cap, low)
 
 
 def test_a_hand_computed_chain() -> None:

@@ -63,8 +63,11 @@ STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 # chains start only at geometric distances (1, 2, 3, 4, 6, 8, 12, ...) before their end.
 # Every plan is still valid and exactly evaluated; a cheaper one may have been dropped. The
 # (peak, time) frontier is walked point by point for at most _STAIRCASE passes, then
-# sampled at _SAMPLED caps (trees that needed approximate passes get only its ends).
+# sampled at _SAMPLED caps (trees that needed approximate passes get only its ends). An
+# approximate plan is walked for once more, under its own time, when the first walk
+# visited fewer than _REFINE_WORK points.
 _EXACT_WORK = 150_000
+_REFINE_WORK = 450_000
 _THIN_POINTS = 128
 _SEGMENT_POINTS = 16
 _STAIRCASE = 24
@@ -316,11 +319,14 @@ def _evaluate_nodes(
     decision: list[str],
     segs: Mapping[int, list[tuple[int, int]]],
     shared_inputs: bool = False,
+    rebuilds: list[tuple[tuple[int, tuple[int, int] | None], float]] | None = None,
 ) -> tuple[float, float, float, float]:
     """(kept, highest rebuild, seconds, flops) of a plan given per node index.
 
     Walks the tree in forward order with the bytes kept so far: backward rebuilds a piece
     when everything after it has been freed and everything before it is still kept.
+    ``rebuilds``, when given, receives each piece's ``((unit, segment or None), rebuild)``
+    in forward order.
     """
     # untouched[u]: u and everything below it keep, and u is no segment's member.
     untouched = [True] * len(nodes)
@@ -344,10 +350,15 @@ def _evaluate_nodes(
         d = decision[u]
         if d == "recompute":
             k += node.inp - credit
-            return k, k + node.inp + node.rebuilt + node.grads, node.fwd_s, node.fwd_f, True
+            high = k + node.inp + node.rebuilt + node.grads
+            if rebuilds is not None:
+                rebuilds.append(((u, None), high))
+            return k, high, node.fwd_s, node.fwd_f, True
         if d == "selective":
             k += node.inp - credit
             high = k + node.inp + node.rebuilt + node.grads
+            if rebuilds is not None:
+                rebuilds.append(((u, None), high))
             return k + node.mm, high, node.sel_s, node.sel_f, True
         k += node.own
         high, secs, flops = 0.0, 0.0, 0.0
@@ -369,7 +380,10 @@ def _evaluate_nodes(
                 end = ends[pos]
                 k += nodes[c].inp - credit
                 rebuilt = node.pre_rebuilt[end + 1] - node.pre_rebuilt[pos]
-                high = max(high, k + nodes[c].inp + rebuilt + nodes[c].grads)
+                piece = k + nodes[c].inp + rebuilt + nodes[c].grads
+                if rebuilds is not None:
+                    rebuilds.append(((u, (pos, end)), piece))
+                high = max(high, piece)
                 secs += node.upto_s[end] - node.pre_s[pos]
                 flops += node.upto_f[end] - node.pre_f[pos]
                 pos = end + 1
@@ -1108,6 +1122,7 @@ class _Search:
         self.exact = True
         self.none = _Plan(["keep"] * len(nodes), {})
         self.none_peak = self.none.peak(nodes, loss)
+        self.last_work = 0  # frontier points the last walk visited
 
     def walk(self, cap: float, least_peak: bool, seconds: float = math.inf) -> list:
         while True:
@@ -1115,9 +1130,12 @@ class _Search:
                 self.nodes, self.bounds, cap, self.loss, least_peak, seconds, not self.exact
             )
             try:
-                return walk.run()
+                final = walk.run()
             except _TooLarge:
                 self.exact = False
+                continue
+            self.last_work = _EXACT_WORK - walk.work
+            return final
 
     def cheapest(self, cap: float, seed: _Plan | None = None) -> _Plan | None:
         """The cheapest plan whose peak above static is within ``cap``, or None.
@@ -1184,7 +1202,18 @@ def _solve_optimal(
         if found is None:
             smallest = search.cheapest(least) or none
             raise BudgetError(_too_small(nodes, budget, smallest, static, loss, reserve))
-        chosen = found if search.exact else _polish(nodes, found, room, loss)
+        if not search.exact:
+            chosen = _polish(nodes, found, room, loss)
+            # Walked again under the polished plan's time: the slower points dropped first,
+            # the thinned frontiers are finer where the cheaper plans lie (when the walk is
+            # short enough to afford twice).
+            again = search.cheapest(room, chosen) if search.last_work < _REFINE_WORK else None
+            if again is not None and again is not chosen:
+                again = _polish(nodes, again, room, loss)
+                if again.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
+                    chosen = again
+        else:
+            chosen = found
     exact = search.exact
     family = _frontier_plans(search, chains, bound)
     sol = _solution(nodes, chosen, label, budget, static, loss, [*family, chosen], exact=exact)
@@ -1195,12 +1224,47 @@ def _solve_optimal(
 
 def _polish(nodes: list[_Node], plan: _Plan, cap: float, loss: float) -> _Plan:
     """An approximate plan, with every recomputed piece that the budget can afford to keep
-    kept instead, the slowest first (each one tried once; a kept piece's units keep)."""
+    kept instead, the slowest first (each one tried once; a kept piece's units keep).
+
+    Keeping a piece adds what it saves, less its input, to everything kept after it, so
+    every later rebuild and the end of forward grow by that much (less the boundary
+    tensors the piece's end no longer holds): a piece that cannot fit by that count is
+    passed over without evaluating the plan again."""
     pieces = [(nodes[u].fwd_s, u, None) for u, d in enumerate(plan.decision) if d != "keep"]
     for u, ranges in plan.segs.items():
         node = nodes[u]
         pieces += [(node.upto_s[j] - node.pre_s[i], u, (i, j)) for i, j in ranges]
+    depth = [0] * len(nodes)
+    for node in nodes:
+        for c in node.children:
+            depth[c] = depth[node.idx] + 1
+    # What a piece's end can hold across boundaries, at most: one tensor per level.
+    slack = max((n.held for n in nodes), default=0.0) * (max(depth) + 1)
+    order: dict = {}
+    after: list[float] = []
+
+    def survey() -> float:
+        # Each piece's place in forward order, and the highest rebuild after it.
+        rebuilds: list = []
+        plan.value = _evaluate_nodes(nodes, plan.decision, plan.segs, rebuilds=rebuilds)
+        order.clear()
+        after[:] = [0.0] * (len(rebuilds) + 1)
+        for pos in range(len(rebuilds) - 1, -1, -1):
+            order[rebuilds[pos][0]] = pos
+            after[pos] = max(after[pos + 1], rebuilds[pos][1])
+        return plan.value[0]
+
+    kept = survey()
     for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
+        node = nodes[u]
+        if rng is None:
+            grows = node.saved - node.inp - (node.mm if plan.decision[u] == "selective" else 0.0)
+        else:
+            i, j = rng
+            grows = node.pre_saved[j + 1] - node.pre_saved[i] - node.kid_inp[i]
+        grows -= slack
+        if max(after[order[(u, rng)] + 1], kept + loss) + grows > cap:
+            continue
         decision = list(plan.decision)
         segs = {k: list(v) for k, v in plan.segs.items()}
         if rng is None:
@@ -1212,6 +1276,7 @@ def _polish(nodes: list[_Node], plan: _Plan, cap: float, loss: float) -> _Plan:
         trial = _Plan(decision, segs)
         if trial.peak(nodes, loss) <= cap:
             plan = trial
+            kept = survey()
     return plan
 
 
