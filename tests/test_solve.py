@@ -257,6 +257,19 @@ def test_polish_skips_only_pieces_that_cannot_fit(
     assert fast.peak(nodes, 0.0) <= max(cap, low)
 
 
+def test_of_equally_cheap_plans_the_one_whose_rebuilds_peak_lowest_wins() -> None:
+    # Recomputing any one of b0, b1, b2 costs 1 s and keeps 310 bytes at the end of
+    # forward; their rebuilds reach 120, 220 and 320 (what is kept before them differs).
+    blocks = [
+        UnitCost(f"b{i}", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.1 * 3)
+        for i in range(4)
+    ]
+    sol = solve(UnitCost("", children=blocks), "optimal", 350.0)
+    assert {n for n, d in sol.decisions.items() if d != "keep"} == {"b0"}
+    assert sol.predicted_peak_bytes == 310.0
+    assert evaluate(UnitCost("", children=blocks), sol.decisions).rebuild_bytes == 120.0
+
+
 def test_a_hand_computed_chain() -> None:
     # Four blocks saving 100 bytes each, 10 input bytes, 1 s forward. Backward rebuilds a
     # piece after everything after it has been freed, and holds its input, the gradient of

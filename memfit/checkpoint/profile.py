@@ -977,12 +977,17 @@ def _pool_times(unit: Unit, cost: UnitCost) -> None:
             continue
         fwd = statistics.median(m.fwd_seconds for m in members)
         bwd = statistics.median(m.bwd_seconds for m in members)
+
+        # The parts of the forward (tail, selective) get the median of their shares of it.
+        tail, selective = (
+            statistics.median(
+                getattr(m, part) / m.fwd_seconds if m.fwd_seconds > 0 else 0.0 for m in members
+            )
+            for part in ("tail_seconds", "non_matmul_fwd_seconds")
+        )
         for m in members:
-            # The parts of the forward (tail, selective) keep their share of it.
-            scale = fwd / m.fwd_seconds if m.fwd_seconds > 0 else 0.0
-            m.tail_seconds = m.tail_seconds * scale if scale else 0.0
-            m.non_matmul_fwd_seconds = m.non_matmul_fwd_seconds * scale if scale else 0.0
             m.fwd_seconds, m.bwd_seconds = fwd, bwd
+            m.tail_seconds, m.non_matmul_fwd_seconds = fwd * tail, fwd * selective
 
 
 def _mark_shared_inputs(

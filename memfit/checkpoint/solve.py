@@ -203,9 +203,9 @@ class _Node:
         self.inp = float(unit.input_bytes)
         # What a piece ending with this unit costs to rebuild: its forward less its tail,
         # the trailing ops a rebuild that stops early skips.
-        self.fwd_s = float(unit.rebuild_seconds())
+        self.fwd_s = _tick(unit.rebuild_seconds())
         self.fwd_f = float(unit.rebuild_flops())
-        self.sel_s = float(unit.non_matmul_fwd_seconds)
+        self.sel_s = _tick(unit.non_matmul_fwd_seconds)
         self.sel_f = float(unit.non_matmul_fwd_flops)
         self.mm = float(unit.matmul_saved_bytes)
         # Input bytes the sibling before this unit already saves (see evaluate's shared_inputs).
@@ -235,6 +235,13 @@ class _Node:
         self.upto_f: list[float] = []
         self.run_start: list[int] = []
         self.kid_inp: list[float] = []
+
+
+def _tick(seconds: float) -> float:
+    """``seconds`` rounded to a multiple of 2**-40 s (about a picosecond). Sums of such
+    numbers (below 2**13 s) are exact in any order, so plans that cost the same tie
+    exactly and the tie-breaks decide, not rounding."""
+    return round(float(seconds) * 2**40) / 2**40
 
 
 def _flatten(root: UnitCost) -> list[_Node]:
@@ -290,7 +297,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
             node.pre_rebuilt = _prefix(k.rebuilt for k in kids)
             node.kid_grads = [k.grads for k in kids]
             units = unit_of[node.idx].children
-            node.pre_s = _prefix(c.fwd_seconds for c in units)
+            node.pre_s = _prefix(_tick(c.fwd_seconds) for c in units)
             node.pre_f = _prefix(c.fwd_flops for c in units)
             node.upto_s = [node.pre_s[j] + k.fwd_s for j, k in enumerate(kids)]
             node.upto_f = [node.pre_f[j] + k.fwd_f for j, k in enumerate(kids)]
@@ -953,13 +960,16 @@ class _Pass:
                 high = k + rebuild
                 append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
             return out
-        # By time, the highest rebuild is not needed (the cap is checked as the walk goes).
+        # By time, the cap is checked as the walk goes; the highest rebuild is carried to
+        # break ties: of two plans as fast with as much kept, the one whose rebuilds peak
+        # lower (pieces earlier in the step) sorts first and is the one kept.
         slowest = self.seconds - secs
         for k, s, f, h, ref in frontier:
             if k > top:
                 break
             if s <= slowest:
-                append((k + add, s + secs, f + flops, h, (ref, *how)))
+                high = k + rebuild
+                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
         return out
 
     # -- the walk
