@@ -342,6 +342,7 @@ def _same_bytes(a: Profile, b: Profile) -> None:
         "output_bytes",
         "matmul_saved_bytes",
         "fwd_flops",
+        "tail_flops",
         "sequential",
         "can_recompute",
     )
@@ -368,6 +369,10 @@ def test_meta_device_gpt_matches_real(precision: str) -> None:
     assert prof_real.measured and not prof_meta.measured
     assert prof_meta.fwd_seconds > 0 and prof_meta.bwd_seconds > 0
     assert prof_meta["blocks.0"].fwd_seconds > 0
+    # With dropout, the block's last saved tensor is the dropout mask after its output
+    # projection: the tail is the residual add alone (no FLOPs, some time).
+    assert prof_meta["blocks.0"].tail_flops == prof_real["blocks.0"].tail_flops == 0
+    assert 0 < prof_meta["blocks.0"].tail_seconds < prof_meta["blocks.0"].fwd_seconds
     # The model is left on the meta device, untouched.
     assert all(p.is_meta and p.grad is None for p in meta.parameters())
     assert all(b.is_meta for b in meta.buffers())
