@@ -270,6 +270,19 @@ def test_of_equally_cheap_plans_the_one_whose_rebuilds_peak_lowest_wins() -> Non
     assert evaluate(UnitCost("", children=blocks), sol.decisions).rebuild_bytes == 120.0
 
 
+def test_without_the_frontier_the_same_plan_is_chosen() -> None:
+    root = _gpt_like(4, sequential=True)
+    none_peak = solve(root, "none", None).predicted_peak_bytes
+    full = solve(root, "optimal", 0.5 * none_peak)
+    alone = solve(root, "optimal", 0.5 * none_peak, frontier=False)
+    assert (alone.decisions, alone.segments) == (full.decisions, full.segments)
+    assert alone.recompute_seconds == full.recompute_seconds
+    assert len(full.frontier) > 2
+    assert [(p.peak_bytes, p.recompute_seconds) for p in alone.frontier] == [
+        (alone.predicted_peak_bytes, alone.recompute_seconds)
+    ]
+
+
 def test_a_hand_computed_chain() -> None:
     # Four blocks saving 100 bytes each, 10 input bytes, 1 s forward. Backward rebuilds a
     # piece after everything after it has been freed, and holds its input, the gradient of

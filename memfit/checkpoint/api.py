@@ -240,6 +240,7 @@ def _solve(
     optimizer: torch.optim.Optimizer | None,
     output_bytes: float | None = None,
     loss_saved_bytes: float | None = None,
+    frontier: bool = True,
 ) -> Plan:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
@@ -255,7 +256,9 @@ def _solve(
     root = _with_backward_costs(root, model, policy)
     held = mem.base_bytes + mem.in_flight_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
-    solution = solve(root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE)
+    solution = solve(
+        root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
+    )
     solution.budget_bytes = budget_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
@@ -295,8 +298,11 @@ def plan_step(
     strategy: str = "optimal",
     precision: str | PrecisionPolicy | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    frontier: bool = True,
 ) -> Plan:
     """Plan for a step written as ``loss_fn(model, batch)`` (the Engine's form of a step).
+    ``frontier=False`` leaves out the plan's (peak, time) frontier, which takes most of
+    the solve's time on trees of hundreds of units.
 
     Example::
 
@@ -327,6 +333,7 @@ def plan_step(
         optimizer,
         output_bytes=prof.output_bytes + model_root.output_bytes,
         loss_saved_bytes=prof.loss_saved_bytes + prof.root.own_saved_bytes,
+        frontier=frontier,
     )
 
 
@@ -349,8 +356,16 @@ def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any
     budget = engine.settings.memory_budget
     if budget is None and strategy == "optimal":
         budget = int(0.9 * device_memory_bytes(engine.device))
+    # Training needs the plan, not the frontier that `memfit plan` shows (start-up time).
     result = plan_step(
-        engine.model, micro_batch, loss_fn, budget, strategy, engine.policy, engine.optimizer
+        engine.model,
+        micro_batch,
+        loss_fn,
+        budget,
+        strategy,
+        engine.policy,
+        engine.optimizer,
+        frontier=False,
     )
     apply_plan(engine.model, result)
     return result

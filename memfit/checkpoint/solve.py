@@ -523,6 +523,7 @@ def solve(
     loss_bytes: float = 0.0,
     *,
     reserve: float = 0.0,
+    frontier: bool = True,
 ) -> Solution:
     """Choose which units to recompute.
 
@@ -533,7 +534,9 @@ def solve(
     recompute, and the other strategies apply
     their plan to every block. ``reserve``: the share of the budget kept free (for
     allocator slack); plans fit ``budget_bytes * (1 - reserve)``, and errors say what
-    budget would fit with it. Raises :class:`~memfit.errors.BudgetError` when the
+    budget would fit with it. ``frontier=False`` skips the (peak, time) frontier that the
+    optimal solution shows, most of the solve's time on trees of hundreds of units; the
+    frontier then holds the chosen plan alone. Raises :class:`~memfit.errors.BudgetError` when the
     strategy cannot fit the budget, and :class:`~memfit.errors.ConfigError` for an
     unknown strategy.
 
@@ -576,7 +579,7 @@ def solve(
         return sol
 
     if name == "optimal":
-        return _solve_optimal(nodes, label, budget, static, loss, reserve)
+        return _solve_optimal(nodes, label, budget, static, loss, reserve, frontier)
     if name == "none":
         plans = [_Plan(["keep"] * len(nodes), {})]
     else:
@@ -1188,7 +1191,13 @@ _SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("unif
 
 
 def _solve_optimal(
-    nodes: list[_Node], label: str, budget: float | None, static: float, loss: float, reserve: float
+    nodes: list[_Node],
+    label: str,
+    budget: float | None,
+    static: float,
+    loss: float,
+    reserve: float,
+    frontier: bool,
 ) -> Solution:
     search = _Search(nodes, loss)
     none = _Plan(["keep"] * len(nodes), {})
@@ -1225,7 +1234,7 @@ def _solve_optimal(
         else:
             chosen = found
     exact = search.exact
-    family = _frontier_plans(search, chains, bound)
+    family = _frontier_plans(search, chains, bound) if frontier else []
     sol = _solution(nodes, chosen, label, budget, static, loss, [*family, chosen], exact=exact)
     if budget is None:
         sol.note = "no budget given: the cheapest plan is chosen, and it recomputes nothing"
