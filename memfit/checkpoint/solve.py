@@ -30,6 +30,7 @@ or above its peak.
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -65,9 +66,11 @@ STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 # (peak, time) frontier is walked point by point for at most _STAIRCASE passes, then
 # sampled at _SAMPLED caps (trees that needed approximate passes get only its ends). An
 # approximate plan is walked for once more, under its own time, when the first walk
-# visited fewer than _REFINE_WORK points.
+# visited fewer than _REFINE_WORK points; it is also planned block by block, each block
+# walked exactly within _BLOCK_WORK points.
 _EXACT_WORK = 150_000
 _REFINE_WORK = 450_000
+_BLOCK_WORK = 50_000
 _THIN_POINTS = 128
 _SEGMENT_POINTS = 16
 _STAIRCASE = 24
@@ -1231,6 +1234,12 @@ def _solve_optimal(
                 again = _polish(nodes, again, room, loss)
                 if again.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
                     chosen = again
+            # And block by block, which the thinned walks do worse at loose budgets.
+            by_blocks = _by_blocks(nodes, room, loss, search.bounds)
+            if by_blocks is not None:
+                by_blocks = _polish(nodes, by_blocks, room, loss)
+                if by_blocks.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
+                    chosen = by_blocks
         else:
             chosen = found
     exact = search.exact
@@ -1297,6 +1306,90 @@ def _polish(nodes: list[_Node], plan: _Plan, cap: float, loss: float) -> _Plan:
             plan = trial
             kept = survey()
     return plan
+
+
+def _by_blocks(nodes: list[_Node], cap: float, loss: float, bounds: tuple) -> _Plan | None:
+    """A plan made block by block, for the unit with the most children (the model's block
+    list; everything else keeps): each block planned exactly on its own, its options the
+    lower convex hull of (kept, time), each with its highest rebuild; then, from every
+    block's least-kept option, the upgrade that saves the most time per byte kept, while
+    its rebuild, the rebuilds after it and the end of forward still fit (a multiple-choice
+    knapsack, greedily). Segments across blocks are not tried. None when it finds no plan
+    that fits."""
+    spine = max(nodes, key=lambda n: (len(n.children), -n.idx))
+    blocks = spine.children
+    if len(blocks) < 2:
+        return None
+    # Everything outside the spine keeps: what the units before it (in forward order,
+    # its ancestors included) and the spine itself save, and what the units after it save.
+    size = [1] * len(nodes)
+    for node in reversed(nodes):
+        size[node.idx] += sum(size[c] for c in node.children)
+    base = sum(n.own for n in nodes[: spine.idx + 1])
+    after = sum(n.own for n in nodes[spine.idx + size[spine.idx] :])
+    menus: list[list] = []
+    for b in blocks:
+        walk = _Pass(nodes, bounds, cap, loss, least_peak=False)
+        walk.work = _BLOCK_WORK  # each block is walked exactly, or not at all
+        try:
+            pieces, kept = walk.visit(b, [(0.0, 0.0, 0.0, 0.0, None)], 0.0)
+        except _TooLarge:
+            return None
+        points = sorted(pieces + kept, key=lambda p: (p[0], p[1]))
+        # The lower convex hull of (kept, time): the options a greedy upgrade walks.
+        hull: list = []
+        for p in points:
+            if hull and p[1] >= hull[-1][1]:
+                continue
+            while len(hull) >= 2:
+                (k1, s1), (k2, s2) = hull[-2][:2], hull[-1][:2]
+                if (s2 - s1) * (p[0] - k1) >= (p[1] - s1) * (k2 - k1):
+                    hull.pop()
+                else:
+                    break
+            hull.append(p)
+        if not hull:
+            return None
+        menus.append(hull)
+    choice = [0] * len(blocks)
+
+    def state() -> tuple[list[float], list[float], float]:
+        before, peaks, k = [], [], base
+        for m, i in zip(menus, choice, strict=True):
+            before.append(k)
+            peaks.append(k + m[i][3])
+            k += m[i][0]
+        return before, peaks, k + after
+
+    before, peaks, end = state()
+    if max(peaks, default=0.0) > cap or end + loss > cap:
+        return None
+    heap = []
+    for b, m in enumerate(menus):
+        if len(m) > 1:
+            heapq.heappush(heap, (-(m[0][1] - m[1][1]) / max(m[1][0] - m[0][0], 1e-9), b))
+    while heap:
+        _, b = heapq.heappop(heap)
+        m, i = menus[b], choice[b]
+        grow = m[i + 1][0] - m[i][0]
+        later = max(peaks[b + 1 :], default=0.0)
+        if before[b] + m[i + 1][3] <= cap and later + grow <= cap and end + grow + loss <= cap:
+            choice[b] = i + 1
+            before, peaks, end = state()
+            if i + 2 < len(m):
+                ratio = (m[i + 1][1] - m[i + 2][1]) / max(m[i + 2][0] - m[i + 1][0], 1e-9)
+                heapq.heappush(heap, (-ratio, b))
+    decision = ["keep"] * len(nodes)
+    segs: dict[int, list[tuple[int, int]]] = {}
+    for m, i in zip(menus, choice, strict=True):
+        part = _rebuild_plan(nodes, m[i][4])
+        for v, d in enumerate(part.decision):
+            if d != "keep":
+                decision[v] = d
+        for v, r in part.segs.items():
+            segs.setdefault(v, []).extend(r)
+    plan = _Plan(decision, segs)
+    return plan if plan.peak(nodes, loss) <= cap else None
 
 
 def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
