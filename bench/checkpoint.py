@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 import memfit
 from memfit.checkpoint.api import RESERVE, plan_step
 from memfit.checkpoint.profile import flop_counter
+from memfit.errors import BudgetError
 from memfit.models import build_model
 from memfit.models.gpt import gpt_loss
 from memfit.units import format_bytes
@@ -56,7 +57,16 @@ def main() -> None:
         "--budgets", type=int, default=5, help="optimal plans between full and none"
     )
     parser.add_argument("--plot", default=None, help="write the frontier plot to this PNG")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+
+    def sync() -> None:
+        # Kernels run asynchronously on CUDA: a step has ended when the device is idle.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     torch.manual_seed(0)
     base, _, batch_fn = build_model(
@@ -67,7 +77,8 @@ def main() -> None:
         n_head=args.n_head,
         block_size=args.block_size,
     )
-    batch = batch_fn(args.batch_size, generator=0)
+    base = base.to(device)
+    batch = batch_fn(args.batch_size, generator=0).to(device)
     n = args.n_layer
 
     def engine_for(checkpoint, loss_fn=gpt_loss, budget=None):
@@ -104,12 +115,18 @@ def main() -> None:
         variants[f"optimal @ {format_bytes(budget)}"] = engine_for("optimal", gpt_loss, budget)
 
     peaks, predicted, recompute, flops = {}, {}, {}, {}
+    unmet: dict[str, str] = {}  # variants whose budget no plan meets, and why
 
     def measure_all() -> None:
-        for name, (engine, loss_fn) in variants.items():
+        for name, (engine, loss_fn) in list(variants.items()):
             if name in peaks:
                 continue
-            engine.train_step(batch, loss_fn)  # plans (if asked) and creates optimizer state
+            try:
+                engine.train_step(batch, loss_fn)  # plans (if asked), creates optimizer state
+            except BudgetError as exc:
+                unmet[name] = str(exc)
+                del variants[name]
+                continue
             report = memfit.measure(
                 lambda e=engine, f=loss_fn: e.train_step(batch, f),
                 model=engine.model,
@@ -142,15 +159,19 @@ def main() -> None:
         shift = r % len(order)
         for name in order[shift:] + order[:shift]:
             engine, loss_fn = variants[name]
+            sync()
             start = time.perf_counter()
             engine.train_step(batch, loss_fn)
+            sync()
             times[name].append(time.perf_counter() - start)
 
     none_time = statistics.median(times["none"])
     none_act = peaks["none"]
     print(
         f"GPT n_layer={n} n_embd={args.n_embd} block_size={args.block_size} batch {args.batch_size}, "
-        f"{args.precision}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds\n"
+        f"{args.precision}, {device.type}"
+        f"{'' if device.type == 'cuda' else f' ({torch.get_num_threads()} threads)'}, "
+        f"median of {args.rounds} interleaved rounds\n"
     )
 
     def gflop(name: str) -> str:
@@ -170,6 +191,8 @@ def main() -> None:
             f"| {name} | {format_bytes(peaks[name])} | {pred} | {gflop(name)} | "
             f"{t * 1000:.0f} ms | {(t / none_time - 1) * 100:+.1f}% |"
         )
+    for name, why in unmet.items():
+        print(f"| {name} | no plan: {why} |")
     print("\nmemfit optimal planned to peak where the peer peaks:\n")
     print(
         "| peer | peer peak | peer recompute | peer time | optimal peak | optimal recompute "
@@ -177,6 +200,11 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for peer, label in matched.items():
+        if label in unmet:
+            print(
+                f"| {peer} | {format_bytes(peaks[peer])} | {gflop(peer)} GFLOP | – | no plan fits |"
+            )
+            continue
         tp, to = statistics.median(times[peer]), statistics.median(times[label])
         # The median of the per-round ratios: both ran in the same round, so slow phases of
         # the machine cancel out.
