@@ -534,14 +534,16 @@ def solve(
     it checkpointing cannot change; ``loss_bytes`` is held at the end of forward only (the
     model's output and what the loss saves, freed before backward reaches the model). With
     ``budget_bytes=None`` the optimal solver has nothing to fit and returns the plan without
-    recompute, and the other strategies apply
-    their plan to every block. ``reserve``: the share of the budget kept free (for
-    allocator slack); plans fit ``budget_bytes * (1 - reserve)``, and errors say what
-    budget would fit with it. ``frontier=False`` skips the (peak, time) frontier that the
-    optimal solution shows, most of the solve's time on trees of hundreds of units; the
-    frontier then holds the chosen plan alone. Raises :class:`~memfit.errors.BudgetError` when the
-    strategy cannot fit the budget, and :class:`~memfit.errors.ConfigError` for an
-    unknown strategy.
+    recompute, and the other strategies apply their plan to every block.
+
+    ``reserve``: the share of the budget kept free (for allocator slack); plans fit
+    ``budget_bytes * (1 - reserve)``, and errors say what budget would fit with it.
+    ``frontier=False`` skips the (peak, time) frontier that the optimal solution shows,
+    most of the solve's time on trees of hundreds of units; the frontier then holds the
+    chosen plan alone.
+
+    Raises :class:`~memfit.errors.BudgetError` when the strategy cannot fit the budget, and
+    :class:`~memfit.errors.ConfigError` for an unknown strategy.
 
     >>> from memfit.checkpoint.costs import UnitCost
     >>> blocks = [UnitCost(f"b{i}", own_saved_bytes=100.0, input_bytes=10.0,
@@ -771,9 +773,8 @@ def _pick_family(
             best = min(plans, key=lambda p: p.peak(nodes, loss))
             smallest = static + best.peak(nodes, loss)
             raise BudgetError(
-                f"strategy {label!r} cannot fit the budget {_budget_words(budget, reserve)}: its "
-                f"smallest "
-                f"peak is {_format_bytes(smallest)} ({smallest:.0f} bytes; "
+                f"strategy {label!r} cannot fit the budget {_budget_words(budget, reserve)}: "
+                f"its smallest peak is {_format_bytes(smallest)} ({smallest:.0f} bytes; "
                 f"{_breakdown(nodes, best, static, loss)}). Use strategy 'optimal', which finds "
                 f"the smallest peak any plan reaches, or a budget of at least "
                 f"{_at_least(smallest / (1 - reserve))}"
