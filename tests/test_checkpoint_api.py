@@ -19,6 +19,7 @@ from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.profile import flop_counter
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.models import build_model
+from memfit.units import format_bytes
 
 CASES = {
     "gpt": dict(n_layer=6, n_embd=64, n_head=4, block_size=128),
@@ -165,7 +166,9 @@ def test_budget_above_unplanned_peak_gives_none_plan_said_plainly() -> None:
     plan = plan_step(model, batch, loss_fn, "20GiB", "optimal", "fp32", engine.optimizer)
     assert all(d == "keep" for d in plan.decisions.values()) and not plan.segments
     assert plan.recompute_flops == 0
-    assert any("nothing is recomputed" in note for note in plan.notes)
+    # The note names the step's predicted peak, which is the plan's.
+    peak = format_bytes(plan.predicted_peak_bytes)
+    assert any("nothing is recomputed" in note and peak in note for note in plan.notes)
 
 
 def test_malformed_budget_and_strategy() -> None:

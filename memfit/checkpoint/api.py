@@ -269,6 +269,13 @@ def _solve(
     solution.kept_bytes = result.kept_bytes
     solution.transient_bytes = result.transient_bytes
     solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
+    if solution.note and budget_bytes is not None and solution.recompute_flops == 0:
+        # The solver's note speaks of activations only; say it with the whole step's peak.
+        solution.note = (
+            f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "
+            f"without checkpointing, {format_bytes(solution.predicted_peak_bytes)} (memfit "
+            f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
+        )
     return Plan.from_solution(solution, precision=policy.mode, structure=structure)
 
 
