@@ -107,6 +107,32 @@ def test_times() -> None:
     assert "sequential" in prof.summary()
 
 
+class _SlowTail(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x)  # saves its output: the last saved tensor
+        for _ in range(40):
+            y = y + 1.0  # saves nothing: a rebuild that stops early skips all of these
+        return y
+
+
+class _NoTail(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(40):
+            x = x + 1.0
+        return torch.relu(x)  # the last op saves its output: nothing to skip
+
+
+def test_tail_time_is_what_follows_the_last_saved_tensor() -> None:
+    model = nn.Sequential(_SlowTail(), _NoTail())
+    prof = profile(model, torch.randn(512, 512, requires_grad=True), units=["0", "1"])
+    slow, none = prof["0"], prof["1"]
+    # Attribution, not speed: forty of the forty-one ops are the first unit's tail, none
+    # of the second's; the margins leave room for a noisy machine.
+    assert slow.tail_seconds > 0.5 * slow.fwd_seconds
+    assert none.tail_seconds < 0.5 * none.fwd_seconds
+    assert slow.tail_flops == none.tail_flops == 0
+
+
 # --------------------------------------------------------------------------- flags
 
 

@@ -21,8 +21,10 @@ How each number is measured:
   ops count 0 FLOPs, as in ``FlopCounterMode``; :func:`flop_counter` counts the same way.
 * **Tail** (what a rebuild that stops early skips): the FLOPs and op time of the unit's ops
   after the last one whose tensors autograd saves (saved-tensor hooks mark the point; every
-  saved tensor counts, parameters too, as torch's ``early_stop`` counts them). The time is
-  the tail ops' share of the unit's op time, applied to its forward time.
+  saved tensor counts, parameters too, as torch's ``early_stop`` counts them). Its time is
+  measured in the timed step, from the last saved tensor to the unit's end (on CUDA, where
+  that would need a device sync per saved tensor, and on fake tensors: the tail ops' share
+  of the unit's op time, applied to its forward time).
 * **Times**: forward time from forward pre/post hooks with ``time.perf_counter`` (the
   device synchronized on CUDA), in a second, uninstrumented step (the first warms up).
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
@@ -349,6 +351,7 @@ class _Stats:
     mm_out_own: int = 0
     tail_flops: float = 0.0
     tail_time: float = 0.0
+    tail_timed: float = 0.0  # the tail's time as the timed step measured it (CPU)
     input_bytes: int = 0
     output_bytes: int = 0
     input_keys: dict[Any, int] = field(default_factory=dict)
@@ -367,6 +370,7 @@ class _Call:
     # tail a rebuild that stops early skips.
     tail_flops: float = 0.0
     tail_time: float = 0.0
+    last_pack: float | None = None  # in the timed step: when it last saved a tensor
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
@@ -503,6 +507,7 @@ class _Recorder:
         st.fwd_time += t1 - call.t0
         self.mark(self.stack[-1].name if self.stack else None)
         if not self.full:
+            st.tail_timed += t1 - (call.last_pack if call.last_pack is not None else call.t0)
             return
         if any(t._version != v for t, v in call.in_versions):
             st.reason("modifies an input tensor in place, so a recompute would see changed inputs")
@@ -574,6 +579,13 @@ class _Recorder:
             self.stats[self.stack[-1].name].saved_own += nbytes
         else:
             self.loss_saved += nbytes
+        return t
+
+    def pack_time(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase == "fwd":
+            now = time.perf_counter()
+            for call in self.stack:
+                call.last_pack = now
         return t
 
     # ---- ops
@@ -700,6 +712,11 @@ def _run_step(
             if rec.full:
                 modes.enter_context(_OpMode(rec))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+            elif not rec.sync:
+                # Where the last saved tensor of each unit comes, timed: its tail is the rest.
+                modes.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(rec.pack_time, lambda t: t)
+                )
             rec.phase = "fwd"
             with policy.autocast(device_type):
                 output = _call(model, inputs)
@@ -915,7 +932,10 @@ def profile(
                     p.grad = None
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
-    root = _build(tree.root, stats, chains, iterated, measured)
+    # On CUDA, timing each saved tensor would need a device sync each: the tail's time is
+    # then its ops' share of the unit's op time instead.
+    timed_tails = measured and device.type != "cuda"
+    root = _build(tree.root, stats, chains, iterated, measured, timed_tails)
     if measured:
         _pool_times(tree.root, root)
     _mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
@@ -1028,9 +1048,10 @@ def _build(
     chains: dict[str, _ChainState],
     iterated: dict[str, bool],
     measured: bool,
+    timed_tails: bool,
 ) -> UnitCost:
     """The UnitCost subtree of ``unit`` from the recorded per-unit stats."""
-    children = [_build(c, stats, chains, iterated, measured) for c in unit.children]
+    children = [_build(c, stats, chains, iterated, measured, timed_tails) for c in unit.children]
     if not unit.is_chain:
         # Forward order; units never called go last, in registration order.
         never = float("inf")
@@ -1060,7 +1081,7 @@ def _build(
     bwd_seconds = total("bwd_time_own") if measured else total("est_bwd_own")
     mm_time, nm_time = total("mm_time_own"), total("nm_time_own")
     share = nm_time / (mm_time + nm_time) if mm_time + nm_time > 0 else 0.0
-    # The tail's time: its ops' share of the unit's op time, as for selective recompute.
+    # Without a timed tail: its ops' share of the unit's op time, as for selective recompute.
     tail_share = min(1.0, st.tail_time / (mm_time + nm_time)) if mm_time + nm_time > 0 else 0.0
     chain = chains.get(unit.name)
     sequential = (
@@ -1084,7 +1105,7 @@ def _build(
         non_matmul_fwd_flops=total("nm_flops_own"),
         non_matmul_fwd_seconds=fwd_seconds * max(share, SELECTIVE_TIME_SHARE),
         tail_flops=min(st.tail_flops, total("flops_own")),
-        tail_seconds=fwd_seconds * tail_share,
+        tail_seconds=min(st.tail_timed, fwd_seconds) if timed_tails else fwd_seconds * tail_share,
         can_recompute=not st.reasons,
         sequential=bool(sequential),
     )
