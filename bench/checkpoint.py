@@ -178,17 +178,18 @@ def main() -> None:
         return f"{(flops[name] - flops['none']) / 1e9:.2f}"
 
     print(
-        "| variant | measured peak | predicted peak | recompute GFLOP (counted) | step time "
-        "| vs none |"
+        "| variant | measured peak | predicted peak | recompute GFLOP (counted) "
+        "| recompute GFLOP (planned) | step time | vs none |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in variants:
         t = statistics.median(times[name])
         pred = format_bytes(predicted[name]) if predicted[name] else "–"
+        planned = "–" if recompute[name] is None else f"{recompute[name] / 1e9:.2f}"
         rows.append((name, peaks[name], t))
         print(
-            f"| {name} | {format_bytes(peaks[name])} | {pred} | {gflop(name)} | "
+            f"| {name} | {format_bytes(peaks[name])} | {pred} | {gflop(name)} | {planned} | "
             f"{t * 1000:.0f} ms | {(t / none_time - 1) * 100:+.1f}% |"
         )
     for name, why in unmet.items():
