@@ -485,8 +485,8 @@ def _pieces(
                     sum(saved[c.name] for c in members),
                     members[0].input_bytes,
                     # The last member's tail is not run again (see UnitCost.tail_flops).
-                    sum(c.fwd_seconds for c in members) - members[-1].tail_seconds,
-                    sum(c.fwd_flops for c in members) - members[-1].tail_flops,
+                    sum(c.fwd_seconds for c in members[:-1]) + members[-1].rebuild_seconds(),
+                    sum(c.fwd_flops for c in members[:-1]) + members[-1].rebuild_flops(),
                 )
             )
     return out

@@ -180,8 +180,9 @@ class _Node:
         "can_rec",
         "can_sel",
         "seq",
-        "rec_t",
-        "sel_t",
+        "hold",
+        "whole_s",
+        "whole_f",
         "pre_saved",
         "pre_rebuilt",
         "rebuilt",
@@ -208,6 +209,9 @@ class _Node:
         # the trailing ops a rebuild that stops early skips.
         self.fwd_s = _tick(unit.rebuild_seconds())
         self.fwd_f = float(unit.rebuild_flops())
+        # Its whole forward, what it costs inside a segment that does not end with it.
+        self.whole_s = _tick(unit.fwd_seconds)
+        self.whole_f = float(unit.fwd_flops)
         self.sel_s = _tick(unit.non_matmul_fwd_seconds)
         self.sel_f = float(unit.non_matmul_fwd_flops)
         self.mm = float(unit.matmul_saved_bytes)
@@ -220,8 +224,9 @@ class _Node:
         # Selective recompute only differs from recompute when matmul outputs are saved.
         self.can_sel = self.can_rec and self.mm > 0
         self.seq = bool(unit.sequential)
-        self.rec_t = 0.0
-        self.sel_t = 0.0
+        # What a rebuild of this unit as a piece holds above what is kept before it: its
+        # input, the input's gradient, ``rebuilt`` and ``grads`` (set in _flatten).
+        self.hold = 0.0
         self.pre_saved: list[float] = []
         self.pre_rebuilt: list[float] = []
         # What a rebuild holds besides the input and its gradient: everything the subtree
@@ -239,6 +244,14 @@ class _Node:
         self.run_start: list[int] = []
         self.kid_inp: list[float] = []
 
+    def segment_hold(self, i: int, j: int) -> float:
+        """What a rebuild of children ``i..j`` as one segment holds above what is kept
+        before it: child ``i``'s input and its gradient, what they all rebuild, and the
+        gradients made when backward reaches child ``i``."""
+        return (
+            2 * self.kid_inp[i] + self.pre_rebuilt[j + 1] - self.pre_rebuilt[i] + self.kid_grads[i]
+        )
+
 
 def _tick(seconds: float) -> float:
     """``seconds`` rounded to a multiple of 2**-40 s (about a picosecond). Sums of such
@@ -251,7 +264,6 @@ def _flatten(root: UnitCost) -> list[_Node]:
     if not isinstance(root, UnitCost):
         raise PlanError(f"solve() needs the UnitCost tree's root, got {type(root).__name__}")
     nodes: list[_Node] = []
-    unit_of: list[UnitCost] = []
     seen: set[str] = set()
     stack: list[tuple[UnitCost, int]] = [(root, -1)]
     while stack:
@@ -283,7 +295,6 @@ def _flatten(root: UnitCost) -> list[_Node]:
                 )
         node = _Node(len(nodes), unit, is_root=parent < 0)
         nodes.append(node)
-        unit_of.append(unit)
         if parent >= 0:
             nodes[parent].children.append(node.idx)
         # Reversed so that children pop, and are numbered, in forward order.
@@ -292,16 +303,14 @@ def _flatten(root: UnitCost) -> list[_Node]:
     for node in reversed(nodes):
         node.saved = node.own + sum(nodes[c].saved for c in node.children)
         node.rebuilt += node.saved
-        node.rec_t = node.saved
-        node.sel_t = max(0.0, node.saved - node.mm)
+        node.hold = 2 * node.inp + node.rebuilt + node.grads
         if node.seq and len(node.children) >= 2:
             kids = [nodes[c] for c in node.children]
             node.pre_saved = _prefix(k.saved for k in kids)
             node.pre_rebuilt = _prefix(k.rebuilt for k in kids)
             node.kid_grads = [k.grads for k in kids]
-            units = unit_of[node.idx].children
-            node.pre_s = _prefix(_tick(c.fwd_seconds) for c in units)
-            node.pre_f = _prefix(c.fwd_flops for c in units)
+            node.pre_s = _prefix(k.whole_s for k in kids)
+            node.pre_f = _prefix(k.whole_f for k in kids)
             node.upto_s = [node.pre_s[j] + k.fwd_s for j, k in enumerate(kids)]
             node.upto_f = [node.pre_f[j] + k.fwd_f for j, k in enumerate(kids)]
             node.kid_inp = [k.inp for k in kids]
@@ -359,14 +368,14 @@ def _evaluate_nodes(
         inherited = credit
         d = decision[u]
         if d == "recompute":
+            high = k - credit + node.hold
             k += node.inp - credit
-            high = k + node.inp + node.rebuilt + node.grads
             if rebuilds is not None:
                 rebuilds.append(((u, None), high))
             return k, high, node.fwd_s, node.fwd_f, True
         if d == "selective":
+            high = k - credit + node.hold
             k += node.inp - credit
-            high = k + node.inp + node.rebuilt + node.grads
             if rebuilds is not None:
                 rebuilds.append(((u, None), high))
             return k + node.mm, high, node.sel_s, node.sel_f, True
@@ -388,9 +397,8 @@ def _evaluate_nodes(
                 credit = 0.0
             if pos in ends:
                 end = ends[pos]
+                piece = k - credit + node.segment_hold(pos, end)
                 k += nodes[c].inp - credit
-                rebuilt = node.pre_rebuilt[end + 1] - node.pre_rebuilt[pos]
-                piece = k + nodes[c].inp + rebuilt + nodes[c].grads
                 if rebuilds is not None:
                     rebuilds.append(((u, (pos, end)), piece))
                 high = max(high, piece)
@@ -992,13 +1000,13 @@ class _Pass:
         pieces: list = []
         if node.can_rec:
             how = (_RECOMPUTE, u, 0, 0)
-            rebuild = 2 * node.inp + node.rebuilt + node.grads
-            pieces += self.rebuilt(frontier, node.inp, rebuild, node.fwd_s, node.fwd_f, limit, how)
+            pieces += self.rebuilt(
+                frontier, node.inp, node.hold, node.fwd_s, node.fwd_f, limit, how
+            )
         if node.can_sel:
             how = (_SELECTIVE, u, 0, 0)
-            rebuild = 2 * node.inp + node.rebuilt + node.grads
             add = node.inp + node.mm
-            pieces += self.rebuilt(frontier, add, rebuild, node.sel_s, node.sel_f, limit, how)
+            pieces += self.rebuilt(frontier, add, node.hold, node.sel_s, node.sel_f, limit, how)
         if len(pieces) > 1 and node.can_sel:
             pieces = self.prune(pieces)
         # Keep: the unit's own saved bytes are counted from its start (a bound: some of its
@@ -1079,8 +1087,7 @@ class _Pass:
                 for i in starts:
                     start = from_[i]
                     inp = node.kid_inp[i]
-                    rebuilt = node.pre_rebuilt[j + 1] - node.pre_rebuilt[i]
-                    rebuild = 2 * inp + rebuilt + node.kid_grads[i]
+                    rebuild = node.segment_hold(i, j)
                     if not start or start[0][0] + rebuild > self.cap:
                         continue  # longer segments from i only save more: it stays dead
                     still.append(i)
@@ -1204,47 +1211,44 @@ def _solve_optimal(
     frontier: bool,
 ) -> Solution:
     search = _Search(nodes, loss)
-    none = _Plan(["keep"] * len(nodes), {})
     chains = _find_chains(nodes)
-    # A bound for the least-peak search: the smallest peak of the fixed strategies.
-    bound = min(
-        none.peak(nodes, loss),
-        _family_plan(nodes, chains, "full", None, None).peak(nodes, loss),
-        _family_plan(nodes, chains, "sqrt", None, None).peak(nodes, loss),
-    )
+
+    def bound() -> float:
+        # A bound for the least-peak search: the smallest peak of the fixed strategies.
+        return min(
+            search.none_peak,
+            _family_plan(nodes, chains, "full", None, None).peak(nodes, loss),
+            _family_plan(nodes, chains, "sqrt", None, None).peak(nodes, loss),
+        )
+
     if budget is None:
-        chosen = none
+        chosen = search.none
     else:
         room = budget - static
         found = search.cheapest(room, _seed(nodes, chains, room, loss))
         least = None
         if found is None:
-            least = search.least_peak(bound)[0]
+            least = search.least_peak(bound())[0]
             if least <= room:  # an approximate walk lost the plans that fit; take the least
                 found = search.cheapest(least)
         if found is None:
-            smallest = search.cheapest(least) or none
+            smallest = search.cheapest(least) or search.none
             raise BudgetError(_too_small(nodes, budget, smallest, static, loss, reserve))
+        chosen = found
         if not search.exact:
             chosen = _polish(nodes, found, room, loss)
-            # Walked again under the polished plan's time: the slower points dropped first,
-            # the thinned frontiers are finer where the cheaper plans lie (when the walk is
-            # short enough to afford twice).
+            # Two more plans, the faster kept: a walk under the polished plan's time (the
+            # slower points dropped first, the thinned frontiers are finer where the cheaper
+            # plans lie), when the first walk was short enough to afford twice; and one made
+            # block by block, which the thinned walks do worse at loose budgets.
             again = search.cheapest(room, chosen) if search.last_work < _REFINE_WORK else None
-            if again is not None and again is not chosen:
-                again = _polish(nodes, again, room, loss)
-                if again.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
-                    chosen = again
-            # And block by block, which the thinned walks do worse at loose budgets.
-            by_blocks = _by_blocks(nodes, room, loss, search.bounds)
-            if by_blocks is not None:
-                by_blocks = _polish(nodes, by_blocks, room, loss)
-                if by_blocks.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
-                    chosen = by_blocks
-        else:
-            chosen = found
+            for other in (again, _by_blocks(nodes, room, loss, search.bounds)):
+                if other is not None and other is not chosen:
+                    other = _polish(nodes, other, room, loss)
+                    if other.evaluated(nodes)[2] < chosen.evaluated(nodes)[2]:
+                        chosen = other
     exact = search.exact
-    family = _frontier_plans(search, chains, bound) if frontier else []
+    family = _frontier_plans(search, chains, bound()) if frontier else []
     sol = _solution(nodes, chosen, label, budget, static, loss, [*family, chosen], exact=exact)
     if budget is None:
         sol.note = "no budget given: the cheapest plan is chosen, and it recomputes nothing"
@@ -1399,7 +1403,7 @@ def _frontier_plans(search: _Search, chains: list, bound: float) -> list[_Plan]:
     evenly spread caps down to the least peak when the walk is long."""
     nodes, loss = search.nodes, search.loss
     plans: list[_Plan] = []
-    cap = nodes[0].saved + loss
+    cap = search.none_peak
     # Small trees get their whole frontier, point by point.
     steps = _STAIRCASE if len(nodes) > _SMALL_TREE else math.inf
     while steps > 0 and search.exact:
