@@ -932,9 +932,9 @@ def profile(
                     p.grad = None
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
-    # On CUDA, timing each saved tensor would need a device sync each: the tail's time is
-    # then its ops' share of the unit's op time instead.
-    timed_tails = measured and device.type != "cuda"
+    # The timed step timed each unit's tail unless it synchronizes the device (CUDA), where
+    # that would take a sync per saved tensor: the tail's time is then its ops' share.
+    timed_tails = measured and not settings["sync"]
     root = _build(tree.root, stats, chains, iterated, measured, timed_tails)
     if measured:
         _pool_times(tree.root, root)
