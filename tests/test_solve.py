@@ -75,8 +75,12 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                 + sum(_rebuilt(c) for c in members)
                                 + kids[j].grads_from_bytes,
                             ),
-                            # A rebuild stops early: the last member's tail is skipped.
-                            s + sum(c.fwd_seconds for c in members) - members[-1].tail_seconds,
+                            # A rebuild stops early: the last member's tail is skipped;
+                            # the checkpoint machinery costs the piece once.
+                            s
+                            + sum(c.fwd_seconds for c in members)
+                            - members[-1].tail_seconds
+                            + members[-1].piece_seconds,
                             f + sum(c.fwd_flops for c in members) - members[-1].tail_flops,
                             True,
                         )
@@ -84,7 +88,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     result = {(k, m, s, f, False, ends) for k, m, s, f, ends in at.get(len(kids), set())}
     if not is_root and unit.can_recompute:
         rebuild = 2 * unit.input_bytes + _rebuilt(unit) + unit.grads_from_bytes
-        seconds = unit.fwd_seconds - unit.tail_seconds
+        seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
         result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
         if unit.matmul_saved_bytes > 0:
@@ -92,7 +96,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                 (
                     unit.input_bytes + unit.matmul_saved_bytes,
                     rebuild,
-                    unit.non_matmul_fwd_seconds,
+                    unit.non_matmul_fwd_seconds + unit.piece_seconds,
                     unit.non_matmul_fwd_flops,
                     True,
                     True,
@@ -148,6 +152,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.recompute_extra_bytes = draw(small)
         if draw(st.booleans()):
             unit.grads_from_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.piece_seconds = draw(small)
     for unit in units:
         if draw(st.integers(0, 2)) == 0:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))
@@ -329,6 +335,24 @@ def test_a_hand_computed_chain() -> None:
     assert (tighter.predicted_peak_bytes, tighter.recompute_seconds) == (140.0, 3.0)
     assert not tighter.segments
     assert [tighter.decisions[f"b{i}"] for i in range(4)] == ["recompute"] * 3 + ["keep"]
+
+
+def test_the_checkpoint_machinery_is_charged_once_a_piece() -> None:
+    # The chain above at budget 250, with each piece costing 0.5 s of checkpoint machinery:
+    # b0 and b1 on their own now cost 2 x 1.5 s, one segment of both 2 + 0.5 s.
+    blocks = [
+        UnitCost(
+            f"b{i}", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=1.0, piece_seconds=0.5
+        )
+        for i in range(4)
+    ]
+    root = UnitCost("", children=blocks, sequential=True)
+    sol = solve(root, "optimal", 250.0)
+    assert sol.recompute_seconds == 2.5
+    assert sol.segments == {"": [(0, 1)]}
+    # Recomputing each block on its own, as full does: four pieces, 4 x 1.5 s.
+    assert solve(root, "full", None).recompute_seconds == 6.0
+    assert evaluate(root, {f"b{i}": "recompute" for i in range(2)}).recompute_seconds == 3.0
 
 
 # --------------------------------------------------------------------------- budgets and notes

@@ -81,9 +81,26 @@ class UnitCost:
     """Of those, the bytes this unit saves too. When the sibling before is recomputed and
     this unit kept, they stay held although the sibling's saved bytes counted them."""
 
+    piece_seconds: float = 0.0
+    """What the checkpoint machinery costs a piece that ends with this unit, over the
+    rebuild's own ops: forward and backward bookkeeping (RNG and autocast state, saved-tensor
+    hooks, starting and stopping the rebuild). Measured once per profile on the device."""
+
     def rebuild_seconds(self) -> float:
-        """Time of a rebuild of this unit as a piece of its own (its forward less its tail)."""
-        return max(0.0, self.fwd_seconds - self.tail_seconds)
+        """Time a piece ending with this unit costs for it: its forward less its tail, plus
+        the checkpoint machinery's ``piece_seconds``.
+
+        Example::
+
+            UnitCost("b", fwd_seconds=8e-3, tail_seconds=1e-3, piece_seconds=1e-4).rebuild_seconds()
+            # 0.0071
+        """
+        return max(0.0, self.fwd_seconds - self.tail_seconds) + self.piece_seconds
+
+    def selective_seconds(self) -> float:
+        """Time a selective recompute of this unit costs: the ops it re-runs, plus the
+        checkpoint machinery's ``piece_seconds``."""
+        return self.non_matmul_fwd_seconds + self.piece_seconds
 
     def rebuild_flops(self) -> float:
         """FLOPs of a rebuild of this unit as a piece of its own."""

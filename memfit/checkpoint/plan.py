@@ -467,7 +467,7 @@ def _pieces(
                     None,
                     saved[name],
                     unit.input_bytes + unit.matmul_saved_bytes,
-                    unit.non_matmul_fwd_seconds,
+                    unit.selective_seconds(),
                     unit.non_matmul_fwd_flops,
                 )
             )

@@ -30,6 +30,9 @@ How each number is measured:
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
   time (until the next node starts) goes to the unit that created it, found from the
   node's sequence number. This works whatever the unit returns, takes or modifies in place.
+* **Checkpoint machinery per piece** (:attr:`Profile.piece_seconds`, on every unit): a
+  chain of tiny ops timed as pieces of memfit's executor and as plain ops, on the device
+  and under the training precision; the median difference per piece (0 on fake tensors).
 * **Non-matmul forward time** (what selective recompute re-runs): the unit's forward time
   times the share of its ops' time spent outside matmul-like ops, the ops timed one by one
   in the instrumented step. Measured op by op, the share is exact for the kernels, and the
@@ -231,6 +234,10 @@ class Profile:
     """The memory bandwidth used for time estimates."""
     reasons: dict[str, list[str]] = field(default_factory=dict)
     """Why a unit cannot be recomputed, per unit name (units that can are absent)."""
+    piece_seconds: float = 0.0
+    """What the checkpoint machinery costs one piece on this device, forward and backward,
+    over the ops it recomputes (0 when times are estimated). Every unit carries it as
+    :attr:`UnitCost.piece_seconds`."""
 
     def __post_init__(self) -> None:
         self._units = {u.name: u for u in self.root.walk()}
@@ -273,7 +280,8 @@ class Profile:
             f"precision {self.precision} on {self.device}; times {timing}; params "
             f"{format_bytes(self.param_bytes)}, grads {format_bytes(self.grad_bytes)}, "
             f"activations {format_bytes(self.activation_bytes)} "
-            f"(+ loss {format_bytes(self.loss_saved_bytes)})"
+            f"(+ loss {format_bytes(self.loss_saved_bytes)}); checkpoint machinery "
+            f"{self.piece_seconds * 1e6:.0f} us a piece"
         )
         return "\n".join(rows)
 
@@ -932,12 +940,17 @@ def profile(
                     p.grad = None
                 timer = _Recorder(tree, stats, full=False, **settings)
                 _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
+                piece_seconds = _piece_overhead(policy, device, settings["sync"])
+            else:
+                piece_seconds = 0.0
     # The timed step timed each unit's tail unless it synchronizes the device (CUDA), where
     # that would take a sync per saved tensor: the tail's time is then its ops' share.
     timed_tails = measured and not settings["sync"]
     root = _build(tree.root, stats, chains, iterated, measured, timed_tails)
     if measured:
         _pool_times(tree.root, root)
+    for unit in root.walk():
+        unit.piece_seconds = piece_seconds
     _mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
@@ -958,7 +971,48 @@ def profile(
         flop_rate=flop_rate,
         bandwidth=bandwidth,
         reasons={n: list(st.reasons) for n, st in stats.items() if st.reasons},
+        piece_seconds=piece_seconds,
     )
+
+
+#: Pieces and rounds :func:`_piece_overhead` times: enough that a piece's cost (about
+#: 0.1 ms on a CPU) stands well above the timer's resolution, yet a few tens of ms in all.
+_OVERHEAD_PIECES = 24
+_OVERHEAD_ROUNDS = 5
+
+
+def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -> float:
+    """Seconds the executor's checkpoint adds per piece, forward and backward.
+
+    A chain of tiny ops (each saves its input, so a rebuild runs) is timed with every op a
+    piece of its own (``memfit.checkpoint.apply._checkpoint``, as plans run them, under the
+    training precision) and without; the median difference over a few interleaved rounds,
+    per piece. What the rebuilt ops themselves take is in the difference too, but on eight
+    numbers it is a few microseconds against the machinery's hundred or so."""
+    x = torch.zeros(8, device=device, requires_grad=True)
+
+    def step(pieces: bool) -> float:
+        if sync:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with policy.autocast(device.type):
+            y = x
+            for _ in range(_OVERHEAD_PIECES):
+                if pieces:
+                    y = _apply._checkpoint(
+                        torch.sin, (y,), {}, [], selective=False, early_stop=True
+                    )
+                else:
+                    y = torch.sin(y)
+        y.sum().backward()
+        if sync:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        step(True), step(False)  # warm-up
+        diffs = [step(True) - step(False) for _ in range(_OVERHEAD_ROUNDS)]
+    return max(0.0, statistics.median(diffs) / _OVERHEAD_PIECES)
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

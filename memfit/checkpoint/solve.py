@@ -206,13 +206,13 @@ class _Node:
         self.saved = 0.0
         self.inp = float(unit.input_bytes)
         # What a piece ending with this unit costs to rebuild: its forward less its tail,
-        # the trailing ops a rebuild that stops early skips.
+        # the trailing ops a rebuild that stops early skips, plus the checkpoint machinery.
         self.fwd_s = _tick(unit.rebuild_seconds())
         self.fwd_f = float(unit.rebuild_flops())
         # Its whole forward, what it costs inside a segment that does not end with it.
         self.whole_s = _tick(unit.fwd_seconds)
         self.whole_f = float(unit.fwd_flops)
-        self.sel_s = _tick(unit.non_matmul_fwd_seconds)
+        self.sel_s = _tick(unit.selective_seconds())
         self.sel_f = float(unit.non_matmul_fwd_flops)
         self.mm = float(unit.matmul_saved_bytes)
         # Input bytes the sibling before this unit already saves (see evaluate's shared_inputs).
@@ -287,6 +287,7 @@ def _flatten(root: UnitCost) -> list[_Node]:
             "grads_from_bytes",
             "tail_seconds",
             "tail_flops",
+            "piece_seconds",
         ):
             value = getattr(unit, attr)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
