@@ -11,7 +11,7 @@ from torch import nn
 from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profile import SELECTIVE_TIME_SHARE, Profile, flop_counter, profile
-from memfit.errors import PlanError
+from memfit.errors import ConfigError, PlanError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,6 +110,12 @@ def test_times() -> None:
     assert 0 < prof.piece_seconds < 0.05
     assert {u.piece_seconds for u in prof.root.walk()} == {prof.piece_seconds}
     assert "a piece" in prof.summary()
+    # Times are medians over the timed steps; one step is allowed, none is not.
+    once = profile(_chain(), X, timed_steps=1)
+    assert once.fwd_seconds > 0 and once.bwd_seconds > 0
+    for bad in (0, 2.5, "3"):
+        with pytest.raises(ConfigError, match="timed_steps"):
+            profile(_chain(), X, timed_steps=bad)
 
 
 class _SlowTail(nn.Module):

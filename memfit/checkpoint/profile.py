@@ -26,7 +26,8 @@ How each number is measured:
   that would need a device sync per saved tensor, and on fake tensors: the tail ops' share
   of the unit's op time, applied to its forward time).
 * **Times**: forward time from forward pre/post hooks with ``time.perf_counter`` (the
-  device synchronized on CUDA), in a second, uninstrumented step (the first warms up).
+  device synchronized on CUDA), in uninstrumented steps after the first (which warms up):
+  each unit's time is its median over ``timed_steps`` steps (3 by default).
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
   time (until the next node starts) goes to the unit that created it, found from the
   node's sequence number. This works whatever the unit returns, takes or modifies in place.
@@ -95,7 +96,7 @@ from memfit.checkpoint.tree import (
     structure_fingerprint,
     unit_tree,
 )
-from memfit.errors import PlanError
+from memfit.errors import ConfigError, PlanError
 from memfit.memory import _call
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes
@@ -865,6 +866,7 @@ def profile(
     flop_rate: float = DEFAULT_FLOP_RATE,
     bandwidth: float = DEFAULT_BANDWIDTH,
     fake_device: str | None = None,
+    timed_steps: int = 3,
 ) -> Profile:
     """Measure the per-unit costs of one training step of ``model`` on ``example_inputs``.
 
@@ -884,6 +886,8 @@ def profile(
         flop_rate, bandwidth: Device speed for time estimates on fake/meta tensors.
         fake_device: The device type fake tensors stand in for when the model is on the
             meta device (default: ``"cuda"`` when available, else ``"cpu"``).
+        timed_steps: Steps timed after the instrumented one; each time is the median
+            over them (default 3).
 
     Returns:
         A :class:`Profile`; ``profile.root`` is the planner's input.
@@ -897,6 +901,8 @@ def profile(
         prof = profile(model, batch[:, :-1], precision="bf16-mixed")
         prof["blocks.0"].fwd_flops, prof.activation_bytes
     """
+    if not isinstance(timed_steps, int) or timed_steps < 1:
+        raise ConfigError(f"timed_steps must be a whole number >= 1, got {timed_steps!r}")
     policy = PrecisionPolicy.of(precision)
     tree = _resolve_tree(model, units, extra)
     loss_fn = loss_fn or _default_loss
@@ -933,13 +939,10 @@ def profile(
             saved_by = dict(rec.saved_by)
             del output, rec  # frees the step's saved references before the timed step
             if measured:
-                # The instrumented step above doubles as warm-up; this one is only timed.
-                for s in stats.values():
-                    s.fwd_time = 0.0
-                for p in model.parameters():
-                    p.grad = None
-                timer = _Recorder(tree, stats, full=False, **settings)
-                _, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, timer, tree)
+                # The instrumented step above doubles as warm-up; these are only timed.
+                bwd_seconds = _timed_steps(
+                    timed_steps, model, inputs, loss_fn, policy, device.type, tree, stats, settings
+                )
                 piece_seconds = _piece_overhead(policy, device, settings["sync"])
             else:
                 piece_seconds = 0.0
@@ -1013,6 +1016,40 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
         step(True), step(False)  # warm-up
         diffs = [step(True) - step(False) for _ in range(_OVERHEAD_ROUNDS)]
     return max(0.0, statistics.median(diffs) / _OVERHEAD_PIECES)
+
+
+def _timed_steps(
+    steps: int,
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    policy: PrecisionPolicy,
+    device_type: str,
+    tree: UnitTree,
+    stats: dict[str, _Stats],
+    settings: dict[str, Any],
+) -> float:
+    """Time ``steps`` uninstrumented steps; leave each unit's median forward, backward and
+    tail time in ``stats`` and return the median backward time of the step. One step's
+    times move with whatever else the machine does (30% between two runs on a busy 2-core
+    CPU); the median of a few steps is what plans should not flip on."""
+    timed = ("fwd_time", "bwd_time_own", "tail_timed")
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in stats}
+    bwd: list[float] = []
+    for _ in range(steps):
+        for st in stats.values():
+            for attr in timed:
+                setattr(st, attr, 0.0)
+        for p in model.parameters():
+            p.grad = None
+        timer = _Recorder(tree, stats, full=False, **settings)
+        bwd.append(_run_step(model, inputs, loss_fn, policy, device_type, timer, tree)[1])
+        for name, st in stats.items():
+            samples[name].append(tuple(getattr(st, attr) for attr in timed))
+    for name, st in stats.items():
+        for attr, values in zip(timed, zip(*samples[name], strict=True), strict=True):
+            setattr(st, attr, statistics.median(values))
+    return statistics.median(bwd)
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
