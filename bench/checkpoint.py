@@ -13,21 +13,24 @@ where activations dominate memory (long context, narrow model, many layers).
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
 from memfit.checkpoint.api import RESERVE, plan_step
+from memfit.checkpoint.apply import apply_plan, remove_plan
+from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile import flop_counter
 from memfit.errors import BudgetError
-from memfit.models import build_model
 from memfit.models.gpt import gpt_loss
 from memfit.units import format_bytes
+
+from gpt_setup import add_gpt_arguments, build_gpt
 
 
 def peer_loss(segments: int):
@@ -46,11 +49,7 @@ def peer_loss(segments: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-layer", type=int, default=16)
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
+    add_gpt_arguments(parser, n_layer=16, n_embd=128, n_head=4, block_size=256, batch_size=16)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
@@ -68,104 +67,120 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    torch.manual_seed(0)
-    base, _, batch_fn = build_model(
-        "gpt",
-        data="synthetic",
-        n_layer=args.n_layer,
-        n_embd=args.n_embd,
-        n_head=args.n_head,
-        block_size=args.block_size,
-    )
-    base = base.to(device)
+    model, _, batch_fn = build_gpt(args)
+    model = model.to(device)
     batch = batch_fn(args.batch_size, generator=0).to(device)
     n = args.n_layer
+    # One model and optimizer for every variant: each plan is applied in turn before its
+    # step, so variants differ only in their plan (separate copies of the model differ in
+    # step time by about 1% with the same plan: where their memory lies).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    engine = memfit.Engine(
+        model, optimizer, precision=args.precision, log_every=10**9, monitor=False
+    )
+    engine.train_step(batch, gpt_loss)  # creates the optimizer state every variant sees
 
-    def engine_for(checkpoint, loss_fn=gpt_loss, budget=None):
-        model = copy.deepcopy(base)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        engine = memfit.Engine(
-            model,
-            optimizer,
-            precision=args.precision,
-            checkpoint=checkpoint,
-            memory_budget=budget,
-            log_every=10**9,
-            monitor=False,
+    def plan_for(strategy: str, budget: int | None = None) -> Plan:
+        remove_plan(model)
+        return plan_step(
+            model, batch, gpt_loss, budget, strategy, engine.policy, optimizer, frontier=False
         )
-        return engine, loss_fn
 
     # The planner's view, for the optimal budgets and the predicted column.
-    probe, _ = engine_for("none")
-    opt = plan_step(probe.model, batch, gpt_loss, None, "optimal", args.precision, probe.optimizer)
-    hi = plan_step(probe.model, batch, gpt_loss, None, "none", args.precision, probe.optimizer)
+    opt = plan_step(model, batch, gpt_loss, None, "optimal", engine.policy, optimizer)
+    hi = plan_for("none")
     # The least budget the planner can meet: its frontier's least peak plus the reserve.
     lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
-    variants: dict[str, tuple] = {
-        "none": engine_for("none"),
-        "full (every block)": engine_for("full"),
+    # name -> (plan or None, loss_fn)
+    variants: dict[str, tuple[Plan | None, Callable]] = {
+        "none": (None, gpt_loss),
+        "full (every block)": (plan_for("full"), gpt_loss),
     }
     for k in (2, 4):
-        variants[f"uniform:{k}"] = engine_for(f"uniform:{k}")
-    variants["sqrt"] = engine_for("sqrt")
-    for s in sorted({2, round(math.sqrt(n)), n}):
-        variants[f"checkpoint_sequential({s})"] = engine_for("none", peer_loss(s))
-    for i in range(args.budgets):
-        budget = int(lowest + i / max(1, args.budgets - 1) * (hi.predicted_peak_bytes - lowest))
-        variants[f"optimal @ {format_bytes(budget)}"] = engine_for("optimal", gpt_loss, budget)
-
-    peaks, predicted, recompute, flops = {}, {}, {}, {}
+        variants[f"uniform:{k}"] = (plan_for(f"uniform:{k}"), gpt_loss)
+    variants["sqrt"] = (plan_for("sqrt"), gpt_loss)
+    segment_counts = sorted({2, round(math.sqrt(n)), n})
+    for s in segment_counts:
+        variants[f"checkpoint_sequential({s})"] = (None, peer_loss(s))
+    # The √n peer once more: how far two runs of one thing land apart (the noise floor).
+    control = f"checkpoint_sequential({round(math.sqrt(n))}), again"
+    variants[control] = (None, peer_loss(round(math.sqrt(n))))
     unmet: dict[str, str] = {}  # variants whose budget no plan meets, and why
 
+    def add_optimal(label: str, budget: int) -> None:
+        try:
+            variants[label] = (plan_for("optimal", budget), gpt_loss)
+        except BudgetError as exc:
+            unmet[label] = str(exc)
+
+    for i in range(args.budgets):
+        budget = int(lowest + i / max(1, args.budgets - 1) * (hi.predicted_peak_bytes - lowest))
+        add_optimal(f"optimal @ {format_bytes(budget)}", budget)
+
+    def use(name: str) -> Callable:
+        """Put the variant's plan (or none) on the model; return its loss function."""
+        plan, loss_fn = variants[name]
+        remove_plan(model)
+        if plan is not None:
+            apply_plan(model, plan)
+        return loss_fn
+
+    peaks: dict[str, int] = {}
+    flops: dict[str, float] = {}
+
     def measure_all() -> None:
-        for name, (engine, loss_fn) in list(variants.items()):
+        for name in variants:
             if name in peaks:
                 continue
-            try:
-                engine.train_step(batch, loss_fn)  # plans (if asked), creates optimizer state
-            except BudgetError as exc:
-                unmet[name] = str(exc)
-                del variants[name]
-                continue
+            loss_fn = use(name)
+            engine.train_step(batch, loss_fn)  # warm-up under this plan
             report = memfit.measure(
-                lambda e=engine, f=loss_fn: e.train_step(batch, f),
-                model=engine.model,
-                optimizer=engine.optimizer,
+                lambda f=loss_fn: engine.train_step(batch, f), model=model, optimizer=optimizer
             )
             peaks[name] = report.peak_bytes
             # The work of a step, counted (not timed): its recompute is what exceeds none's.
             with flop_counter() as counter:
                 engine.train_step(batch, loss_fn)
             flops[name] = counter.get_total_flops()
-            plan = engine.plan
-            predicted[name] = plan.predicted_peak_bytes if plan is not None else None
-            recompute[name] = plan.recompute_flops if plan is not None else None
 
     measure_all()
     # The head-to-head at equal memory: memfit's optimal plan planned to peak where each
     # peer peaks (the planner keeps RESERVE of a budget free, so the budget is raised by
     # it; the measured peaks below show where each plan really landed).
     matched = {}
-    for name in [v for v in variants if v.startswith("checkpoint_sequential")]:
+    for s in segment_counts:
+        name = f"checkpoint_sequential({s})"
         budget = int(peaks[name] / (1 - RESERVE))
-        label = f"optimal @ {format_bytes(budget)} (planned peak = {name}'s)"
-        variants[label] = engine_for("optimal", gpt_loss, budget)
-        matched[name] = label
+        matched[name] = f"optimal @ {format_bytes(budget)} (planned peak = {name}'s)"
+        add_optimal(matched[name], budget)
     measure_all()
+    predicted = {
+        name: plan.predicted_peak_bytes if plan is not None else None
+        for name, (plan, _) in variants.items()
+    }
+    recompute = {
+        name: plan.recompute_flops if plan is not None else None
+        for name, (plan, _) in variants.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     for r in range(args.rounds):
         # Each round starts at another variant, so no variant always runs in one position.
         shift = r % len(order)
         for name in order[shift:] + order[:shift]:
-            engine, loss_fn = variants[name]
+            loss_fn = use(name)
             sync()
             start = time.perf_counter()
             engine.train_step(batch, loss_fn)
             sync()
             times[name].append(time.perf_counter() - start)
+    remove_plan(model)
 
-    none_time = statistics.median(times["none"])
+    def paired(a: str, b: str) -> float:
+        """The median of the per-round ratios a/b: both ran in the same round, so slow
+        phases of the machine cancel out."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
     none_act = peaks["none"]
     print(
         f"GPT n_layer={n} n_embd={args.n_embd} block_size={args.block_size} batch {args.batch_size}, "
@@ -187,10 +202,11 @@ def main() -> None:
         t = statistics.median(times[name])
         pred = format_bytes(predicted[name]) if predicted[name] else "–"
         planned = "–" if recompute[name] is None else f"{recompute[name] / 1e9:.2f}"
-        rows.append((name, peaks[name], t))
+        if name != control:
+            rows.append((name, peaks[name], t))
         print(
             f"| {name} | {format_bytes(peaks[name])} | {pred} | {gflop(name)} | {planned} | "
-            f"{t * 1000:.0f} ms | {(t / none_time - 1) * 100:+.1f}% |"
+            f"{t * 1000:.0f} ms | {(paired(name, 'none') - 1) * 100:+.1f}% |"
         )
     for name, why in unmet.items():
         print(f"| {name} | no plan: {why} |")
@@ -207,14 +223,16 @@ def main() -> None:
             )
             continue
         tp, to = statistics.median(times[peer]), statistics.median(times[label])
-        # The median of the per-round ratios: both ran in the same round, so slow phases of
-        # the machine cancel out.
-        ratio = statistics.median(a / b for a, b in zip(times[label], times[peer]))
+        ratio = paired(label, peer)
         print(
             f"| {peer} | {format_bytes(peaks[peer])} | {gflop(peer)} GFLOP | {tp * 1000:.0f} ms "
             f"| {format_bytes(peaks[label])} | {gflop(label)} GFLOP | {to * 1000:.0f} ms "
             f"| {(ratio - 1) * 100:+.1f}% |"
         )
+    print(
+        f"\nnoise floor: {control} against checkpoint_sequential({round(math.sqrt(n))}), "
+        f"the same thing twice: {(paired(control, f'checkpoint_sequential({round(math.sqrt(n))})') - 1) * 100:+.1f}% (paired)"
+    )
     static = hi.static_bytes
     print(
         f"\nstatic part (parameters, optimizer state, inputs): about {format_bytes(static)}; "

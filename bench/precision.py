@@ -18,20 +18,9 @@ import time
 import torch
 
 import memfit
-from memfit.models import build_model
 from memfit.units import format_bytes
 
-
-def make(args: argparse.Namespace):
-    torch.manual_seed(0)
-    return build_model(
-        "gpt",
-        data="synthetic",
-        n_layer=args.n_layer,
-        n_embd=args.n_embd,
-        n_head=args.n_head,
-        block_size=args.block_size,
-    )
+from gpt_setup import add_gpt_arguments, build_gpt
 
 
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -39,14 +28,14 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def engine_step(mode: str, args: argparse.Namespace):
-    model, loss_fn, _ = make(args)
+    model, loss_fn, _ = build_gpt(args)
     optimizer = optimizer_for(model)
     engine = memfit.Engine(model, optimizer, precision=mode, clip_grad_norm=1.0, log_every=10**9)
     return model, optimizer, lambda batch: engine.train_step(batch, loss_fn)
 
 
 def hand_loop_step(args: argparse.Namespace):
-    model, loss_fn, _ = make(args)
+    model, loss_fn, _ = build_gpt(args)
     optimizer = optimizer_for(model)
 
     def step(batch: torch.Tensor) -> torch.Tensor:
@@ -63,11 +52,7 @@ def hand_loop_step(args: argparse.Namespace):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=384)
-    parser.add_argument("--n-head", type=int, default=6)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    add_gpt_arguments(parser, n_layer=4, n_embd=384, n_head=6, block_size=256, batch_size=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
@@ -78,7 +63,7 @@ def main() -> None:
         "bf16-master (Engine)": engine_step("bf16-master", args),
         "bf16 autocast (hand loop)": hand_loop_step(args),
     }
-    _, _, batch_fn = make(args)
+    _, _, batch_fn = build_gpt(args)
     batch = batch_fn(args.batch_size, generator=0)
     peaks = {}
     for name, (model, optimizer, step) in variants.items():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memfit.cli.main import UsageError
+from memfit.cli.main import UsageError, add_model_arguments
 
 
 def add_parser(sub: Any) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
         help="print the checkpoint plan for a memory budget, and the memory/time frontier",
         description="Profile one training step and plan activation checkpointing under a budget.",
     )
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    add_model_arguments(p)
     p.add_argument(
         "--factory",
         default=None,
@@ -38,19 +38,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--strategy", default="optimal", help="none | full | uniform:K | sqrt | optimal (default)"
     )
-    p.add_argument("--precision", default="bf16-mixed", help="precision mode (default: bf16-mixed)")
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch size (default: 16)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="built-in model config field, e.g. --set n_layer=12 (repeatable)",
-    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="also write the plan's JSON to this file")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.set_defaults(run=run)
 
 

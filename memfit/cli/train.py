@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.cli.main import UsageError
+from memfit.cli.main import UsageError, add_model_arguments
 from memfit.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -35,13 +35,8 @@ def add_parser(sub: Any) -> None:
         help="train a built-in model (default: GPT on a byte corpus, bf16-mixed)",
         description="Train a built-in model and report loss, memory, throughput and skipped steps.",
     )
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    add_model_arguments(p)
     p.add_argument("--data", default=None, help="corpus | synthetic (default: the model's first)")
-    p.add_argument(
-        "--precision",
-        default="bf16-mixed",
-        help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias)",
-    )
     p.add_argument(
         "--steps", type=_positive_int, default=300, help="optimizer steps in all (default: 300)"
     )
@@ -68,14 +63,6 @@ def add_parser(sub: Any) -> None:
         type=_positive_float,
         default=1.0,
         help="clip the gradient norm to this (default: 1.0)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model config field, e.g. --set n_layer=6 (repeatable)",
     )
     p.add_argument(
         "--checkpoint",
@@ -116,7 +103,6 @@ def add_parser(sub: Any) -> None:
         help="read metrics every N steps (default: 10)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.set_defaults(run=run)
 
 
