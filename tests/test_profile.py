@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied
+from memfit.checkpoint import apply as apply_module
+from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied, planned
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profile import SELECTIVE_TIME_SHARE, Profile, flop_counter, profile
 from memfit.errors import ConfigError, PlanError
@@ -113,9 +114,42 @@ def test_times() -> None:
     # Times are medians over the timed steps; one step is allowed, none is not.
     once = profile(_chain(), X, timed_steps=1)
     assert once.fwd_seconds > 0 and once.bwd_seconds > 0
-    for bad in (0, 2.5, "3"):
+    for bad in (0, 2.5, "3", True):
         with pytest.raises(ConfigError, match="timed_steps"):
             profile(_chain(), X, timed_steps=bad)
+
+
+class _Thrice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.relu(self.a(x))
+        return self.b(x)
+
+
+def test_a_unit_called_three_times_pays_the_machinery_three_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _Thrice()
+    prof = profile(model, torch.randn(4, 8), units=["a", "b"])
+    assert prof["a"].piece_seconds == 3 * prof.piece_seconds
+    assert prof["b"].piece_seconds == prof.piece_seconds
+    # As the executor runs it: recomputing `a` checkpoints each of its three calls.
+    calls = []
+    real = apply_module._checkpoint
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "_checkpoint", counting)
+    with planned(model, {"a": "recompute"}):
+        model(torch.randn(4, 8)).sum().backward()
+    assert len(calls) == 3
 
 
 class _SlowTail(nn.Module):

@@ -1,18 +1,23 @@
 """The planner's input: a tree of candidate units with their measured costs.
 
 Plain dataclasses with no torch in them, so the solvers (``solve.py``) can serve any
-framework's recompute primitive. ``profile.py`` fills them in from one measured step.
+framework's recompute primitive. ``profile.py`` fills them in from a profiled step.
 
 Cost model (docs/planner.md has the full statement and its assumptions), per option:
 
 * ``keep``      - kept: the unit's own saved bytes + what its children keep.
 * ``recompute`` - checkpoint the whole unit: kept = its input bytes; extra time = the
-                  subtree's forward time less its tail (below).
+                  subtree's forward time less its tail (below), + ``piece_seconds``.
 * ``selective`` - checkpoint, but save the outputs of matmul-like ops: kept = input bytes +
-                  matmul saved bytes; extra time = ``non_matmul_fwd_seconds``.
+                  matmul saved bytes; extra time = ``non_matmul_fwd_seconds`` +
+                  ``piece_seconds``.
 * segment i..j  - for ``sequential`` units: children i..j (j > i) as one piece: kept = child
                   i's input bytes; extra time = the sum of their forward times less child
-                  j's tail.
+                  j's tail, + child j's ``piece_seconds``.
+
+``piece_seconds`` is what the checkpoint machinery itself takes, forward and backward
+(saving and replaying RNG and autocast state, the saved-tensor hooks, starting the
+rebuild), once for every call of the piece in a step.
 
 A rebuild stops once every tensor the piece saves is back (torch's ``early_stop``): the
 *tail*, the ops after the last one that saves a tensor (often a block's last projection
@@ -82,9 +87,11 @@ class UnitCost:
     this unit kept, they stay held although the sibling's saved bytes counted them."""
 
     piece_seconds: float = 0.0
-    """What the checkpoint machinery costs a piece that ends with this unit, over the
-    rebuild's own ops: forward and backward bookkeeping (RNG and autocast state, saved-tensor
-    hooks, starting and stopping the rebuild). Measured once per profile on the device."""
+    """What the checkpoint machinery costs, per step, a piece that ends with this unit, over
+    the rebuild's own ops: forward and backward bookkeeping (RNG and autocast state,
+    saved-tensor hooks, starting and stopping the rebuild), once per call of the unit (a
+    module called three times in a step is checkpointed three times). The profiler times
+    the cost of one piece on the device (:attr:`Profile.piece_seconds`)."""
 
     def rebuild_seconds(self) -> float:
         """Time a piece ending with this unit costs for it: its forward less its tail, plus

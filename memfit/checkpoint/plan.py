@@ -106,7 +106,7 @@ class Plan:
     recompute_flops: float = 0.0
     """Extra forward FLOPs per step."""
     recompute_seconds: float = 0.0
-    """Extra forward time per step (as profiled)."""
+    """Extra time per step (as profiled): rebuilds and the checkpoint machinery."""
     frontier: list[FrontierPoint] = field(default_factory=list)
     """The (peak, recompute) trade-offs the strategy could reach, by increasing peak."""
     precision: str = "fp32"

@@ -31,9 +31,10 @@ How each number is measured:
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
   time (until the next node starts) goes to the unit that created it, found from the
   node's sequence number. This works whatever the unit returns, takes or modifies in place.
-* **Checkpoint machinery per piece** (:attr:`Profile.piece_seconds`, on every unit): a
-  chain of tiny ops timed as pieces of memfit's executor and as plain ops, on the device
-  and under the training precision; the median difference per piece (0 on fake tensors).
+* **Checkpoint machinery per piece** (:attr:`Profile.piece_seconds`): a chain of tiny ops
+  timed as pieces of memfit's executor and as plain ops, on the device and under the
+  training precision; the median difference per piece (0 on fake tensors). Each unit is
+  charged it once per call in the step (``UnitCost.piece_seconds``).
 * **Non-matmul forward time** (what selective recompute re-runs): the unit's forward time
   times the share of its ops' time spent outside matmul-like ops, the ops timed one by one
   in the instrumented step. Measured op by op, the share is exact for the kernels, and the
@@ -237,8 +238,8 @@ class Profile:
     """Why a unit cannot be recomputed, per unit name (units that can are absent)."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
-    over the ops it recomputes (0 when times are estimated). Every unit carries it as
-    :attr:`UnitCost.piece_seconds`."""
+    over the ops it recomputes (0 when times are estimated). Each unit carries it times
+    its calls in the step as :attr:`UnitCost.piece_seconds`."""
 
     def __post_init__(self) -> None:
         self._units = {u.name: u for u in self.root.walk()}
@@ -868,7 +869,8 @@ def profile(
     fake_device: str | None = None,
     timed_steps: int = 3,
 ) -> Profile:
-    """Measure the per-unit costs of one training step of ``model`` on ``example_inputs``.
+    """Measure the per-unit costs of a training step of ``model`` on ``example_inputs``:
+    one instrumented step, then ``timed_steps`` timed ones.
 
     Args:
         model: The model, as it will train (after ``precision.apply``; low-precision
@@ -901,7 +903,7 @@ def profile(
         prof = profile(model, batch[:, :-1], precision="bf16-mixed")
         prof["blocks.0"].fwd_flops, prof.activation_bytes
     """
-    if not isinstance(timed_steps, int) or timed_steps < 1:
+    if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 1:
         raise ConfigError(f"timed_steps must be a whole number >= 1, got {timed_steps!r}")
     policy = PrecisionPolicy.of(precision)
     tree = _resolve_tree(model, units, extra)
@@ -953,7 +955,8 @@ def profile(
     if measured:
         _pool_times(tree.root, root)
     for unit in root.walk():
-        unit.piece_seconds = piece_seconds
+        # A module called several times in a step is checkpointed on every call.
+        unit.piece_seconds = piece_seconds * max(1, stats[unit.name].calls)
     _mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
@@ -1012,9 +1015,16 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    def difference(r: int) -> float:
+        # Alternate which runs first, so that neither always follows the other.
+        if r % 2:
+            plain = step(False)
+            return step(True) - plain
+        return step(True) - step(False)
+
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        step(True), step(False)  # warm-up
-        diffs = [step(True) - step(False) for _ in range(_OVERHEAD_ROUNDS)]
+        difference(0)  # warm-up
+        diffs = [difference(r) for r in range(_OVERHEAD_ROUNDS)]
     return max(0.0, statistics.median(diffs) / _OVERHEAD_PIECES)
 
 

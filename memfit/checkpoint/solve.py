@@ -89,7 +89,8 @@ class FrontierPoint:
     peak_bytes: float
     """Predicted peak of a training step, static bytes included."""
     recompute_seconds: float
-    """Extra forward time spent recomputing, per step."""
+    """Extra time spent recomputing, per step: the rebuilds' forward time and the
+    checkpoint machinery's cost per piece."""
     recompute_flops: float
     """Extra forward FLOPs spent recomputing, per step."""
 
@@ -127,7 +128,8 @@ class Solution:
     recompute_flops: float
     """Extra forward FLOPs per step spent recomputing."""
     recompute_seconds: float
-    """Extra forward time per step spent recomputing."""
+    """Extra time per step spent recomputing: the rebuilds' forward time and the checkpoint
+    machinery's cost per piece."""
     frontier: list[FrontierPoint] = field(default_factory=list)
     """The (peak, recompute time) trade-offs the strategy can reach, by increasing peak."""
     note: str | None = None

@@ -23,7 +23,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="print the checkpoint plan for a memory budget, and the memory/time frontier",
-        description="Profile one training step and plan activation checkpointing under a budget.",
+        description="Profile a training step and plan activation checkpointing under a budget.",
     )
     add_model_arguments(p)
     p.add_argument(
