@@ -8,6 +8,7 @@ where activations dominate memory (long context, narrow model, many layers).
 
     python bench/checkpoint.py                  # the table in docs/benchmarks.md
     python bench/checkpoint.py --plot docs/checkpoint_frontier.png
+    python bench/checkpoint.py --pairs-only --rounds 101   # the head-to-head alone, finer
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def main() -> None:
         "--budgets", type=int, default=5, help="optimal plans between full and none"
     )
     parser.add_argument("--plot", default=None, help="write the frontier plot to this PNG")
+    parser.add_argument(
+        "--pairs-only",
+        action="store_true",
+        help="only none, the peers and optimal at their peaks (more rounds in the same time)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -92,13 +98,12 @@ def main() -> None:
     # The least budget the planner can meet: its frontier's least peak plus the reserve.
     lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
     # name -> (plan or None, loss_fn)
-    variants: dict[str, tuple[Plan | None, Callable]] = {
-        "none": (None, gpt_loss),
-        "full (every block)": (plan_for("full"), gpt_loss),
-    }
-    for k in (2, 4):
-        variants[f"uniform:{k}"] = (plan_for(f"uniform:{k}"), gpt_loss)
-    variants["sqrt"] = (plan_for("sqrt"), gpt_loss)
+    variants: dict[str, tuple[Plan | None, Callable]] = {"none": (None, gpt_loss)}
+    if not args.pairs_only:
+        variants["full (every block)"] = (plan_for("full"), gpt_loss)
+        for k in (2, 4):
+            variants[f"uniform:{k}"] = (plan_for(f"uniform:{k}"), gpt_loss)
+        variants["sqrt"] = (plan_for("sqrt"), gpt_loss)
     segment_counts = sorted({2, round(math.sqrt(n)), n})
     for s in segment_counts:
         variants[f"checkpoint_sequential({s})"] = (None, peer_loss(s))
@@ -113,7 +118,7 @@ def main() -> None:
         except BudgetError as exc:
             unmet[label] = str(exc)
 
-    for i in range(args.budgets):
+    for i in range(0 if args.pairs_only else args.budgets):
         budget = int(lowest + i / max(1, args.budgets - 1) * (hi.predicted_peak_bytes - lowest))
         add_optimal(f"optimal @ {format_bytes(budget)}", budget)
 

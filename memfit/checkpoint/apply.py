@@ -201,8 +201,11 @@ class _RecomputeGuard:
             if buf is not None:
                 self._saved.append((m, name, buf, buf.detach().clone()))
         self._modes = [m.training for m in self.modules]
+        # Set only what differs: Module.__setattr__ is slow, and in training every mode
+        # usually matches already (a piece of a GPT block holds a dozen modules).
         for m, mode in zip(self.modules, self.training):
-            m.training = mode
+            if m.training != mode:
+                m.training = mode
 
     def exit_recompute(self) -> None:
         with torch.no_grad():
@@ -210,7 +213,8 @@ class _RecomputeGuard:
                 m._buffers[name] = buf
                 buf.copy_(value)
         for m, mode in zip(self.modules, self._modes):
-            m.training = mode
+            if m.training != mode:
+                m.training = mode
         self._saved = []
 
 

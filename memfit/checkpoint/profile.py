@@ -948,8 +948,8 @@ def profile(
                 piece_seconds = _piece_overhead(policy, device, settings["sync"])
             else:
                 piece_seconds = 0.0
-    # The timed step timed each unit's tail unless it synchronizes the device (CUDA), where
-    # that would take a sync per saved tensor: the tail's time is then its ops' share.
+    # The timed steps timed each unit's tail unless they synchronize the device (CUDA),
+    # where that would take a sync per saved tensor: the tail's time is then its ops' share.
     timed_tails = measured and not settings["sync"]
     root = _build(tree.root, stats, chains, iterated, measured, timed_tails)
     if measured:
