@@ -92,11 +92,7 @@ def main() -> None:
             model, batch, gpt_loss, budget, strategy, engine.policy, optimizer, frontier=False
         )
 
-    # The planner's view, for the optimal budgets and the predicted column.
-    opt = plan_step(model, batch, gpt_loss, None, "optimal", engine.policy, optimizer)
-    hi = plan_for("none")
-    # The least budget the planner can meet: its frontier's least peak plus the reserve.
-    lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
+    hi = plan_for("none")  # the planner's view of the step without checkpointing
     # name -> (plan or None, loss_fn)
     variants: dict[str, tuple[Plan | None, Callable]] = {"none": (None, gpt_loss)}
     if not args.pairs_only:
@@ -118,9 +114,15 @@ def main() -> None:
         except BudgetError as exc:
             unmet[label] = str(exc)
 
-    for i in range(0 if args.pairs_only else args.budgets):
-        budget = int(lowest + i / max(1, args.budgets - 1) * (hi.predicted_peak_bytes - lowest))
-        add_optimal(f"optimal @ {format_bytes(budget)}", budget)
+    if not args.pairs_only:
+        # Budgets from the least the planner can meet (its frontier's least peak plus the
+        # reserve) to the unplanned peak.
+        opt = plan_step(model, batch, gpt_loss, None, "optimal", engine.policy, optimizer)
+        lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
+        for i in range(args.budgets):
+            share = i / max(1, args.budgets - 1)
+            budget = int(lowest + share * (hi.predicted_peak_bytes - lowest))
+            add_optimal(f"optimal @ {format_bytes(budget)}", budget)
 
     def use(name: str) -> Callable:
         """Put the variant's plan (or none) on the model; return its loss function."""

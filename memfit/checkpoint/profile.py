@@ -313,6 +313,13 @@ def _storage(t: torch.Tensor) -> tuple[Any, int, Any]:
         return ("tensor", id(t)), t.numel() * t.element_size(), t
 
 
+def _clock(sync: bool) -> float:
+    """``time.perf_counter()``, after the device's queued work when ``sync`` (CUDA)."""
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _default_loss(output: Any) -> torch.Tensor:
     for t in _tensors(output):
         if t.is_floating_point():
@@ -452,9 +459,7 @@ class _Recorder:
     # ---- time and sequence numbers
 
     def now(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return _clock(self.sync)
 
     def mark(self, owner: str | None) -> None:
         # The sequence number of a fresh autograd node: every node created after this
@@ -998,9 +1003,7 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
     x = torch.zeros(8, device=device, requires_grad=True)
 
     def step(pieces: bool) -> float:
-        if sync:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = _clock(sync)
         with policy.autocast(device.type):
             y = x
             for _ in range(_OVERHEAD_PIECES):
@@ -1011,9 +1014,7 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
                 else:
                     y = torch.sin(y)
         y.sum().backward()
-        if sync:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return _clock(sync) - start
 
     def difference(r: int) -> float:
         # Alternate which runs first, so that neither always follows the other.
