@@ -541,6 +541,25 @@ def test_bad_plans_raise_plan_error(plan: object, match: str) -> None:
     assert not is_applied(model)
 
 
+def test_selective_on_a_matmul_output_changed_in_place_names_the_unit() -> None:
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)), nn.Sequential(nn.Linear(8, 8))
+    )
+    x = torch.randn(4, 8)
+    apply_plan(model, {"0": "selective"})
+    with pytest.raises(PlanError, match="unit '0' is checkpointed 'selective'.*'recompute'"):
+        model(x).sum().backward()
+    # The same unit recomputed whole trains, with the unplanned model's gradients.
+    apply_plan(model, {"0": "recompute"})
+    model.zero_grad()  # the failed backward may have made some gradients
+    model(x).sum().backward()
+    planned_grads = [p.grad.clone() for p in model.parameters()]
+    remove_plan(model)
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(planned_grads, model.parameters()))
+
+
 # --------------------------------------------------------------------------- built-in models
 
 

@@ -310,6 +310,38 @@ def test_can_recompute_reasons() -> None:
     assert not prof["blocks"].sequential  # blocks.4 is never reached
 
 
+class InPlaceAfterLinear(nn.Module):
+    """A matmul output changed in place: selective recompute's cached copy goes stale."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=inplace)) for _ in range(2)]
+        )
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        y = self.head(x)
+        y.add_(1.0)  # outside the blocks, on a matmul output made outside them too
+        return y
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_matmul_output_changed_in_place_rules_out_selective(inplace: bool) -> None:
+    model = InPlaceAfterLinear(inplace)
+    prof = profile(model, torch.randn(4, 8), units=["blocks.0", "blocks.1", "head"])
+    blocked = {u.name for u in prof.root.walk() if not u.can_select}
+    # "head" makes the output that add_ changes; the blocks only where ReLU is in place.
+    assert blocked == ({"", "blocks.0", "blocks.1", "head"} if inplace else {"", "head"})
+    assert "changed in place later (aten.add_)" in prof.no_selective["head"]
+    if inplace:
+        assert "aten.relu_" in prof.no_selective["blocks.0"]
+        assert "no-selective" in prof.summary()
+    assert all(u.can_recompute for u in prof.root.walk() if u.name.startswith("blocks."))
+
+
 def test_children_in_forward_order() -> None:
     class Swapped(nn.Module):
         def __init__(self) -> None:

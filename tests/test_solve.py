@@ -91,7 +91,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
         result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
-        if unit.matmul_saved_bytes > 0:
+        if unit.matmul_saved_bytes > 0 and unit.can_select:
             result.add(
                 (
                     unit.input_bytes + unit.matmul_saved_bytes,
@@ -159,6 +159,7 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))
             unit.non_matmul_fwd_seconds = float(draw(st.integers(0, int(unit.fwd_seconds))))
             unit.non_matmul_fwd_flops = float(draw(st.integers(0, int(unit.fwd_flops))))
+            unit.can_select = draw(st.integers(0, 3)) > 0
     return units[0]
 
 
@@ -609,6 +610,29 @@ def test_evaluate_refuses_impossible_plans() -> None:
         evaluate(root, {"nope": "recompute"})
     with pytest.raises(PlanError, match="root"):
         evaluate(root, {"": "recompute"})
+    root.children[2].can_select = False
+    with pytest.raises(PlanError, match="cannot be selective.*'recompute'"):
+        evaluate(root, {"h.2": "selective"})
+
+
+def test_selective_is_not_chosen_where_it_cannot_run() -> None:
+    # Two blocks; under 135 B only the first can be rebuilt (120 B), whole in 10 s or
+    # selectively in 1 s, keeping 20 B of matmul outputs more (peak 130 B).
+    blocks = [
+        UnitCost(
+            f"b{i}",
+            own_saved_bytes=100.0,
+            input_bytes=10.0,
+            fwd_seconds=10.0,
+            matmul_saved_bytes=20.0,
+            non_matmul_fwd_seconds=1.0,
+        )
+        for i in range(2)
+    ]
+    root = UnitCost("", children=blocks)
+    assert solve(root, "optimal", 135.0).decisions == {"": "keep", "b0": "selective", "b1": "keep"}
+    blocks[0].can_select = False
+    assert solve(root, "optimal", 135.0).decisions == {"": "keep", "b0": "recompute", "b1": "keep"}
 
 
 def test_root_is_never_recomputed_even_when_it_is_cheap() -> None:

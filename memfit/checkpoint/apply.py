@@ -218,6 +218,10 @@ class _RecomputeGuard:
         self._saved = []
 
 
+#: What torch's selective checkpoint says in backward when a cached output was changed.
+_SAC_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
 class _RecomputeContext:
     """checkpoint's recompute context: the guard around torch's own (e.g. selective) one.
 
@@ -226,9 +230,10 @@ class _RecomputeContext:
     because checkpoint enters the same object again on every recompute.
     """
 
-    def __init__(self, guard: _RecomputeGuard, inner: Any) -> None:
+    def __init__(self, guard: _RecomputeGuard, inner: Any, label: str) -> None:
         self.guard = guard
         self.inner = inner
+        self.label = label
 
     def __enter__(self) -> _RecomputeContext:
         self.guard.enter_recompute()
@@ -244,6 +249,15 @@ class _RecomputeContext:
             return self.inner.__exit__(*exc)
         finally:
             self.guard.exit_recompute()
+            error = exc[1]
+            if isinstance(error, RuntimeError) and _SAC_MUTATED in str(error):
+                raise PlanError(
+                    f"{self.label} is checkpointed 'selective', but a matmul output it "
+                    "caches was changed in place after forward made it (e.g. "
+                    "ReLU(inplace=True) right after a Linear or a convolution), so the "
+                    "rebuild cannot use it. Give this unit 'recompute' instead, or make "
+                    "that op out of place; memfit.plan does not choose 'selective' there."
+                ) from error
 
 
 def _checkpoint(
@@ -254,6 +268,7 @@ def _checkpoint(
     *,
     selective: bool,
     early_stop: bool,
+    label: str = "a checkpointed piece",
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` under non-reentrant checkpoint, guarding ``modules``."""
     guard = _RecomputeGuard(modules)
@@ -276,7 +291,7 @@ def _checkpoint(
             fwd, rec = create_selective_checkpoint_contexts(_save_matmul_outputs)
         else:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-        return fwd, _RecomputeContext(guard, rec)
+        return fwd, _RecomputeContext(guard, rec, label)
 
     # checkpoint finds the devices whose RNG state it must save from its positional
     # arguments only; tensors passed by keyword are appended so dropout replays on them too.
@@ -298,7 +313,8 @@ def _checkpoint(
 class _Patch:
     """What memfit changed on one module, and what to put back."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name  # the module's qualified name in the model
         self.decision = "keep"
         self.segments: list[tuple[int, int]] = []
         self.early_stop = True
@@ -382,13 +398,14 @@ def _planned_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         [self],
         selective=patch.decision == "selective",
         early_stop=patch.early_stop,
+        label=f"unit {patch.name!r}",
     )
 
 
-def _patch_of(module: nn.Module) -> _Patch:
+def _patch_of(module: nn.Module, name: str) -> _Patch:
     patch = module.__dict__.get(_PATCH)
     if patch is None:
-        patch = _Patch()
+        patch = _Patch(name)
         module.__dict__[_PATCH] = patch
     return patch
 
@@ -534,7 +551,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         if not ranges:
             continue
         module = _lookup(model, name)
-        patch = _patch_of(module)
+        patch = _patch_of(module, name)
         patch.segments = list(ranges)
         patch.early_stop = early_stop
         stock = type(module).forward is nn.Sequential.forward and "forward" not in module.__dict__
@@ -548,7 +565,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         if decision == "keep":
             continue
         module = _lookup(model, name)
-        patch = _patch_of(module)
+        patch = _patch_of(module, name)
         patch.decision = decision
         patch.early_stop = early_stop
         _patch_forward(module, patch)

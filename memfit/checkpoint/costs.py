@@ -65,6 +65,10 @@ class UnitCost:
     ``memfit.checkpoint.profile.SELECTIVE_TIME_SHARE``)."""
     can_recompute: bool = True
     """False when re-running the unit is unsafe (side effects, non-determinism) or impossible."""
+    can_select: bool = True
+    """False when selective recompute would fail: a matmul output made in the unit is changed
+    in place later (e.g. ``ReLU(inplace=True)`` after a ``Linear``), and the cached copy
+    would no longer be what the rebuild needs."""
     sequential: bool = False
     """True when memfit controls the iteration over the children (segments allowed)."""
     input_saved_by_previous_bytes: float = 0.0

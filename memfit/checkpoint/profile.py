@@ -45,6 +45,10 @@ How each number is measured:
   explicit ``torch.Generator`` (checkpoint only replays the default generators). Also for
   a container with no forward of its own (an ``nn.ModuleList``) and for units the step
   never called.
+* **can_select** is False, with the reason in :attr:`Profile.no_selective`, when a matmul
+  output made in the unit is changed in place later in the step (``ReLU(inplace=True)``
+  right after a ``Linear`` or a convolution): selective recompute caches that output and
+  torch refuses the changed copy in backward. Plain recompute is still offered.
 * **sequential** is True for a chain (``nn.Sequential`` with the stock forward, or a
   container its parent iterates with ``for block in container``) whose children were
   called in index order, each with one tensor (no keyword arguments) that was the previous
@@ -236,6 +240,9 @@ class Profile:
     """The memory bandwidth used for time estimates."""
     reasons: dict[str, list[str]] = field(default_factory=dict)
     """Why a unit cannot be recomputed, per unit name (units that can are absent)."""
+    no_selective: dict[str, str] = field(default_factory=dict)
+    """Why a unit cannot be recomputed selectively, per unit name (units that can are
+    absent; their ``can_select`` is False)."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times
@@ -264,6 +271,8 @@ class Profile:
 
         def row(u: UnitCost, depth: int) -> None:
             flags = [] if u.can_recompute else ["no-recompute"]
+            if u.can_recompute and not u.can_select:
+                flags.append("no-selective")
             if u.sequential:
                 flags.append("sequential")
             name = ("  " * depth + (u.name or "<model>"))[:32]
@@ -373,6 +382,8 @@ class _Stats:
     output_bytes: int = 0
     input_keys: dict[Any, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
+    # Why selective recompute would fail here (a matmul output it caches is changed in place).
+    no_selective: str = ""
 
     def reason(self, text: str) -> None:
         if text not in self.reasons:
@@ -443,6 +454,7 @@ class _Recorder:
         self.saved_by: dict[Any, set[str | None]] = {}  # every unit that saves a storage
         self.saved_owner: dict[Any, str | None] = {}
         self.mm_seen: dict[Any, Any] = {}
+        self.mm_units: dict[Any, tuple[str, ...]] = {}  # the units around each matmul output
         self.loss_saved = 0
         self.counter = 0
         self.iterated: dict[str, list[bool]] = {}
@@ -606,6 +618,8 @@ class _Recorder:
     # ---- ops
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
+        if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
+            self.check_mutation(func, args, kwargs)
         if self.phase == "fwd":
             unit = self.stack[-1].name if self.stack else None
         elif self.phase == "bwd":
@@ -635,6 +649,7 @@ class _Recorder:
                 key, nbytes, ref = _storage(t)
                 if key not in self.mm_seen and key not in self.resident:
                     self.mm_seen[key] = ref
+                    self.mm_units[key] = tuple(call.name for call in self.stack)
                     st.mm_out_own += nbytes
         else:
             st.nm_time_own += op_time
@@ -645,6 +660,22 @@ class _Recorder:
                     f"draws random numbers from an explicit torch.Generator ({packet}), "
                     "which checkpoint does not replay"
                 )
+
+    def check_mutation(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Selective recompute caches matmul outputs and refuses, in backward, one that
+        was changed in place after it was made (``ReLU(inplace=True)`` right after a
+        ``Linear`` or a convolution): every unit around such an output cannot be selective."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in _tensors(value):
+                for name in self.mm_units.get(_storage(t)[0], ()):
+                    st = self.stats[name]
+                    st.no_selective = st.no_selective or (
+                        f"a matmul output made in it is changed in place later "
+                        f"({func.overloadpacket}), which selective recompute cannot replay"
+                    )
 
     # ---- backward
 
@@ -982,6 +1013,7 @@ def profile(
         flop_rate=flop_rate,
         bandwidth=bandwidth,
         reasons={n: list(st.reasons) for n, st in stats.items() if st.reasons},
+        no_selective={n: st.no_selective for n, st in stats.items() if st.no_selective},
         piece_seconds=piece_seconds,
     )
 
@@ -1209,5 +1241,6 @@ def _build(
         tail_flops=min(st.tail_flops, total("flops_own")),
         tail_seconds=min(st.tail_timed, fwd_seconds) if timed_tails else fwd_seconds * tail_share,
         can_recompute=not st.reasons,
+        can_select=not st.no_selective,
         sequential=bool(sequential),
     )

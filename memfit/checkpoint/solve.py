@@ -181,6 +181,7 @@ class _Node:
         "mm",
         "can_rec",
         "can_sel",
+        "sel_ok",
         "seq",
         "hold",
         "whole_s",
@@ -223,8 +224,10 @@ class _Node:
         self.held = min(float(unit.input_saved_by_both_bytes), self.shared)
         # The root is the whole model: there is nothing outside it to hold its inputs.
         self.can_rec = bool(unit.can_recompute) and not is_root
-        # Selective recompute only differs from recompute when matmul outputs are saved.
-        self.can_sel = self.can_rec and self.mm > 0
+        # Selective recompute fails where a matmul output it caches is changed in place.
+        self.sel_ok = bool(unit.can_select)
+        # It only differs from recompute when matmul outputs are saved.
+        self.can_sel = self.can_rec and self.sel_ok and self.mm > 0
         self.seq = bool(unit.sequential)
         # What a rebuild of this unit as a piece holds above what is kept before it: its
         # input, the input's gradient, ``rebuilt`` and ``grads`` (set in _flatten).
@@ -442,6 +445,11 @@ def _check_plan(
         if d != "keep" and not node.can_rec:
             what = "the root" if node.idx == 0 else "a unit marked can_recompute=False"
             raise PlanError(f"unit {node.name!r} cannot be recomputed: it is {what}")
+        if d == "selective" and not node.sel_ok:
+            raise PlanError(
+                f"unit {node.name!r} cannot be selective: it is marked can_select=False (a "
+                "matmul output made in it is changed in place); use 'recompute'"
+            )
         decision[node.idx] = d
     segs: dict[int, list[tuple[int, int]]] = {}
     for name, ranges in segments.items():
