@@ -607,6 +607,54 @@ def test_hf_gpt2_blocks_with_kwargs_bitwise() -> None:
     _assert_same(step(base), step(cp))
 
 
+def _hf_model(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=3)
+    shape.update(num_attention_heads=4, max_position_embeddings=16)
+    if kind == "llama":  # blocks under model.layers, rotary embeddings passed by keyword
+        cfg = transformers.LlamaConfig(**shape, num_key_value_heads=2, attention_dropout=0.1)
+        return transformers.LlamaForCausalLM(cfg).train()
+    cfg = transformers.BertConfig(**shape)  # blocks under bert.encoder.layer, dropout 0.1
+    return transformers.BertForMaskedLM(cfg).train()
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: str) -> None:
+    import memfit
+    from memfit.checkpoint.api import RESERVE
+
+    model = _hf_model(kind)
+    ids = _tokens((4, 16), 64)
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+    def loss_fn(out: object) -> torch.Tensor:
+        return out.loss
+
+    whole = memfit.plan(model, inputs, loss_fn=loss_fn, precision=precision)
+    peaks = [p.peak_bytes for p in whole.frontier]
+    assert min(peaks) < max(peaks), "the blocks' activations must be worth checkpointing"
+    budget = int((min(peaks) + max(peaks)) / 2 / (1 - RESERVE)) + 1  # plans keep RESERVE free
+    plan = memfit.plan(model, inputs, budget, loss_fn=loss_fn, precision=precision)
+    assert plan.recompute_flops > 0
+    base, cp = copy.deepcopy(model), copy.deepcopy(model)
+    apply_plan(cp, plan)
+
+    def step(m: nn.Module) -> dict:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            out = m(**inputs)
+        out.loss.backward()
+        return {
+            "loss": out.loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+            "buffers": {n: b.clone() for n, b in m.named_buffers()},
+        }
+
+    _assert_same(step(base), step(cp))
+
+
 # --------------------------------------------------------------------------- with the solvers
 
 
