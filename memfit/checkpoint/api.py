@@ -88,12 +88,14 @@ class StepMemory:
     loss_bytes: float
     """Held from the end of forward until the loss's backward: the model's output, what the
     loss saves, and the larger of autocast's 16-bit weight copies (held until the autocast
-    region ends) and the gradient the loss's backward makes (bounded by what the loss
-    saves). Freed before the first recomputed piece is rebuilt."""
+    region ends) and the gradients the loss's backward makes (its own, bounded by what the
+    loss saves, and the model output's). Freed before the first recomputed piece is
+    rebuilt."""
     grad_bytes: float
     """Gradients of what the optimizer updates, all present at the optimizer step."""
     in_flight_bytes: float
-    """The activation gradient passed between units in backward (the largest unit output)."""
+    """The activation gradient passed between units in backward (the largest output of a
+    unit inside the model; the model's own output's gradient is in ``loss_bytes``)."""
 
 
 def step_memory(
@@ -103,11 +105,13 @@ def step_memory(
     optimizer: torch.optim.Optimizer | None,
     output_bytes: float | None = None,
     loss_saved_bytes: float | None = None,
+    root: UnitCost | None = None,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
     ``output_bytes`` and ``loss_saved_bytes``: the model's output and what the loss saves,
-    when they are not the profiled step's own (default: ``prof``'s)."""
+    when they are not the profiled step's own (default: ``prof``'s). ``root``: the model's
+    own unit tree, when ``prof`` profiled more than the model (default: ``prof.root``)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     if optimizer is not None:
@@ -130,15 +134,25 @@ def step_memory(
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
     base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes
     # The loss's backward makes the gradient of the model's output while everything kept,
-    # and the loss's own tensors, are still held; it is at most the size of what the loss
-    # saves. It does not meet the cast copies: it runs after the autocast region has ended.
-    end_of_forward = max(cast_cache, loss_saved)
+    # and the loss's own tensors, are still held: its own gradients (at most the size of
+    # what it saves) and, while the last of them is alive, the output's. It does not meet
+    # the cast copies: it runs after the autocast region has ended.
+    end_of_forward = max(cast_cache, loss_saved + output)
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
         loss_bytes=float(output + loss_saved + end_of_forward),
         grad_bytes=float(grad_bytes),
-        in_flight_bytes=float(max((u.output_bytes for u in prof.root.walk()), default=0.0)),
+        in_flight_bytes=_in_flight_bytes(prof.root if root is None else root),
     )
+
+
+def _in_flight_bytes(root: UnitCost) -> float:
+    """The largest activation gradient passed from one unit's backward to another's: the
+    gradient of a unit's output, over the units inside the model. The model's own output
+    is left out: its gradient is the loss's, counted at the end of forward (``loss_bytes``)
+    and freed before any unit inside is rebuilt. (An LM's logits are many times a block's
+    output: counting them in every rebuild over-predicted such plans by up to ~10%.)"""
+    return float(max((u.output_bytes for u in root.walk() if u is not root), default=0.0))
 
 
 def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
@@ -244,7 +258,7 @@ def _solve(
 ) -> Plan:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
-    mem = step_memory(model, prof, policy, optimizer, output_bytes, loss_saved_bytes)
+    mem = step_memory(model, prof, policy, optimizer, output_bytes, loss_saved_bytes, root)
     optimizer_phase = mem.base_bytes + mem.grad_bytes
     if budget_bytes is not None and optimizer_phase > budget_bytes:
         raise BudgetError(
