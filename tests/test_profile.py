@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -11,7 +9,7 @@ from torch import nn
 from memfit.checkpoint import apply as apply_module
 from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied, planned
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.profile import SELECTIVE_TIME_SHARE, Profile, flop_counter, profile
+from memfit.checkpoint.profile import Profile, flop_counter, profile
 from memfit.errors import ConfigError, PlanError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,13 +96,12 @@ def test_times() -> None:
     prof = profile(_chain(), X)
     for unit in prof.root.walk():
         assert unit.fwd_seconds > 0 and unit.bwd_seconds >= 0
-        # Selective recompute is charged at least SELECTIVE_TIME_SHARE of the forward.
-        assert unit.non_matmul_fwd_seconds >= SELECTIVE_TIME_SHARE * unit.fwd_seconds * (1 - 1e-12)
+        assert unit.non_matmul_fwd_seconds >= 0
     assert prof.root.fwd_seconds >= sum(c.fwd_seconds for c in prof.root.children) * 0.5
     assert prof.bwd_seconds > 0 and prof.fwd_seconds > 0
-    relu = prof["1"]  # no matmul: all of it is re-run
-    share = max(1.0, SELECTIVE_TIME_SHARE)
-    assert math.isclose(relu.non_matmul_fwd_seconds, relu.fwd_seconds * share, rel_tol=1e-12)
+    # No matmul: a selective rebuild re-runs all of it, and pays the selective machinery.
+    relu = prof["1"]
+    assert relu.non_matmul_fwd_seconds >= relu.fwd_seconds * (1 - 1e-12)
     assert "sequential" in prof.summary()
     # The checkpoint machinery's cost per piece is measured (about 0.15 ms on a CPU) and
     # carried by every unit, so that each piece of a plan is charged it.
@@ -472,6 +469,10 @@ def test_meta_device_gpt_matches_real(precision: str) -> None:
     assert prof_real.measured and not prof_meta.measured
     # No device ran the step: the checkpoint machinery's cost is not known, and not charged.
     assert prof_real.piece_seconds > 0 and prof_meta.piece_seconds == 0
+    # Nor the selective machinery's: a selective rebuild is the non-matmul ops' share of
+    # the estimated forward, below the whole forward (the matmuls are not re-run).
+    block = prof_meta["blocks.0"]
+    assert 0 < block.non_matmul_fwd_seconds < block.fwd_seconds
     assert prof_meta.fwd_seconds > 0 and prof_meta.bwd_seconds > 0
     assert prof_meta["blocks.0"].fwd_seconds > 0
     # With dropout, the block's last saved tensor is the dropout mask after its output

@@ -61,8 +61,8 @@ class UnitCost:
     """Forward FLOPs of the subtree's ops that selective recompute re-runs."""
     non_matmul_fwd_seconds: float = 0.0
     """Time charged to a selective recompute of the subtree: the forward time of the ops it
-    re-runs, or more where the selective machinery is known to cost more (see
-    ``memfit.checkpoint.profile.SELECTIVE_TIME_SHARE``)."""
+    re-runs, plus what the selective machinery adds to the forward and to the rebuild
+    (the profiler times it)."""
     can_recompute: bool = True
     """False when re-running the unit is unsafe (side effects, non-determinism) or impossible."""
     can_select: bool = True

@@ -38,7 +38,10 @@ How each number is measured:
 * **Non-matmul forward time** (what selective recompute re-runs): the unit's forward time
   times the share of its ops' time spent outside matmul-like ops, the ops timed one by one
   in the instrumented step. Measured op by op, the share is exact for the kernels, and the
-  Python overhead of the unit is split in the same proportion (an estimate).
+  Python overhead of the unit is split in the same proportion (an estimate). Plus, twice
+  (the forward and the rebuild), what selective checkpoint's dispatch mode adds to the
+  unit's forward: whole-model forwards under that mode against plain ones, alternating,
+  ``timed_steps`` of each, the median difference per unit (0 on fake tensors).
 * **can_recompute** is False, with the reasons in :attr:`Profile.reasons`, when a unit
   modifies an input in place, updates a buffer in forward other than a normalization
   layer's running statistics (the executor handles those), or draws random numbers from an
@@ -72,6 +75,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from bisect import bisect_right
@@ -120,16 +124,6 @@ __all__ = [
 DEFAULT_FLOP_RATE = 100e12
 #: Nominal memory bandwidth (bytes/s) for time estimates on fake tensors.
 DEFAULT_BANDWIDTH = 2e12
-
-
-#: Share of a unit's forward time charged to its selective recompute, at least. Selective
-#: recompute runs the forward and the rebuild under a Python dispatch mode that decides op
-#: by op what to save; measured on the built-in GPT on CPU (16 blocks, bf16-mixed), all
-#: blocks selective cost +126 ms per step against +120 ms for recomputing them whole
-#: (1.05x), while the non-matmul ops' own time is about a third of the forward. Until the
-#: profiler times the selective path itself, it is charged that: ``optimal`` then prefers
-#: plain recompute, which keeps less for less time.
-SELECTIVE_TIME_SHARE = 1.05
 
 
 def _sdpa_cpu_flops(
@@ -378,6 +372,7 @@ class _Stats:
     tail_flops: float = 0.0
     tail_time: float = 0.0
     tail_timed: float = 0.0  # the tail's time as the timed step measured it (CPU)
+    sel_overhead: float = 0.0  # what selective checkpoint's caching mode adds to its forward
     input_bytes: int = 0
     output_bytes: int = 0
     input_keys: dict[Any, int] = field(default_factory=dict)
@@ -736,8 +731,13 @@ def _run_step(
     device_type: str,
     rec: _Recorder,
     tree: UnitTree,
+    *,
+    forward_only: bool = False,
+    wrap: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> tuple[Any, float]:
-    """One forward + backward with ``rec`` attached; returns (output, backward seconds)."""
+    """One forward + backward with ``rec`` attached; returns (output, backward seconds).
+    ``forward_only``: stop after the model's forward (backward seconds 0); ``wrap``: runs
+    the model's forward, given as a function of no arguments (as a checkpointed piece)."""
     handles = []
     swapped: list[tuple[nn.Module, type]] = []
     try:
@@ -765,7 +765,10 @@ def _run_step(
                 )
             rec.phase = "fwd"
             with policy.autocast(device_type):
-                output = _call(model, inputs)
+                run = functools.partial(_call, model, inputs)
+                output = run() if wrap is None else wrap(run)
+                if forward_only:
+                    return output, 0.0
                 rec.phase = "loss"
                 loss = loss_fn(output)
             if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -981,6 +984,10 @@ def profile(
                 bwd_seconds = _timed_steps(
                     timed_steps, model, inputs, loss_fn, policy, device.type, tree, stats, settings
                 )
+                if any(st.mm_out_own > 0 for st in stats.values()):
+                    _selective_overheads(
+                        timed_steps, model, inputs, policy, device.type, tree, stats, settings
+                    )
                 piece_seconds = _piece_overhead(policy, device, settings["sync"])
             else:
                 piece_seconds = 0.0
@@ -1093,6 +1100,55 @@ def _timed_steps(
         for attr, values in zip(timed, zip(*samples[name], strict=True), strict=True):
             setattr(st, attr, statistics.median(values))
     return statistics.median(bwd)
+
+
+def _selective_overheads(
+    rounds: int,
+    model: nn.Module,
+    inputs: Any,
+    policy: PrecisionPolicy,
+    device_type: str,
+    tree: UnitTree,
+    stats: dict[str, _Stats],
+    settings: dict[str, Any],
+) -> None:
+    """Leave in each unit's stats what selective checkpoint's machinery adds to its forward.
+
+    Selective checkpoint runs a piece's forward, and again its rebuild, under a Python
+    dispatch mode that asks a policy about every op and caches what it must save. On a CPU
+    that costs more than the non-matmul ops it re-runs (a block of the benchmark GPT: its
+    forward 2.8 ms longer, on 9 ms), and it grows with the tensors, so it is timed rather
+    than assumed: the whole model's forward as one selective piece of memfit's executor
+    against the same as a plain piece (neither saves activations), alternating, the median
+    difference per unit. Every op pays it, so one forward prices every unit at once. The
+    first selective forward of a process sets torch up (about a second on a CPU): it runs
+    once untimed."""
+
+    def forward(selective: bool) -> dict[str, float]:
+        def wrap(run: Callable[[], Any]) -> Any:
+            # The inputs go in as arguments only so that checkpoint finds their device.
+            args = tuple(_tensors(inputs))
+            return _apply._checkpoint(
+                lambda *_: run(), args, {}, [model], selective=selective, early_stop=True
+            )
+
+        scratch = {name: _Stats() for name in stats}
+        timer = _Recorder(tree, scratch, full=False, **settings)
+        _run_step(
+            model, inputs, _default_loss, policy, device_type, timer, tree,
+            forward_only=True, wrap=wrap,
+        )  # fmt: skip
+        return {name: st.fwd_time for name, st in scratch.items()}
+
+    forward(True)  # warm-up
+    passes: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for r in range(rounds):
+        for selective in (False, True) if r % 2 == 0 else (True, False):
+            passes[selective].append(forward(selective))
+    for name, st in stats.items():
+        plain = statistics.median(p[name] for p in passes[False])
+        selective_time = statistics.median(p[name] for p in passes[True])
+        st.sel_overhead = max(0.0, selective_time - plain)
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
@@ -1237,7 +1293,8 @@ def _build(
         output_bytes=output_bytes,
         matmul_saved_bytes=total("mm_out_own"),
         non_matmul_fwd_flops=total("nm_flops_own"),
-        non_matmul_fwd_seconds=fwd_seconds * max(share, SELECTIVE_TIME_SHARE),
+        # The rebuild runs the same ops under the same kind of mode: it pays the overhead too.
+        non_matmul_fwd_seconds=fwd_seconds * share + 2 * st.sel_overhead,
         tail_flops=min(st.tail_flops, total("flops_own")),
         tail_seconds=min(st.tail_timed, fwd_seconds) if timed_tails else fwd_seconds * tail_share,
         can_recompute=not st.reasons,
