@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.checkpoint.api import RESERVE, plan_step
+from memfit.checkpoint.api import RESERVE, optimizer_state_bytes, plan_step
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.profile import flop_counter
 from memfit.errors import BudgetError, ConfigError, PlanError
@@ -217,3 +217,27 @@ def test_engine_rejects_a_misspelt_strategy_when_made() -> None:
         memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint="unifrom:4")
     with pytest.raises(ConfigError, match="takes a Plan"):
         memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint=42)
+
+
+@pytest.mark.parametrize(
+    ("optimizer_cls", "kwargs"),
+    [
+        (torch.optim.AdamW, {"fused": True}),
+        (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.NAdam, {}),
+        (torch.optim.RMSprop, {}),
+        (torch.optim.Adadelta, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+    ],
+)
+def test_optimizer_state_predicted_before_the_first_step_is_what_it_holds_after(
+    optimizer_cls: type, kwargs: dict
+) -> None:
+    # The Engine plans on the first batch, before the optimizer has any state.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    optimizer = optimizer_cls(model.parameters(), lr=1e-3, **kwargs)
+    predicted = optimizer_state_bytes(optimizer)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    assert optimizer.state, "the step must have made the state the prediction stands for"
+    assert optimizer_state_bytes(optimizer) == predicted

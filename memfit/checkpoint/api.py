@@ -54,6 +54,8 @@ _STATE_ELEMENTS = {
     torch.optim.RMSprop: 1,
     torch.optim.Adadelta: 2,
 }
+#: Scalar tensors of state per parameter (the step count; NAdam's running momentum product).
+_STATE_SCALARS = {cls: 2 if cls is torch.optim.NAdam else 1 for cls in _STATE_ELEMENTS}
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -76,7 +78,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         per = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         per += 1
-    return per * elements * 4
+    # The scalars are float32 unless the default dtype is float64, as torch.optim makes them.
+    scalar = 8 if torch.get_default_dtype() == torch.float64 else 4
+    return per * elements * 4 + _STATE_SCALARS.get(type(optimizer), 0) * len(params) * scalar
 
 
 @dataclass(frozen=True)
