@@ -241,3 +241,45 @@ def test_optimizer_state_predicted_before_the_first_step_is_what_it_holds_after(
     optimizer.step()
     assert optimizer.state, "the step must have made the state the prediction stands for"
     assert optimizer_state_bytes(optimizer) == predicted
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_hf_models_computing_their_loss_inside_fit_their_budget(kind: str, precision: str) -> None:
+    # With labels=, a Hugging Face model computes its loss in its own forward: its
+    # backward starts with logits-sized gradients (the vocabulary is 32x the width here)
+    # while everything kept is still held. The plan must count them.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=2048, hidden_size=64, intermediate_size=256, num_hidden_layers=3)
+    shape.update(num_attention_heads=4, max_position_embeddings=64)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**shape, num_key_value_heads=2)
+        model = transformers.LlamaForCausalLM(cfg).train()
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(**shape)).train()
+    ids = torch.randint(0, 2048, (8, 64), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+    def loss_fn(out: object) -> torch.Tensor:
+        return out.loss
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            out = model(**inputs)
+        out.loss.backward()
+
+    whole = memfit.plan(model, inputs, loss_fn=loss_fn, precision=precision)
+    peaks = [p.peak_bytes for p in whole.frontier]
+    for share in (0.0, 0.5):
+        budget = int((min(peaks) + share * (max(peaks) - min(peaks))) / (1 - RESERVE)) + 1
+        plan = memfit.plan(model, inputs, budget, loss_fn=loss_fn, precision=precision)
+        assert plan.recompute_flops > 0
+        memfit.apply_plan(model, plan)
+        step()
+        measured = memfit.measure(step, model=model).peak_bytes
+        remove_plan(model)
+        assert measured <= budget, (kind, precision, budget, measured, plan.decisions)
+        error = abs(plan.predicted_peak_bytes - measured) / measured
+        assert error <= 0.10, (kind, precision, budget, plan.predicted_peak_bytes, measured)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -114,6 +116,53 @@ def test_times() -> None:
     for bad in (0, 2.5, "3", True):
         with pytest.raises(ConfigError, match="timed_steps"):
             profile(_chain(), X, timed_steps=bad)
+
+
+def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile_module = importlib.import_module("memfit.checkpoint.profile")
+    passes: list[bool] = []
+    run_step = profile_module._run_step
+
+    def counting_run_step(*args: object, **kwargs: object) -> object:
+        if kwargs.get("forward_only"):
+            passes.append(kwargs["wrap"] is not None)
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "_run_step", counting_run_step)
+    base = profile(_chain(), X)
+    # A warm-up, then timed_steps forwards of each kind, all of them as checkpointed pieces.
+    assert passes == [True] * 7
+
+    # What the timing leaves is charged twice (forward and rebuild) on top of the share.
+    def fixed(rounds: int, model: object, inputs: object, *rest: object) -> None:
+        for st in rest[-2].values():
+            st.sel_overhead = 0.25
+
+    monkeypatch.setattr(profile_module, "_selective_overheads", fixed)
+    charged = profile(_chain(), X)
+    for unit in charged.root.walk():
+        assert unit.non_matmul_fwd_seconds >= 0.5 * (1 - 1e-9)
+        assert base[unit.name].non_matmul_fwd_seconds < 0.5  # tiny ops: far below that
+    # No matmul, nothing to time: a model of elementwise ops is not timed selectively.
+    passes.clear()
+    monkeypatch.setattr(profile_module, "_selective_overheads", profile_module._selective_overheads)
+    profile(
+        nn.Sequential(nn.ReLU(), nn.Tanh()), torch.randn(5, 8, requires_grad=True), units=["0", "1"]
+    )
+    assert passes == []
+
+
+def test_selective_left_out_when_it_cannot_be_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile_module = importlib.import_module("memfit.checkpoint.profile")
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("this forward does not run as one piece")
+
+    monkeypatch.setattr(profile_module, "_selective_overheads", failing)
+    prof = profile(_chain(), X)
+    assert not any(u.can_select for u in prof.root.walk())
+    assert "could not be timed: RuntimeError: this forward" in prof.no_selective["0"]
+    assert all(u.can_recompute for u in prof.root.walk() if u.name)
 
 
 class _Thrice(nn.Module):

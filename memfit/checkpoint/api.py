@@ -7,10 +7,13 @@ checkpointing cannot change, the *static* bytes, is counted from the model and o
 * gradients of everything the optimizer updates (fp32 masters' gradients in the master
   modes, since the low-precision ones are freed as they arrive);
 * optimizer state: measured if the optimizer already has state, else its known size
-  (Adam/AdamW two fp32 buffers per parameter, SGD with momentum and Adagrad one);
+  (Adam/AdamW two fp32 buffers per parameter element and a step count per parameter,
+  SGD with momentum and Adagrad one buffer);
 * fp32 master weights in the master modes;
-* the step's inputs; and at the end of forward only, the model's output, what the loss
-  saves, and autocast's 16-bit copies of fp32 weights in the mixed modes.
+* the step's inputs, and the activation gradient passed between units in backward;
+* at the end of forward only: the model's output, what the loss saves, and the larger of
+  autocast's 16-bit copies of fp32 weights (mixed modes) and the gradients the head of
+  backward makes (the loss's, an LM head's, a loss computed inside the model).
 
 Example::
 
@@ -92,9 +95,9 @@ class StepMemory:
     loss_bytes: float
     """Held from the end of forward until the loss's backward: the model's output, what the
     loss saves, and the larger of autocast's 16-bit weight copies (held until the autocast
-    region ends) and the gradients the loss's backward makes (its own, bounded by what the
-    loss saves, and the model output's). Freed before the first recomputed piece is
-    rebuilt."""
+    region ends) and the gradients the head of backward makes (the loss's, the model
+    output's, and those of ops the model runs after its blocks: an LM head, or a loss it
+    computes itself). Freed before the first recomputed piece is rebuilt."""
     grad_bytes: float
     """Gradients of what the optimizer updates, all present at the optimizer step."""
     in_flight_bytes: float
@@ -137,16 +140,20 @@ def step_memory(
     output = prof.output_bytes if output_bytes is None else output_bytes
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
     base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes
-    # The loss's backward makes the gradient of the model's output while everything kept,
-    # and the loss's own tensors, are still held: its own gradients (at most the size of
-    # what it saves) and, while the last of them is alive, the output's. It does not meet
-    # the cast copies: it runs after the autocast region has ended.
-    end_of_forward = max(cast_cache, loss_saved + output)
+    # The head of backward (the loss's ops, and the model's own ops after its blocks: an LM
+    # head, or a loss computed inside the model) makes gradients while everything kept is
+    # still held. For a loss outside the model: its own gradients, at most the size of what
+    # it saves, and the model output's. Whatever the loss, the profiler measured the most
+    # of what the head makes alive at once; the last of it is the gradient it hands to the
+    # last block, which the in-flight term holds already. The larger of the two is taken.
+    # It does not meet the cast copies: it runs after the autocast region has ended.
+    in_flight = _in_flight_bytes(prof.root if root is None else root)
+    end_of_forward = max(cast_cache, loss_saved + output, prof.head_backward_bytes - in_flight)
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
         loss_bytes=float(output + loss_saved + end_of_forward),
         grad_bytes=float(grad_bytes),
-        in_flight_bytes=_in_flight_bytes(prof.root if root is None else root),
+        in_flight_bytes=in_flight,
     )
 
 
@@ -155,7 +162,7 @@ def _in_flight_bytes(root: UnitCost) -> float:
     gradient of a unit's output, over the units inside the model. The model's own output
     is left out: its gradient is the loss's, counted at the end of forward (``loss_bytes``)
     and freed before any unit inside is rebuilt. (An LM's logits are many times a block's
-    output: counting them in every rebuild over-predicted such plans by up to ~10%.)"""
+    output: counting them in every rebuild would over-predict such plans by up to ~10%.)"""
     return float(max((u.output_bytes for u in root.walk() if u is not root), default=0.0))
 
 

@@ -76,8 +76,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import statistics
 import time
+import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +120,8 @@ __all__ = [
     "flop_counter",
     "profile",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Nominal FLOP rate (FLOP/s) for time estimates on fake tensors: a modern accelerator's
 #: sustained dense 16-bit matmul rate. Pass your device's to :func:`profile`.
@@ -237,6 +241,11 @@ class Profile:
     no_selective: dict[str, str] = field(default_factory=dict)
     """Why a unit cannot be recomputed selectively, per unit name (units that can are
     absent; their ``can_select`` is False)."""
+    head_backward_bytes: int = 0
+    """The most that the head of backward (the loss's ops and the top units' own ops, before
+    backward reaches any unit below them) holds at once of what it makes: the gradients of
+    the logits and of the loss's intermediates, the LM head's weight gradient. Everything
+    kept is still alive then, so it adds to the end of forward's peak."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times
@@ -450,6 +459,13 @@ class _Recorder:
         self.saved_owner: dict[Any, str | None] = {}
         self.mm_seen: dict[Any, Any] = {}
         self.mm_units: dict[Any, tuple[str, ...]] = {}  # the units around each matmul output
+        # The head of backward: the loss's and the top units' own ops, before backward
+        # reaches any unit below them. What it makes, live at once, at most.
+        self.top = _top_chain(tree.root)
+        self.in_head = True
+        self.head_keys: set[Any] = set()
+        self.head_live = [0]
+        self.head_peak = 0
         self.loss_saved = 0
         self.counter = 0
         self.iterated: dict[str, list[bool]] = {}
@@ -615,6 +631,8 @@ class _Recorder:
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
         if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
             self.check_mutation(func, args, kwargs)
+        if self.phase == "bwd" and self.in_head:
+            self.head_made(out)
         if self.phase == "fwd":
             unit = self.stack[-1].name if self.stack else None
         elif self.phase == "bwd":
@@ -672,6 +690,21 @@ class _Recorder:
                         f"({func.overloadpacket}), which selective recompute cannot replay"
                     )
 
+    def head_made(self, out: Any) -> None:
+        """Count the new tensors an op of the head of backward makes (gradients, among them
+        the top modules' weight gradients) while they live, and keep their peak."""
+        for t in _tensors(out):
+            key, nbytes, ref = _storage(t)
+            if key in self.head_keys or key in self.saved_seen or key in self.resident:
+                continue  # a view of a gradient counted already, or a forward tensor
+            try:
+                weakref.finalize(ref, _head_freed, self.head_keys, self.head_live, key, nbytes)
+            except TypeError:
+                continue  # nothing to follow the lifetime of: not counted
+            self.head_keys.add(key)
+            self.head_live[0] += nbytes
+        self.head_peak = max(self.head_peak, self.head_live[0])
+
     # ---- backward
 
     def hook_graph(self, roots: list[Any]) -> list[Any]:
@@ -695,10 +728,27 @@ class _Recorder:
         def hook(grad_outputs: Any) -> None:
             if self.full:
                 self.bwd_owner = owner
+                if owner is not None and owner not in self.top:
+                    self.in_head = False
             else:
                 self.bwd_events.append((self.now(), owner))
 
         return hook
+
+
+def _head_freed(keys: set[Any], live: list[int], key: Any, nbytes: int) -> None:
+    keys.discard(key)
+    live[0] -= nbytes
+
+
+def _top_chain(root: Unit) -> set[str]:
+    """The root and its single-child descendants: units around every other unit (a step
+    module around the model), whose own ops run at the head of backward."""
+    names = {root.name}
+    while len(root.children) == 1:
+        root = root.children[0]
+        names.add(root.name)
+    return names
 
 
 class _OpMode(TorchDispatchMode):
@@ -974,6 +1024,7 @@ def profile(
             input_bytes = _unique_bytes(_tensors(inputs))
             output_bytes = rec.nonresident_bytes(_tensors(output))
             loss_saved = rec.loss_saved
+            head_backward = rec.head_peak
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
             saved_owner = dict(rec.saved_owner)
@@ -985,9 +1036,15 @@ def profile(
                     timed_steps, model, inputs, loss_fn, policy, device.type, tree, stats, settings
                 )
                 if any(st.mm_out_own > 0 for st in stats.values()):
-                    _selective_overheads(
-                        timed_steps, model, inputs, policy, device.type, tree, stats, settings
-                    )
+                    try:
+                        _selective_overheads(
+                            timed_steps, model, inputs, policy, device.type, tree, stats, settings
+                        )
+                    except Exception as exc:  # the option is lost, not the profile
+                        why = f"selective recompute could not be timed: {type(exc).__name__}: {exc}"
+                        log.warning("%s; plans will not use it", why)
+                        for st in stats.values():
+                            st.no_selective = st.no_selective or why
                 piece_seconds = _piece_overhead(policy, device, settings["sync"])
             else:
                 piece_seconds = 0.0
@@ -1022,6 +1079,7 @@ def profile(
         reasons={n: list(st.reasons) for n, st in stats.items() if st.reasons},
         no_selective={n: st.no_selective for n, st in stats.items() if st.no_selective},
         piece_seconds=piece_seconds,
+        head_backward_bytes=head_backward,
     )
 
 
