@@ -134,8 +134,8 @@ def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.Monk
     assert passes == [True] * 7
 
     # What the timing leaves is charged twice (forward and rebuild) on top of the share.
-    def fixed(rounds: int, model: object, inputs: object, *rest: object) -> None:
-        for st in rest[-2].values():
+    def fixed(rounds: int, timing: object, stats: dict) -> None:
+        for st in stats.values():
             st.sel_overhead = 0.25
 
     monkeypatch.setattr(profile_module, "_selective_overheads", fixed)

@@ -1032,14 +1032,11 @@ def profile(
             del output, rec  # frees the step's saved references before the timed step
             if measured:
                 # The instrumented step above doubles as warm-up; these are only timed.
-                bwd_seconds = _timed_steps(
-                    timed_steps, model, inputs, loss_fn, policy, device.type, tree, stats, settings
-                )
+                timing = _Timing(model, inputs, loss_fn, policy, device.type, tree, settings)
+                bwd_seconds = _timed_steps(timed_steps, timing, stats)
                 if any(st.mm_out_own > 0 for st in stats.values()):
                     try:
-                        _selective_overheads(
-                            timed_steps, model, inputs, policy, device.type, tree, stats, settings
-                        )
+                        _selective_overheads(timed_steps, timing, stats)
                     except Exception as exc:  # the option is lost, not the profile
                         why = f"selective recompute could not be timed: {type(exc).__name__}: {exc}"
                         log.warning("%s; plans will not use it", why)
@@ -1126,50 +1123,51 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
     return max(0.0, statistics.median(diffs) / _OVERHEAD_PIECES)
 
 
-def _timed_steps(
-    steps: int,
-    model: nn.Module,
-    inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor],
-    policy: PrecisionPolicy,
-    device_type: str,
-    tree: UnitTree,
-    stats: dict[str, _Stats],
-    settings: dict[str, Any],
-) -> float:
+@dataclass
+class _Timing:
+    """The step the timed passes of a profile run, and how they are timed."""
+
+    model: nn.Module
+    inputs: Any
+    loss_fn: Callable[[Any], torch.Tensor]
+    policy: PrecisionPolicy
+    device_type: str
+    tree: UnitTree
+    settings: dict[str, Any]
+
+    def run(self, **step: Any) -> tuple[dict[str, _Stats], float]:
+        """One uninstrumented pass (``step``: :func:`_run_step`'s keywords): each unit's
+        times in fresh stats, by name, and the backward seconds."""
+        stats = {u.name: _Stats() for u in self.tree}
+        timer = _Recorder(self.tree, stats, full=False, **self.settings)
+        _, bwd = _run_step(
+            self.model, self.inputs, self.loss_fn, self.policy, self.device_type, timer,
+            self.tree, **step,
+        )  # fmt: skip
+        return stats, bwd
+
+
+def _timed_steps(steps: int, timing: _Timing, stats: dict[str, _Stats]) -> float:
     """Time ``steps`` uninstrumented steps; leave each unit's median forward, backward and
     tail time in ``stats`` and return the median backward time of the step. One step's
     times move with whatever else the machine does (30% between two runs on a busy 2-core
     CPU); the median of a few steps is what plans should not flip on."""
     timed = ("fwd_time", "bwd_time_own", "tail_timed")
-    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in stats}
+    passes: list[dict[str, _Stats]] = []
     bwd: list[float] = []
     for _ in range(steps):
-        for st in stats.values():
-            for attr in timed:
-                setattr(st, attr, 0.0)
-        for p in model.parameters():
+        for p in timing.model.parameters():
             p.grad = None
-        timer = _Recorder(tree, stats, full=False, **settings)
-        bwd.append(_run_step(model, inputs, loss_fn, policy, device_type, timer, tree)[1])
-        for name, st in stats.items():
-            samples[name].append(tuple(getattr(st, attr) for attr in timed))
+        times, seconds = timing.run()
+        passes.append(times)
+        bwd.append(seconds)
     for name, st in stats.items():
-        for attr, values in zip(timed, zip(*samples[name], strict=True), strict=True):
-            setattr(st, attr, statistics.median(values))
+        for attr in timed:
+            setattr(st, attr, statistics.median(getattr(p[name], attr) for p in passes))
     return statistics.median(bwd)
 
 
-def _selective_overheads(
-    rounds: int,
-    model: nn.Module,
-    inputs: Any,
-    policy: PrecisionPolicy,
-    device_type: str,
-    tree: UnitTree,
-    stats: dict[str, _Stats],
-    settings: dict[str, Any],
-) -> None:
+def _selective_overheads(rounds: int, timing: _Timing, stats: dict[str, _Stats]) -> None:
     """Leave in each unit's stats what selective checkpoint's machinery adds to its forward.
 
     Selective checkpoint runs a piece's forward, and again its rebuild, under a Python
@@ -1181,32 +1179,28 @@ def _selective_overheads(
     difference per unit. Every op pays it, so one forward prices every unit at once. The
     first selective forward of a process sets torch up (about a second on a CPU): it runs
     once untimed."""
+    # The inputs go in as arguments only so that checkpoint finds their device.
+    args = tuple(_tensors(timing.inputs))
+    model = timing.model
 
-    def forward(selective: bool) -> dict[str, float]:
+    def forward(selective: bool) -> dict[str, _Stats]:
         def wrap(run: Callable[[], Any]) -> Any:
-            # The inputs go in as arguments only so that checkpoint finds their device.
-            args = tuple(_tensors(inputs))
             return _apply._checkpoint(
                 lambda *_: run(), args, {}, [model], selective=selective, early_stop=True
             )
 
-        scratch = {name: _Stats() for name in stats}
-        timer = _Recorder(tree, scratch, full=False, **settings)
-        _run_step(
-            model, inputs, _default_loss, policy, device_type, timer, tree,
-            forward_only=True, wrap=wrap,
-        )  # fmt: skip
-        return {name: st.fwd_time for name, st in scratch.items()}
+        return timing.run(forward_only=True, wrap=wrap)[0]
 
     forward(True)  # warm-up
-    passes: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    passes: dict[bool, list[dict[str, _Stats]]] = {False: [], True: []}
     for r in range(rounds):
         for selective in (False, True) if r % 2 == 0 else (True, False):
             passes[selective].append(forward(selective))
     for name, st in stats.items():
-        plain = statistics.median(p[name] for p in passes[False])
-        selective_time = statistics.median(p[name] for p in passes[True])
-        st.sel_overhead = max(0.0, selective_time - plain)
+        plain, cached = (
+            statistics.median(p[name].fwd_time for p in passes[kind]) for kind in (False, True)
+        )
+        st.sel_overhead = max(0.0, cached - plain)
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
