@@ -373,18 +373,14 @@ def _evaluate_nodes(
         node = nodes[u]
         inherited = credit
         d = decision[u]
-        if d == "recompute":
+        if d != "keep":  # a piece of its own: it keeps its input (selective: and matmul outputs)
             high = k - credit + node.hold
             k += node.inp - credit
             if rebuilds is not None:
                 rebuilds.append(((u, None), high))
+            if d == "selective":
+                return k + node.mm, high, node.sel_s, node.sel_f, True
             return k, high, node.fwd_s, node.fwd_f, True
-        if d == "selective":
-            high = k - credit + node.hold
-            k += node.inp - credit
-            if rebuilds is not None:
-                rebuilds.append(((u, None), high))
-            return k + node.mm, high, node.sel_s, node.sel_f, True
         k += node.own
         high, secs, flops = 0.0, 0.0, 0.0
         ends = dict(segs.get(u, ()))
