@@ -100,12 +100,14 @@ def main() -> None:
         for k in (2, 4):
             variants[f"uniform:{k}"] = (plan_for(f"uniform:{k}"), gpt_loss)
         variants["sqrt"] = (plan_for("sqrt"), gpt_loss)
-    segment_counts = sorted({2, round(math.sqrt(n)), n})
+    root_n = round(math.sqrt(n))
+    sqrt_peer = f"checkpoint_sequential({root_n})"
+    segment_counts = sorted({2, root_n, n})
     for s in segment_counts:
         variants[f"checkpoint_sequential({s})"] = (None, peer_loss(s))
     # The √n peer once more: how far two runs of one thing land apart (the noise floor).
-    control = f"checkpoint_sequential({round(math.sqrt(n))}), again"
-    variants[control] = (None, peer_loss(round(math.sqrt(n))))
+    control = f"{sqrt_peer}, again"
+    variants[control] = (None, peer_loss(root_n))
     unmet: dict[str, str] = {}  # variants whose budget no plan meets, and why
 
     def add_optimal(label: str, budget: int) -> None:
@@ -237,8 +239,8 @@ def main() -> None:
             f"| {(ratio - 1) * 100:+.1f}% |"
         )
     print(
-        f"\nnoise floor: {control} against checkpoint_sequential({round(math.sqrt(n))}), "
-        f"the same thing twice: {(paired(control, f'checkpoint_sequential({round(math.sqrt(n))})') - 1) * 100:+.1f}% (paired)"
+        f"\nnoise floor: {control} against {sqrt_peer}, "
+        f"the same thing twice: {(paired(control, sqrt_peer) - 1) * 100:+.1f}% (paired)"
     )
     static = hi.static_bytes
     print(
