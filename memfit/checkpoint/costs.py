@@ -33,6 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+Decision = Literal["keep", "recompute", "selective"]
+"""What a plan does with one unit: keep what it saves, recompute it whole in backward, or
+recompute it but save the outputs of its matmul-like ops (selective)."""
+KEEP: Decision = "keep"
+RECOMPUTE: Decision = "recompute"
+SELECTIVE: Decision = "selective"
+#: Every decision, in that order (the one place the vocabulary is spelt).
+DECISIONS: tuple[Decision, ...] = get_args(Decision)
 
 
 @dataclass
