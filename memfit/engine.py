@@ -42,6 +42,7 @@ from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.savefile import atomic_save, safe_load
+from memfit.units import device_memory_bytes, parse_bytes
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -152,6 +153,15 @@ def _model_device(model: nn.Module) -> torch.device:
 class Engine:
     """Train a model with a precision policy, a checkpoint plan, accumulation and clipping.
 
+    The model is changed in one documented order (torchtitan's ``apply_*`` order):
+
+    1. **precision**, when the Engine is made: fp32 master weights (the ``*-master``
+       modes; the optimizer then updates fp32 copies) and the fp32 islands
+       (:func:`~memfit.precision.apply.apply_precision`);
+    2. **checkpoint plan**, on the first micro-batch (:meth:`prepare`, which the first
+       :meth:`train_step` calls): planned under the precision of step 1 by
+       :func:`~memfit.checkpoint.planner.make_plan`, then applied with ``apply_plan``.
+
     Example::
 
         engine = memfit.Engine(model, optimizer, precision="bf16-mixed", accumulation_steps=2)
@@ -177,8 +187,6 @@ class Engine:
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
     ) -> None:
-        from memfit.units import parse_bytes
-
         if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
         if clip_grad_norm is not None and not (
@@ -275,7 +283,7 @@ class Engine:
         micro_batches = split_batch(batch, self.settings.accumulation_steps)
         total = batch_size(batch)
         if self._checkpoint_request is not None:
-            self._setup_checkpointing(micro_batches[0], loss_fn)
+            self.prepare(micro_batches[0], loss_fn)
         try:
             loss_sum = self._accumulate(micro_batches, total, loss_fn)
         except BaseException:
@@ -374,14 +382,51 @@ class Engine:
             self.micro_steps += 1
         return loss_sum
 
-    def _setup_checkpointing(self, micro_batch: Batch, loss_fn: LossFn) -> None:
-        request = self._checkpoint_request
-        self._checkpoint_request = None
-        if request is None or (isinstance(request, str) and request == "none"):
-            return
-        from memfit.checkpoint.api import plan_for_engine
+    def prepare(self, batch: Batch, loss_fn: LossFn) -> Any:
+        """Make and apply the checkpoint plan for micro-batches like ``batch`` (stage two of
+        the Engine's order; the first ``train_step`` calls it when it has not run).
 
-        self.plan = plan_for_engine(self, request, micro_batch, loss_fn)
+        A :class:`~memfit.checkpoint.plan.Plan` given as ``checkpoint=`` is applied as
+        is. ``"auto"`` and ``"optimal"`` plan optimally under ``memory_budget`` (default:
+        90% of the device's memory); ``"full"``, ``"uniform:k"`` and ``"sqrt"`` use that
+        strategy (under the budget when one is given). Returns the plan (None for
+        ``"none"``); later calls return it without planning again.
+
+        Example::
+
+            engine = memfit.Engine(model, opt, checkpoint="auto", memory_budget="8GiB")
+            print(engine.prepare(batch, loss_fn).summary())
+        """
+        request = self._checkpoint_request
+        if request is None:
+            return self.plan
+        self._checkpoint_request = None
+        if isinstance(request, str) and request == "none":
+            return None
+        from memfit.checkpoint.apply import apply_plan
+
+        if isinstance(request, str):
+            from memfit.checkpoint.planner import make_plan
+
+            strategy = "optimal" if request == "auto" else request
+            budget = self.settings.memory_budget
+            if budget is None and strategy == "optimal":
+                budget = int(0.9 * device_memory_bytes(self.device))
+            # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
+            request = make_plan(
+                self.model,
+                batch,
+                loss_fn,
+                optimizer=self.optimizer,
+                precision=self.policy,
+                strategy=strategy,
+                budget=budget,
+                accumulation_steps=self.settings.accumulation_steps,
+                frontier=False,
+            ).plan
+        apply_plan(self.model, request)
+        self.plan = request
+        return request
 
     def _check_skips(self) -> NonFiniteError | None:
         consecutive = self.scaler.consecutive_skips_tensor

@@ -622,7 +622,7 @@ def _hf_model(kind: str) -> nn.Module:
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: str) -> None:
     import memfit
-    from memfit.checkpoint.api import RESERVE
+    from memfit.checkpoint.planner import RESERVE
 
     model = _hf_model(kind)
     ids = _tokens((4, 16), 64)

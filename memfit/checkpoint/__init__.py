@@ -1,6 +1,6 @@
 """Activation checkpointing: find units, profile them, plan under a budget, apply in place."""
 
-from memfit.checkpoint.api import plan, plan_step
+from memfit.checkpoint.planner import PlanResult, make_plan, plan, plan_step
 from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
@@ -11,6 +11,7 @@ from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
 __all__ = [
     "FrontierPoint",
     "Plan",
+    "PlanResult",
     "Profile",
     "Solution",
     "UnitCost",
@@ -18,6 +19,7 @@ __all__ = [
     "apply_plan",
     "find_units",
     "is_applied",
+    "make_plan",
     "plan",
     "plan_step",
     "planned",

@@ -31,6 +31,7 @@ static + max(kept + loss bytes at the end of forward, the highest rebuild).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -82,8 +83,9 @@ class UnitCost:
     sequential: bool = False
     """True when memfit controls the iteration over the children (segments allowed)."""
     input_saved_by_previous_bytes: float = 0.0
-    """Bytes of this unit's inputs that the sibling before it saves for backward. When this
-    unit is recomputed and that sibling kept, the checkpoint keeps nothing new for them."""
+    """Bytes of this unit's inputs that the sibling before it saves for backward (for a
+    first child: its parent's own ops). When this unit is recomputed and that sibling (or
+    parent) kept, the checkpoint keeps nothing new for them."""
     recompute_extra_bytes: float = 0.0
     """Bytes a rebuild of this unit allocates beyond what it saves and its input's gradient,
     for the whole subtree (e.g. autocast's 16-bit copies of its weights, cast again)."""
@@ -136,3 +138,40 @@ class UnitCost:
         yield self
         for child in self.children:
             yield from child.walk()
+
+
+def counted_times(
+    root: UnitCost,
+    flop_rate: float = 1e11,
+    bandwidth: float = 1e10,
+    piece_seconds: float = 1e-4,
+) -> UnitCost:
+    """``root`` with every time replaced by one counted from FLOPs and bytes: a unit's
+    forward takes ``fwd_flops / flop_rate`` plus the bytes it saves and returns over
+    ``bandwidth``; its backward twice its forward; its tail and its selective share their
+    FLOPs over ``flop_rate``; each piece ``piece_seconds``.
+
+    Plans made from it depend on the model alone, not on how fast the machine ran the
+    profile: the same on every machine and in every run (tests, reproducible plans).
+
+    Example::
+
+        >>> counted_times(UnitCost("", fwd_flops=2e11)).fwd_seconds
+        2.0
+    """
+
+    def count(unit: UnitCost) -> UnitCost:
+        children = [count(c) for c in unit.children]
+        moved = unit.total_saved_bytes() + unit.output_bytes
+        forward = unit.fwd_flops / flop_rate + moved / bandwidth
+        return dataclasses.replace(
+            unit,
+            children=children,
+            fwd_seconds=forward,
+            bwd_seconds=2 * forward,
+            tail_seconds=min(forward, unit.tail_flops / flop_rate),
+            non_matmul_fwd_seconds=unit.non_matmul_fwd_flops / flop_rate,
+            piece_seconds=piece_seconds,
+        )
+
+    return count(root)

@@ -1261,7 +1261,7 @@ def _mark_shared_inputs(
 ) -> None:
     """Set each unit's ``input_saved_by_previous_bytes``: bytes of its inputs that the
     sibling before it already saves for backward (e.g. a block whose last ReLU saves the
-    output the next block receives), and ``input_saved_by_both_bytes``: those it saves too
+    output the next block receives; for a first child, its parent's own ops), and ``input_saved_by_both_bytes``: those it saves too
     (a convolution saves its input; under autocast it saves a 16-bit copy instead)."""
 
     def inside(owner: str | None, name: str) -> bool:
@@ -1269,6 +1269,17 @@ def _mark_shared_inputs(
 
     by_name = {c.name: c for c in cost.children}
     units = {u.name: u for u in unit.children}
+    if cost.children:
+        # The first child's input is often saved by its parent's own ops before it (a
+        # stem's last ReLU, before the first stage): kept whenever the parent is kept.
+        first = cost.children[0]
+        first.input_saved_by_previous_bytes = float(
+            sum(
+                n
+                for key, n in stats[first.name].input_keys.items()
+                if saved_owner.get(key) == cost.name
+            )
+        )
     for prev, cur in zip(cost.children, cost.children[1:]):
         shared = {
             key: n

@@ -393,6 +393,8 @@ def _evaluate_nodes(
             # a first child receives its parent's input, and the parent's credit with it.
             if pos == 0:
                 credit = min(inherited, nodes[c].inp)
+                if shared_inputs:  # or what the kept parent's own ops save of it
+                    credit = max(credit, nodes[c].shared)
             elif shared_inputs and untouched[kids[pos - 1]]:
                 credit = nodes[c].shared
             else:

@@ -61,7 +61,7 @@ def _load_factory(spec: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import memfit
-    from memfit.checkpoint.api import plan_step
+    from memfit.checkpoint.planner import plan_step
     from memfit.cli.train import parse_overrides
     from memfit.models import MODELS, build_model
 

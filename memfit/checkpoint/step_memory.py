@@ -1,4 +1,4 @@
-"""Make a checkpoint plan for a model: profile, add what planning cannot change, solve.
+"""The memory of a training step that a checkpoint plan cannot change.
 
 The budget is the peak of a whole training step (what ``memfit.measure`` reports). The part
 checkpointing cannot change, the *static* bytes, is counted from the model and optimizer:
@@ -15,36 +15,28 @@ checkpointing cannot change, the *static* bytes, is counted from the model and o
   autocast's 16-bit copies of fp32 weights (mixed modes) and the gradients the head of
   backward makes (the loss's, an LM head's, a loss computed inside the model).
 
+With gradient accumulation (``accumulation_steps > 1``) the gradients of the micro-batches
+already run are held while the later ones run forward and backward: the last micro-batch
+holds all of them from its first op on, so they count as held for the whole activation
+phase instead of appearing one unit at a time as its backward makes them.
+
 Example::
 
-    plan = memfit.plan(model, batch, budget="2GiB", strategy="optimal",
-                       precision="bf16-mixed", optimizer=optimizer)
-    print(plan.summary())
-    memfit.apply_plan(model, plan)
+    mem = step_memory(model, prof, PrecisionPolicy.of("bf16-mixed"), optimizer)
+    mem.base_bytes + mem.grad_bytes   # what the optimizer step alone holds
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memfit.checkpoint.apply import apply_plan
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.profile import Profile, profile
-from memfit.checkpoint.solve import evaluate, solve
-from memfit.checkpoint.tree import find_units, structure_fingerprint
-from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.checkpoint.profile import Profile
 from memfit.precision.policy import PrecisionPolicy
-from memfit.units import device_memory_bytes, format_bytes, parse_bytes
-
-if TYPE_CHECKING:
-    from memfit.engine import Engine
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
 _STATE_ELEMENTS = {
@@ -103,6 +95,20 @@ class StepMemory:
     in_flight_bytes: float
     """The activation gradient passed between units in backward (the largest output of a
     unit inside the model; the model's own output's gradient is in ``loss_bytes``)."""
+    accumulated_grad_bytes: float = 0.0
+    """Gradients held from earlier micro-batches while the last one runs (all of
+    ``grad_bytes`` when ``accumulation_steps > 1``, else 0)."""
+
+    @property
+    def held_bytes(self) -> float:
+        """What the activation phase holds besides activations: base, the in-flight
+        gradient and the accumulated gradients."""
+        return self.base_bytes + self.in_flight_bytes + self.accumulated_grad_bytes
+
+    @property
+    def optimizer_phase_bytes(self) -> float:
+        """What the optimizer step holds: base and every gradient."""
+        return self.base_bytes + self.grad_bytes
 
 
 def step_memory(
@@ -113,12 +119,15 @@ def step_memory(
     output_bytes: float | None = None,
     loss_saved_bytes: float | None = None,
     root: UnitCost | None = None,
+    accumulation_steps: int = 1,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
     ``output_bytes`` and ``loss_saved_bytes``: the model's output and what the loss saves,
     when they are not the profiled step's own (default: ``prof``'s). ``root``: the model's
-    own unit tree, when ``prof`` profiled more than the model (default: ``prof.root``)."""
+    own unit tree, when ``prof`` profiled more than the model (default: ``prof.root``).
+    ``accumulation_steps``: micro-batches per optimizer step; above 1 the gradients are
+    held through the activation phase (``accumulated_grad_bytes``)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     if optimizer is not None:
@@ -154,6 +163,7 @@ def step_memory(
         loss_bytes=float(output + loss_saved + end_of_forward),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=in_flight,
+        accumulated_grad_bytes=float(grad_bytes) if accumulation_steps > 1 else 0.0,
     )
 
 
@@ -181,14 +191,17 @@ def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
     )
 
 
-def _with_backward_costs(root: UnitCost, model: nn.Module, policy: PrecisionPolicy) -> UnitCost:
+def with_backward_costs(
+    root: UnitCost, model: nn.Module, policy: PrecisionPolicy, accumulating: bool = False
+) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
     * ``recompute_extra_bytes``: a rebuild runs under autocast again and casts the unit's
       weights again;
     * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
       unit and of every unit after it in forward order, and (not knowing where in their
-      forward they are used) those of its ancestors' own parameters.
+      forward they are used) those of its ancestors' own parameters. With ``accumulating``
+      they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``).
     """
     width = 4 if policy.master_weights else None
 
@@ -215,189 +228,7 @@ def _with_backward_costs(root: UnitCost, model: nn.Module, policy: PrecisionPoli
             unit,
             children=children,
             recompute_extra_bytes=float(_cast_bytes(model.get_submodule(unit.name), policy)),
-            grads_from_bytes=after[unit.name] + above,
+            grads_from_bytes=0.0 if accumulating else after[unit.name] + above,
         )
 
     return fill(root, 0.0)
-
-
-def plan(
-    model: nn.Module,
-    example_inputs: Any,
-    budget: str | int | float | None = None,
-    strategy: str = "optimal",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    precision: str | PrecisionPolicy | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    units: Sequence[str] | None = None,
-) -> Plan:
-    """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
-
-    ``example_inputs``: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
-    (``model(**kwargs)``) of the batch size training uses. ``loss_fn(output) -> scalar``;
-    default: the sum of the first floating-point tensor in the output. ``budget`` is the
-    peak of a whole training step ("2GiB", bytes, or a fraction of device memory); None
-    plans without a limit (``optimal`` then recomputes nothing).
-
-    Example::
-
-        plan = memfit.plan(model, x, budget="1GiB", precision="bf16-mixed")
-        memfit.apply_plan(model, plan)
-    """
-    policy = PrecisionPolicy.of(precision)
-    prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
-    return _solve(model, prof, prof.root, prof.structure, budget, strategy, policy, optimizer)
-
-
-#: Share of the budget kept free when planning: the allocator's slack and the temporaries
-#: of backward the cost model leaves out.
-RESERVE = 0.02
-
-
-def _solve(
-    model: nn.Module,
-    prof: Profile,
-    root: UnitCost,
-    structure: list[tuple[str, str]],
-    budget: str | int | float | None,
-    strategy: str,
-    policy: PrecisionPolicy,
-    optimizer: torch.optim.Optimizer | None,
-    output_bytes: float | None = None,
-    loss_saved_bytes: float | None = None,
-    frontier: bool = True,
-) -> Plan:
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    budget_bytes = None if budget is None else parse_bytes(budget, device)
-    mem = step_memory(model, prof, policy, optimizer, output_bytes, loss_saved_bytes, root)
-    optimizer_phase = mem.base_bytes + mem.grad_bytes
-    if budget_bytes is not None and optimizer_phase > budget_bytes:
-        raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} is below what the optimizer step alone holds, "
-            f"{format_bytes(optimizer_phase)} (parameters, gradients and optimizer state): no "
-            "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
-            "smaller optimizer state, or shard the model."
-        )
-    root = _with_backward_costs(root, model, policy)
-    held = mem.base_bytes + mem.in_flight_bytes
-    # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
-    solution = solve(
-        root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
-    )
-    solution.budget_bytes = budget_bytes
-    # The solver plans without crediting checkpoint inputs that the kept unit before them
-    # already saves (a bound); the prediction counts them once.
-    result = evaluate(
-        root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
-    )
-    solution.static_bytes = held
-    solution.kept_bytes = result.kept_bytes
-    solution.transient_bytes = result.transient_bytes
-    solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
-    if solution.note and budget_bytes is not None and solution.recompute_flops == 0:
-        # The solver's note speaks of activations only; say it with the whole step's peak.
-        solution.note = (
-            f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "
-            f"without checkpointing, {format_bytes(solution.predicted_peak_bytes)} (memfit "
-            f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
-        )
-    return Plan.from_solution(solution, precision=policy.mode, structure=structure)
-
-
-class _StepModule(nn.Module):
-    """The model and the engine's loss as one module, so a whole micro-step can be profiled."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]):
-        super().__init__()
-        self.model = model
-        self._loss_fn = loss_fn
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self._loss_fn(self.model, batch)
-
-
-def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
-    name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
-    children = [_strip_prefix(c, prefix) for c in unit.children]
-    return dataclasses.replace(unit, name=name, children=children)
-
-
-def plan_step(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    budget: str | int | float | None = None,
-    strategy: str = "optimal",
-    precision: str | PrecisionPolicy | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    frontier: bool = True,
-) -> Plan:
-    """Plan for a step written as ``loss_fn(model, batch)`` (the Engine's form of a step).
-    ``frontier=False`` leaves out the plan's (peak, time) frontier, which takes most of
-    the solve's time on trees of hundreds of units.
-
-    Example::
-
-        plan = plan_step(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
-    """
-    policy = PrecisionPolicy.of(precision)
-    names = find_units(model).names()
-    step_module = _StepModule(model, loss_fn)
-    prefixed = ["model" if not n else f"model.{n}" for n in names]
-    prof = profile(
-        step_module, (batch,), loss_fn=lambda loss: loss, precision=policy, units=["", *prefixed]
-    )
-    model_root = next((c for c in prof.root.children if c.name == "model"), None)
-    if model_root is None:
-        raise PlanError("profiling did not see the model run; loss_fn must call the model")
-    root = _strip_prefix(model_root, "model.")
-    structure = structure_fingerprint(model, names)
-    # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
-    # output lives until the loss's backward: neither can be recomputed by a plan.
-    return _solve(
-        model,
-        prof,
-        root,
-        structure,
-        budget,
-        strategy,
-        policy,
-        optimizer,
-        output_bytes=prof.output_bytes + model_root.output_bytes,
-        loss_saved_bytes=prof.loss_saved_bytes + prof.root.own_saved_bytes,
-        frontier=frontier,
-    )
-
-
-def plan_for_engine(engine: Engine, request: Any, micro_batch: Any, loss_fn: Any) -> Plan:
-    """Resolve the Engine's ``checkpoint=`` request on its first micro-batch and apply it.
-
-    A :class:`Plan` is applied as given. ``"auto"`` and ``"optimal"`` plan optimally under
-    ``memory_budget`` (default: 90% of the device's memory); ``"full"``, ``"uniform:k"`` and
-    ``"sqrt"`` use that strategy (under the budget when one is given).
-    """
-    if isinstance(request, Plan):
-        apply_plan(engine.model, request)
-        return request
-    if not isinstance(request, str):
-        raise ConfigError(
-            f"checkpoint= takes a Plan or one of 'none', 'auto', 'optimal', 'full', "
-            f"'uniform:k', 'sqrt'; got {type(request).__name__}"
-        )
-    strategy = "optimal" if request == "auto" else request
-    budget = engine.settings.memory_budget
-    if budget is None and strategy == "optimal":
-        budget = int(0.9 * device_memory_bytes(engine.device))
-    # Training needs the plan, not the frontier that `memfit plan` shows (start-up time).
-    result = plan_step(
-        engine.model,
-        micro_batch,
-        loss_fn,
-        budget,
-        strategy,
-        engine.policy,
-        engine.optimizer,
-        frontier=False,
-    )
-    apply_plan(engine.model, result)
-    return result

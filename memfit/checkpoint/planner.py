@@ -1,0 +1,366 @@
+"""Plan activation checkpointing for a training step: one composer, stages in one order.
+
+    profile  ->  step memory  ->  solve  ->  Plan
+
+1. **profile** (:func:`profile_step`, :func:`profile_model`): one instrumented step and a
+   few timed ones under the training precision give each unit's costs
+   (:mod:`memfit.checkpoint.profile`), cut down to the model's own units.
+2. **step memory** (:func:`memfit.checkpoint.step_memory.step_memory`): what the step holds
+   whatever the plan: weights, gradients, optimizer state, the loss's tensors.
+3. **solve** (:func:`memfit.checkpoint.solve.solve`): the plan with the least recompute
+   whose predicted peak fits the budget, less :data:`RESERVE`.
+4. **Plan**: decisions, segments and the predicted peak, ready for ``apply_plan``.
+
+:func:`make_plan` runs them in that order from plain arguments and returns a
+:class:`PlanResult`; ``memfit.plan`` (a model and a loss of its output) and
+:func:`plan_step` (a step written ``loss_fn(model, batch)``, the Engine's form) are thin
+fronts to it. Nothing here knows about the Engine: it passes what it holds.
+
+Example::
+
+    result = make_plan(model, batch, loss_fn, optimizer=optimizer, precision="bf16-mixed",
+                       strategy="optimal", budget="2GiB", accumulation_steps=4)
+    print(result.plan.summary())
+    memfit.apply_plan(model, result.plan)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.checkpoint.apply import applied_plan, apply_plan, remove_plan
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.probe import unstable_units
+from memfit.checkpoint.profile import Profile, profile
+from memfit.checkpoint.solve import evaluate, solve
+from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
+from memfit.checkpoint.tree import find_units, structure_fingerprint
+from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.nested import call_model
+from memfit.precision.policy import PrecisionPolicy
+from memfit.units import format_bytes, parse_bytes
+
+#: Share of the budget kept free when planning: the allocator's slack and the temporaries
+#: of backward the cost model leaves out.
+RESERVE = 0.02
+
+Budget = str | int | float | None
+"""A step's peak memory: "2GiB", bytes, a fraction of device memory, or None (no limit)."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A profiled training step, cut down to the model's own units (stage 1)."""
+
+    profile: Profile
+    """The whole profiled step (for a step, the model and its loss as one module)."""
+    root: UnitCost
+    """The model's unit tree; names relative to the model (``""`` is the model)."""
+    structure: list[tuple[str, str]]
+    """``structure_fingerprint`` of the model's units, for the plan to recognize it."""
+    output_bytes: float
+    """Held from the end of forward until the loss's backward: the model's output (and,
+    for a step, the loss module's)."""
+    loss_saved_bytes: float
+    """What the loss saves for backward outside the model."""
+    unstable: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Units left out of every plan because their forward does other work when run again
+    (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What :func:`make_plan` made: the plan and the stages' results it came from."""
+
+    plan: Plan
+    """The plan (decisions, segments, predicted peak), ready for ``apply_plan``."""
+    profile: ModelProfile
+    """Stage 1: the model's measured costs."""
+    memory: StepMemory
+    """Stage 2: what the step holds whatever the plan."""
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    policy: PrecisionPolicy,
+    units: Sequence[str] | None = None,
+) -> ModelProfile:
+    """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``."""
+    prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
+    profiled = ModelProfile(
+        profile=prof,
+        root=prof.root,
+        structure=prof.structure,
+        output_bytes=float(prof.output_bytes),
+        loss_saved_bytes=float(prof.loss_saved_bytes),
+    )
+    return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module) -> Iterator[None]:
+    # Replaced by the executor's own context manager once it has one.
+    plan_ = applied_plan(model)
+    if plan_ is None:
+        yield
+        return
+    remove_plan(model)
+    try:
+        yield
+    finally:
+        apply_plan(model, plan_)
+
+
+def _without_unstable(
+    model: nn.Module,
+    profiled: ModelProfile,
+    run_forward: Callable[[], Any],
+    policy: PrecisionPolicy,
+) -> ModelProfile:
+    """``profiled`` with the units whose forward does other work when run again (state
+    kept between calls, e.g. a key/value cache) marked as not recomputable, with the
+    reason in ``profile.reasons`` (:mod:`memfit.checkpoint.probe`)."""
+    names = [u.name for u in profiled.root.walk() if u.name and u.can_recompute]
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    with suspended(model):
+        found = unstable_units(
+            model, run_forward, names, autocast=(device, policy.compute_dtype, policy.mixed)
+        )
+    if not found:
+        return profiled
+    for name, why in found.items():
+        profiled.profile.reasons.setdefault(name, []).append(why)
+
+    def mark(unit: UnitCost) -> UnitCost:
+        children = [mark(c) for c in unit.children]
+        stable = unit.can_recompute and unit.name not in found
+        return dataclasses.replace(unit, children=children, can_recompute=stable)
+
+    return dataclasses.replace(profiled, root=mark(profiled.root), unstable=found)
+
+
+class _StepModule(nn.Module):
+    """The model and the engine's loss as one module, so a whole micro-step can be profiled."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self._loss_fn(self.model, batch)
+
+
+def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
+    name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
+    children = [_strip_prefix(c, prefix) for c in unit.children]
+    return dataclasses.replace(unit, name=name, children=children)
+
+
+def profile_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    policy: PrecisionPolicy,
+    units: Sequence[str] | None = None,
+) -> ModelProfile:
+    """Stage 1 for a step written ``loss_fn(model, batch)``: the model and the loss are
+    profiled as one module, then the model's units are cut out of it."""
+    names = list(units) if units is not None else find_units(model).names()
+    step_module = _StepModule(model, loss_fn)
+    prefixed = ["model" if not n else f"model.{n}" for n in names]
+    prof = profile(
+        step_module, (batch,), loss_fn=lambda loss: loss, precision=policy, units=["", *prefixed]
+    )
+    model_root = next((c for c in prof.root.children if c.name == "model"), None)
+    if model_root is None:
+        raise PlanError("profiling did not see the model run; loss_fn must call the model")
+    # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
+    # output lives until the loss's backward: neither can be recomputed by a plan.
+    profiled = ModelProfile(
+        profile=prof,
+        root=_strip_prefix(model_root, "model."),
+        structure=structure_fingerprint(model, names),
+        output_bytes=float(prof.output_bytes + model_root.output_bytes),
+        loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
+    )
+    return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
+
+
+def _unstable_notes(unstable: dict[str, str]) -> list[str]:
+    """One note per reason, naming the units it holds for (a decoder's layers share one)."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in unstable.items():
+        by_reason.setdefault(why, []).append(name)
+    return [f"never recomputed: {', '.join(names)}; {why}" for why, names in by_reason.items()]
+
+
+def solve_profile(
+    model: nn.Module,
+    profiled: ModelProfile,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: str,
+    budget: Budget,
+    accumulation_steps: int = 1,
+    frontier: bool = True,
+) -> PlanResult:
+    """Stages 2-4: the step's memory, the solve, the Plan with its predicted peak.
+
+    ``frontier=False`` leaves out the plan's (peak, time) frontier, which takes most of
+    the solve's time on trees of hundreds of units."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    budget_bytes = None if budget is None else parse_bytes(budget, device)
+    mem = step_memory(
+        model,
+        profiled.profile,
+        policy,
+        optimizer,
+        profiled.output_bytes,
+        profiled.loss_saved_bytes,
+        profiled.root,
+        accumulation_steps=accumulation_steps,
+    )
+    optimizer_phase = mem.optimizer_phase_bytes
+    if budget_bytes is not None and optimizer_phase > budget_bytes:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below what the optimizer step alone holds, "
+            f"{format_bytes(optimizer_phase)} (parameters, gradients and optimizer state): no "
+            "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
+            "smaller optimizer state, or shard the model."
+        )
+    root = with_backward_costs(profiled.root, model, policy, accumulating=accumulation_steps > 1)
+    held = mem.held_bytes
+    # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
+    solution = solve(
+        root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
+    )
+    solution.budget_bytes = budget_bytes
+    # The solver plans without crediting checkpoint inputs that the kept unit before them
+    # already saves (a bound); the prediction counts them once.
+    result = evaluate(
+        root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
+    )
+    solution.static_bytes = held
+    solution.kept_bytes = result.kept_bytes
+    solution.transient_bytes = result.transient_bytes
+    solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
+    if solution.note and budget_bytes is not None and solution.recompute_flops == 0:
+        # The solver's note speaks of activations only; say it with the whole step's peak.
+        solution.note = (
+            f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "
+            f"without checkpointing, {format_bytes(solution.predicted_peak_bytes)} (memfit "
+            f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
+        )
+    plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
+    plan_.notes.extend(_unstable_notes(profiled.unstable))
+    return PlanResult(plan=plan_, profile=profiled, memory=mem)
+
+
+def make_plan(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | PrecisionPolicy | None = None,
+    strategy: str = "optimal",
+    budget: Budget = None,
+    accumulation_steps: int = 1,
+    units: Sequence[str] | None = None,
+    frontier: bool = True,
+) -> PlanResult:
+    """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve.
+
+    ``batch`` is one micro-batch as training feeds it; ``accumulation_steps`` the
+    micro-batches per optimizer step (above 1, the gradients of the earlier ones are held
+    while the last one runs). ``budget`` is the peak of the whole step; None plans without
+    a limit. Raises :class:`~memfit.errors.BudgetError` when no plan fits.
+
+    Example::
+
+        result = make_plan(model, batch, loss_fn, optimizer=opt, precision="bf16-mixed",
+                           budget="2GiB", accumulation_steps=4)
+        memfit.apply_plan(model, result.plan)
+    """
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    policy = PrecisionPolicy.of(precision)
+    profiled = profile_step(model, batch, loss_fn, policy, units)
+    return solve_profile(
+        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps), frontier
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: Budget = None,
+    strategy: str = "optimal",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    precision: str | PrecisionPolicy | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    units: Sequence[str] | None = None,
+    accumulation_steps: int = 1,
+) -> Plan:
+    """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
+
+    ``example_inputs``: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+    (``model(**kwargs)``) of the batch size training uses (one micro-batch).
+    ``loss_fn(output) -> scalar``; default: the sum of the first floating-point tensor in
+    the output. ``budget`` is the peak of a whole training step ("2GiB", bytes, or a
+    fraction of device memory); None plans without a limit (``optimal`` then recomputes
+    nothing). ``accumulation_steps``: micro-batches per optimizer step.
+
+    Example::
+
+        plan = memfit.plan(model, x, budget="1GiB", precision="bf16-mixed")
+        memfit.apply_plan(model, plan)
+    """
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    policy = PrecisionPolicy.of(precision)
+    profiled = profile_model(model, example_inputs, loss_fn, policy, units)
+    return solve_profile(
+        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps)
+    ).plan
+
+
+def plan_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    budget: Budget = None,
+    strategy: str = "optimal",
+    precision: str | PrecisionPolicy | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    frontier: bool = True,
+    accumulation_steps: int = 1,
+) -> Plan:
+    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``.
+
+    Example::
+
+        plan = plan_step(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
+    """
+    return make_plan(
+        model,
+        batch,
+        loss_fn,
+        optimizer=optimizer,
+        precision=precision,
+        strategy=strategy,
+        budget=budget,
+        accumulation_steps=accumulation_steps,
+        frontier=frontier,
+    ).plan
