@@ -23,9 +23,9 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
-from memfit.checkpoint.planner import RESERVE, plan_step
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.planner import RESERVE, plan_step
 from memfit.checkpoint.profile import flop_counter
 from memfit.errors import BudgetError
 from memfit.models.gpt import gpt_loss

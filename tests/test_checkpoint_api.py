@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import memfit
+from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.planner import RESERVE, plan_step, profile_step, solve_profile
-from memfit.checkpoint.step_memory import optimizer_state_bytes
-from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.profile import flop_counter
+from memfit.checkpoint.step_memory import optimizer_state_bytes
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy

@@ -1,9 +1,9 @@
 """Activation checkpointing: find units, profile them, plan under a budget, apply in place."""
 
-from memfit.checkpoint.planner import PlanResult, make_plan, plan, plan_step
 from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.planner import PlanResult, make_plan, plan, plan_step
 from memfit.checkpoint.profile import Profile, profile
 from memfit.checkpoint.solve import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
