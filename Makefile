@@ -1,5 +1,5 @@
 # make demo: train the built-in GPT on the built-in corpus for a short run.
-# make test: lint, format check and the test suite (CPU, a few minutes).
+# make test: lint, format check, the import contract and the test suite (CPU, a few minutes).
 # Both create .venv when it is missing and reuse it afterwards.
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,6 +22,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format .
