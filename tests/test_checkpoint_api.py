@@ -299,3 +299,33 @@ def test_hf_models_computing_their_loss_inside_fit_their_budget(kind: str, preci
         assert measured <= budget, (kind, precision, budget, measured, plan.decisions)
         error = abs(plan.predicted_peak_bytes - measured) / measured
         assert error <= 0.10, (kind, precision, budget, plan.predicted_peak_bytes, measured)
+
+
+def _conv_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(4):
+        layers += [
+            torch.nn.Sequential(
+                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU()
+            )
+        ]
+    return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 16, 10))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+def test_plan_of_a_fresh_model_counts_the_precisions_islands_and_leaves_the_model_as_it_was(
+    precision: str,
+) -> None:
+    # memfit.plan on a model no Engine has touched measures it as training will run it
+    # (BatchNorm as an fp32 island, 16-bit weights in the master modes), then restores it.
+    x = torch.randn(8, 3, 16, 16)
+    fresh = _conv_net()
+    before = {n: (p.dtype, p.data_ptr()) for n, p in fresh.named_parameters()}
+    fresh_plan = memfit.plan(fresh, x, strategy="none", precision=precision)
+    assert {n: (p.dtype, p.data_ptr()) for n, p in fresh.named_parameters()} == before
+    assert all("forward" not in m.__dict__ for m in fresh.modules())
+    prepared = _conv_net()
+    memfit.apply_precision(prepared, memfit.PrecisionPolicy(precision))
+    prepared_plan = memfit.plan(prepared, x, strategy="none", precision=precision)
+    assert fresh_plan.predicted_peak_bytes == prepared_plan.predicted_peak_bytes

@@ -45,6 +45,7 @@ from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.nested import call_model
+from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -96,15 +97,16 @@ def profile_model(
     units: Sequence[str] | None = None,
 ) -> ModelProfile:
     """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``."""
-    prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
-    profiled = ModelProfile(
-        profile=prof,
-        root=prof.root,
-        structure=prof.structure,
-        output_bytes=float(prof.output_bytes),
-        loss_saved_bytes=float(prof.loss_saved_bytes),
-    )
-    return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
+    with precision_applied(model, policy):
+        prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
+        profiled = ModelProfile(
+            profile=prof,
+            root=prof.root,
+            structure=prof.structure,
+            output_bytes=float(prof.output_bytes),
+            loss_saved_bytes=float(prof.loss_saved_bytes),
+        )
+        return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
 
 
 @contextlib.contextmanager
@@ -179,9 +181,14 @@ def profile_step(
     names = list(units) if units is not None else find_units(model).names()
     step_module = _StepModule(model, loss_fn)
     prefixed = ["model" if not n else f"model.{n}" for n in names]
-    prof = profile(
-        step_module, (batch,), loss_fn=lambda loss: loss, precision=policy, units=["", *prefixed]
-    )
+    with precision_applied(model, policy):
+        prof = profile(
+            step_module,
+            (batch,),
+            loss_fn=lambda loss: loss,
+            precision=policy,
+            units=["", *prefixed],
+        )
     model_root = next((c for c in prof.root.children if c.name == "model"), None)
     if model_root is None:
         raise PlanError("profiling did not see the model run; loss_fn must call the model")
@@ -194,7 +201,8 @@ def profile_step(
         output_bytes=float(prof.output_bytes + model_root.output_bytes),
         loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
     )
-    return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
+    with precision_applied(model, policy):
+        return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
 
 
 def _unstable_notes(unstable: dict[str, str]) -> list[str]:

@@ -128,17 +128,19 @@ def step_memory(
     own unit tree, when ``prof`` profiled more than the model (default: ``prof.root``).
     ``accumulation_steps``: micro-batches per optimizer step; above 1 the gradients are
     held through the activation phase (``accumulated_grad_bytes``)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = _trained_widths(model, policy)
+    param_bytes = sum(p.numel() * trained[id(p)] for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     if optimizer is not None:
         updated = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     else:
         updated = [p for p in model.parameters() if p.requires_grad]
     model_params = {id(p) for p in model.parameters()}
-    # fp32 master copies live in the optimizer, not in the model.
+    # fp32 master copies live in the optimizer, not in the model. Before an Engine has
+    # made them (planning a fresh model), they are the ones it will make.
     master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
-    if policy.master_weights and optimizer is None:
-        master_bytes = sum(p.numel() * 4 for p in model.parameters() if p.dtype != torch.float32)
+    if policy.master_weights and master_bytes == 0:
+        master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
     grad_bytes = sum(
         p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
     )
@@ -165,6 +167,20 @@ def step_memory(
         in_flight_bytes=in_flight,
         accumulated_grad_bytes=float(grad_bytes) if accumulation_steps > 1 else 0.0,
     )
+
+
+def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]:
+    """Bytes per element of each parameter as training holds it: in the ``*-master``
+    modes, floating-point weights outside the fp32 islands in the compute dtype (whether
+    or not the model has been cast yet), else as they are."""
+    widths = {id(p): p.element_size() for p in model.parameters()}
+    if policy.master_weights:
+        low = torch.finfo(policy.compute_dtype).bits // 8
+        islands = {id(p) for m in model.modules() if policy.is_island(m) for p in m.parameters()}
+        for p in model.parameters():
+            if p.is_floating_point() and id(p) not in islands:
+                widths[id(p)] = low
+    return widths
 
 
 def _in_flight_bytes(root: UnitCost) -> float:

@@ -1,6 +1,6 @@
 """Mixed precision: policies, loss scaling, fp32 master weights."""
 
-from memfit.precision.apply import apply_precision, remove_precision
+from memfit.precision.apply import apply_precision, precision_applied, remove_precision
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import ALIASES, MODES, PrecisionPolicy, resolve_mode
 from memfit.precision.scaler import LossScaler, ScalerStats
@@ -13,6 +13,7 @@ __all__ = [
     "PrecisionPolicy",
     "ScalerStats",
     "apply_precision",
+    "precision_applied",
     "remove_precision",
     "resolve_mode",
 ]

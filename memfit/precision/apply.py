@@ -13,25 +13,22 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.nested import map_tensors
 from memfit.precision.policy import PrecisionPolicy
 
 _ORIGINAL = "_memfit_island_forward"
 
 
 def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.float()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.float() if t.is_floating_point() else t)
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -80,3 +77,31 @@ def remove_precision(model: nn.Module) -> None:
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def precision_applied(model: nn.Module, policy: PrecisionPolicy) -> Iterator[list[str]]:
+    """``model`` as training under ``policy`` will run it, inside a ``with`` block: the
+    fp32 islands, and in the ``*-master`` modes the low-precision weights. Afterwards it is
+    exactly as it was: islands this block added are removed and the weights it cast get
+    their original tensors back (no rounding). Planning uses it, so a model planned before
+    an Engine has touched it is measured as it will train.
+
+    Example::
+
+        with precision_applied(model, PrecisionPolicy("bf16-mixed")):
+            prof = profile(model, x, precision="bf16-mixed")
+    """
+    had_islands = {id(m) for m in model.modules() if _ORIGINAL in m.__dict__}
+    originals = [(p, p.data) for p in model.parameters()]
+    islands = apply_precision(model, policy)
+    try:
+        yield islands
+    finally:
+        for module in model.modules():
+            if id(module) not in had_islands and _ORIGINAL in module.__dict__:
+                module.__dict__.pop(_ORIGINAL)
+                module.__dict__.pop("forward", None)
+        for param, data in originals:
+            if param.data is not data:
+                param.data = data

@@ -1,0 +1,97 @@
+"""The peak memory of a piece of work as the allocator saw it: the oracle for predictions.
+
+``memfit.measure`` tracks tensor storages at the dispatcher, which tells memory apart by
+kind (parameters, gradients, activations); it misses what kernels allocate for themselves
+(a convolution's workspace, a fused optimizer's scratch). The allocator misses nothing:
+
+* on CUDA, the caching allocator's statistics (``torch.cuda.max_memory_allocated`` after a
+  reset of the peak);
+* on CPU, ``torch.profiler`` with ``profile_memory=True``, which records every allocation
+  and free with its size; the peak is the highest running sum over the work.
+
+Both count from what was allocated when the work started. On CPU the profiler cannot see
+that, so the caller names the tensors alive at the start (``live``: parameters, optimizer
+state, the batch) and their storages are added once each.
+
+Example::
+
+    peak = allocator_peak(lambda: engine.train_step(batch, loss_fn),
+                          live=[*model.parameters(), *optimizer_tensors(optimizer), batch])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.nested import tensors
+
+
+@dataclass(frozen=True)
+class AllocatorPeak:
+    """The peak of a piece of work, in bytes, and what it was measured from."""
+
+    peak_bytes: int
+    """The highest memory allocated at once: ``start_bytes`` plus the highest rise."""
+    start_bytes: int
+    """What was allocated when the work started (CPU: the ``live`` tensors' storages)."""
+    result: Any = None
+    """What the work returned."""
+
+
+def _storage_bytes(objects: Iterable[Any]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors(list(objects)):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes() > 0:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters and every tensor of its state (fp32 masters included,
+    since in the ``*-master`` modes they are the optimizer's parameters)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [*params, *tensors(list(optimizer.state.values()))]
+
+
+def allocator_peak(
+    fn: Callable[[], Any], live: Iterable[Any] = (), device: str | torch.device = "cpu"
+) -> AllocatorPeak:
+    """Run ``fn()`` and return its peak memory on ``device`` as the allocator saw it.
+
+    ``live``: tensors (or nested structures of them) alive when ``fn`` starts; on CPU
+    their storages are the starting point. On CUDA the allocator knows it itself.
+
+    Example::
+
+        peak = allocator_peak(step, live=[*model.parameters(), batch]).peak_bytes
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
+    start = _storage_bytes(live)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        result = fn()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    running = highest = 0
+    for event in events:
+        running += event.nbytes()
+        highest = max(highest, running)
+    return AllocatorPeak(start + highest, start, result)
