@@ -210,10 +210,11 @@ class _Check:
     """Metric keys for the value; the first present one wins."""
     missing: str
     """What to measure, for the detail of a check whose value is absent."""
-    remedy: Callable[[_Run], str]
-    """The one-line remedy of a warning."""
-    threshold: Callable[[_Run], float] | None = None
-    """The healthy bound; None: the value only has to be finite."""
+    remedy: str | Callable[[_Run], str]
+    """The one-line remedy of a warning (or what builds it from the run)."""
+    threshold: str | Callable[[_Run], float] | None = None
+    """The healthy bound: a :class:`HealthThresholds` field's name, or what reads it from
+    the run; None: the value only has to be finite."""
     op: str = "<="
     percent: bool = False
     skip: Callable[[_Run], str | None] = lambda run: None
@@ -237,8 +238,9 @@ def _evaluate(check: _Check, run: _Run) -> HealthCheck:
     if value is None:
         detail = f"not measured ({check.missing})"
         return HealthCheck(check.name, "n/a", detail=detail, percent=check.percent)
-    threshold = check.threshold(run) if check.threshold is not None else None
+    threshold = _threshold(check, run)
     status = _status(value, threshold, check.op)
+    remedy = check.remedy if isinstance(check.remedy, str) else check.remedy(run)
     return HealthCheck(
         check.name,
         status,
@@ -247,8 +249,16 @@ def _evaluate(check: _Check, run: _Run) -> HealthCheck:
         check.op,
         percent=check.percent,
         detail=check.detail(run, status),
-        remedy=check.remedy(run) if status == "warn" else "",
+        remedy=remedy if status == "warn" else "",
     )
+
+
+def _threshold(check: _Check, run: _Run) -> float | None:
+    if check.threshold is None:
+        return None
+    if isinstance(check.threshold, str):
+        return getattr(run.thresholds, check.threshold)
+    return check.threshold(run)
 
 
 def _no_scaling(run: _Run) -> str | None:
@@ -339,11 +349,11 @@ _CHECKS: tuple[_Check, ...] = (
         "overflow rate",
         ("amp/overflow_rate_recent", "amp/overflow_rate"),
         missing="amp/overflow_rate",
-        threshold=lambda run: run.thresholds.max_overflow_rate,
+        threshold="max_overflow_rate",
         percent=True,
         skip=_no_scaling,
         detail=_overflow_detail,
-        remedy=lambda run: (
+        remedy=(
             "overflows are frequent: raise LossScaler(growth_interval=...) or "
             "hysteresis, keep the overflowing module in fp32 (first_nonfinite names "
             "it), or use bf16-mixed"
@@ -358,7 +368,7 @@ _CHECKS: tuple[_Check, ...] = (
         op=">",
         skip=_no_scaling,
         detail=lambda run, status: "pinned at the scaler's minimum" if status == "warn" else "",
-        remedy=lambda run: (
+        remedy=(
             "gradients overflow even unscaled: lower the learning rate, set "
             "clip_grad_norm, keep the overflowing module in fp32, or use bf16-mixed"
         ),
@@ -368,7 +378,7 @@ _CHECKS: tuple[_Check, ...] = (
         "gradient underflow",
         ("grad/underflow_fraction",),
         missing="grad/underflow_fraction, see gradient_underflow",
-        threshold=lambda run: run.thresholds.max_gradient_underflow,
+        threshold="max_gradient_underflow",
         percent=True,
         skip=_keeps_fp32_range("gradients"),
         remedy=_underflow_remedy,
@@ -378,7 +388,7 @@ _CHECKS: tuple[_Check, ...] = (
         "activation range",
         ("act/max_fp16_fraction",),
         missing="act/max/<unit>, see ActivationRanges",
-        threshold=lambda run: run.thresholds.max_activation_fp16_fraction,
+        threshold="max_activation_fp16_fraction",
         op="<",
         percent=True,
         skip=_keeps_fp32_range("activations"),
@@ -391,7 +401,7 @@ _CHECKS: tuple[_Check, ...] = (
         "low-precision memory share",
         ("memory/low_precision_share",),
         missing="memory/low_precision_share, see memory_metrics",
-        threshold=lambda run: run.thresholds.min_low_precision_share,
+        threshold="min_low_precision_share",
         op=">=",
         percent=True,
         skip=lambda run: None if run.mixed else "fp32 run: no 16-bit tensors expected",
@@ -402,11 +412,11 @@ _CHECKS: tuple[_Check, ...] = (
         "recompute overhead",
         ("recompute/overhead",),
         missing="recompute/overhead",
-        threshold=lambda run: run.thresholds.max_recompute_overhead,
+        threshold="max_recompute_overhead",
         percent=True,
         skip=_no_plan,
         value_when_skipped=False,
-        remedy=lambda run: (
+        remedy=(
             "checkpointing costs too much time: raise the memory budget, use "
             "strategy='optimal' or selective recompute, or lower the micro-batch"
         ),
@@ -418,9 +428,7 @@ _CHECKS: tuple[_Check, ...] = (
         missing="loss",
         op="",
         detail=lambda run, status: "finite" if status == "pass" else "the loss is not finite",
-        remedy=lambda run: (
-            "check the inputs for inf/nan, lower the learning rate, or use bf16-mixed"
-        ),
+        remedy=("check the inputs for inf/nan, lower the learning rate, or use bf16-mixed"),
     ),
 )
 
