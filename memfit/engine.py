@@ -233,7 +233,7 @@ class Engine:
         if isinstance(monitor, bool):
             monitor = MonitorConfig(enabled=monitor)
         # Created before any training so an unwritable log_dir fails now, not an hour in.
-        self.monitor = Monitor(self, monitor, self.log_dir, sinks)
+        self.monitor = Monitor(model, monitor, self.log_dir, sinks)
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self._measuring = False
@@ -297,7 +297,13 @@ class Engine:
         self.scaler.unscale_(self.optimizer)
         log_now = (self.steps + 1) % self.settings.log_every == 0
         # Gradient statistics describe the unscaled gradients before clipping.
-        grad_metrics = self.monitor.gradient_metrics(self) if log_now else {}
+        grad_metrics = (
+            self.monitor.gradient_metrics(
+                self._named_grad_params(), self.policy, self.scaler.scale_tensor
+            )
+            if log_now
+            else {}
+        )
         self._grad_norm = None
         if self.settings.clip_grad_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -351,9 +357,27 @@ class Engine:
         for sink in self.monitor.sinks:
             sink.log(self.steps, {"step": float(self.steps), **metrics})
 
+    def read_metrics(self) -> dict[str, float]:
+        """Read the metrics now instead of at the next log step: the same host syncs and
+        names as a log step (without the gradient statistics, which need the gradients
+        before ``zero_grad``), sent to the sinks, kept in ``engine.metrics`` and returned.
+
+        Use it after a run whose last step was not a log step.
+
+        Example::
+
+            for batch in batches:
+                engine.train_step(batch, loss_fn)
+            if engine.steps % engine.settings.log_every:
+                print(engine.read_metrics()["loss"])
+        """
+        return self._read_metrics()
+
     def health(self) -> list[HealthCheck]:
         """Each health check on the latest metrics: value, threshold, pass/warn, remedy."""
-        return self.monitor.health(self)
+        return self.monitor.health(
+            self.metrics, self.policy, self.scaler.min_scale, has_plan=self.plan is not None
+        )
 
     def close(self) -> None:
         """Flush and close the sinks and remove the monitor's hooks."""
@@ -445,9 +469,7 @@ class Engine:
                 "overflowed or the data holds inf/nan). Check the inputs, lower the learning "
                 "rate, or use precision='bf16-mixed' (fp16's range ends at 65504)."
             )
-        masters = dict(zip(self.master.names, self.master.masters)) if self.master else {}
-        for name, working in self.model.named_parameters():
-            param = masters.get(name, working)
+        for name, param in self._named_grad_params():
             if param.grad is not None and not torch.isfinite(param.grad).all():
                 remedy = (
                     "lower the learning rate, set clip_grad_norm, or keep that module in fp32 "
@@ -460,6 +482,12 @@ class Engine:
                     )
                 return f"{head}: the first parameter with a non-finite gradient is {name!r}. Remedy: {remedy}."
         return f"{head}. Lower the learning rate or set clip_grad_norm."
+
+    def _named_grad_params(self) -> list[tuple[str, torch.Tensor]]:
+        """Each model parameter by name, as its fp32 master where the mode keeps one: the
+        tensors whose gradients the optimizer steps."""
+        masters = dict(zip(self.master.names, self.master.masters)) if self.master else {}
+        return [(name, masters.get(name, p)) for name, p in self.model.named_parameters()]
 
     def _read_metrics(self, extra: dict[str, float] | None = None) -> dict[str, float]:
         stats = self.scaler.stats
@@ -496,7 +524,7 @@ class Engine:
                     self.plan.recompute_seconds / metrics["time/step_seconds"]
                 )
         metrics.update(extra or {})
-        self.metrics = self.monitor.log(self, metrics)
+        self.metrics = self.monitor.log(metrics)
         self._window_start = time.perf_counter()
         self._window_samples = 0
         self._window_steps = 0

@@ -1,6 +1,9 @@
 """The ``memfit`` command: one subcommand per file in this package.
 
 Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage.
+
+This module imports the subcommands (``train``, ``plan``, ``report``); what they share is
+in :mod:`memfit.cli.common`.
 """
 
 from __future__ import annotations
@@ -9,37 +12,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from memfit.cli import plan, report, train
+from memfit.cli.common import UsageError
 from memfit.errors import ConfigError, MemfitError
 
 
-class UsageError(Exception):
-    """A flag's value is wrong: reported with the usage line and exit code 2."""
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags every subcommand that builds a model takes: ``--model``, ``--precision``,
-    ``--set KEY=VALUE`` (into ``args.overrides``) and ``--device``."""
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
-    p.add_argument(
-        "--precision",
-        default="bf16-mixed",
-        help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias; "
-        "default: bf16-mixed)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="built-in model config field, e.g. --set n_layer=6 (repeatable)",
-    )
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import plan, report, train
-
     parser = argparse.ArgumentParser(
         prog="memfit",
         description="Fit PyTorch training in the memory you have: mixed precision and "

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from memfit.cli.main import UsageError, add_model_arguments
+from memfit.cli.common import (
+    UsageError,
+    add_model_arguments,
+    builtin_model,
+    model_config_cls,
+    parse_overrides,
+    pick_device,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -62,12 +69,10 @@ def _load_factory(spec: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     import memfit
     from memfit.checkpoint.planner import plan_step
-    from memfit.cli.train import parse_overrides
-    from memfit.models import MODELS, build_model
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device)
     policy = memfit.PrecisionPolicy(args.precision)
     if args.factory:
         made = _load_factory(args.factory)()
@@ -78,12 +83,9 @@ def run(args: argparse.Namespace) -> int:
             )
         model = made[0].to(device)
     else:
-        if args.model not in MODELS:
-            raise UsageError(f"unknown --model {args.model!r}; valid: {', '.join(MODELS)}")
-        overrides = parse_overrides(args.overrides, MODELS[args.model].config_cls)
-        torch.manual_seed(0)
-        model, loss_fn, batch_fn = build_model(
-            args.model, data="synthetic", device=device, **overrides
+        overrides = parse_overrides(args.overrides, model_config_cls(args.model))
+        model, loss_fn, batch_fn = builtin_model(
+            args.model, overrides, data="synthetic", device=device, seed=0
         )
         made = (model, batch_fn(args.batch_size, generator=0), loss_fn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -9,19 +9,34 @@ and ``summary.json``. ``--resume DIR`` continues a run exactly where it stopped.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.cli.main import UsageError, add_model_arguments
+from memfit.cli.common import (
+    UsageError,
+    add_model_arguments,
+    builtin_model,
+    model_config_cls,
+    parse_overrides,
+    pick_device,
+)
 from memfit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from memfit.engine import Engine
+    from memfit.precision.scaler import ScalerStats
 
 CONFIG = "config.json"
 CHECKPOINT = "checkpoint.pt"
@@ -127,38 +142,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def parse_overrides(items: list[str], config_cls: type) -> dict[str, Any]:
-    """``["n_layer=6", "dropout=0.1"]`` → typed values for the config dataclass's fields."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    defaults = config_cls()
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in fields:
-            raise UsageError(
-                f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}"
-            )
-        current = getattr(defaults, key)
-        try:
-            if isinstance(current, bool):
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(text)
-                value: Any = text.lower() in ("true", "1")
-            elif isinstance(current, int):
-                value = int(text)
-            elif isinstance(current, float):
-                value = float(text)
-            elif isinstance(current, tuple):
-                value = tuple(int(v) for v in text.split(","))
-            else:
-                value = text
-        except ValueError:
-            raise UsageError(f"--set {item!r}: {key} needs a {type(current).__name__}") from None
-        out[key] = value
-    return out
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     # Written to a temp file and renamed, so a crash never leaves half a file.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -255,81 +238,120 @@ def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    import memfit
-    from memfit.models import MODELS, build_model
-    from memfit.monitor import health_to_dict, make_report, render_health
-    from memfit.units import format_bytes
 
     console = Console(stderr=False)
+    job = _build(args, console)
+    outcome = _train_loop(job, console)
+    _finish(job, outcome, console)
+    return 0
+
+
+@dataclass
+class _Job:
+    """A run ready to train: its settings, directory, Engine and data."""
+
+    settings: dict[str, Any]
+    run_dir: Path
+    engine: Engine
+    loss_fn: Any
+    batch_fn: Any
+    tokens_per_sample: int | None
+
+
+@dataclass
+class _Outcome:
+    """What the training loop leaves for the summary."""
+
+    train_loss: float
+    val_loss: float
+    samples_done: int
+    elapsed: float
+
+
+def _build(args: argparse.Namespace, console: Console) -> _Job:
+    """Settings, run directory, model and Engine (new or resumed); prints the run's header."""
+    import memfit
+
     run_dir, s, resuming = _prepare_run_dir(args)
-    if s["model"] not in MODELS:
-        raise UsageError(f"unknown --model {s['model']!r}; valid: {', '.join(MODELS)}")
+    config_cls = model_config_cls(s["model"])
     memfit.PrecisionPolicy(s["precision"])  # a bad name fails here, before any work
-    overrides = parse_overrides(s["overrides"], MODELS[s["model"]].config_cls)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    overrides = parse_overrides(s["overrides"], config_cls)
+    device = pick_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     if not resuming:
         _write_json(run_dir / CONFIG, s)
 
-    torch.manual_seed(s["seed"])
-    model, loss_fn, batch_fn = build_model(s["model"], data=s["data"], device=device, **overrides)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
+    model, loss_fn, batch_fn = builtin_model(
+        s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
     seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
     tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
-    flops_per_sample = None
-    if s["model"] == "gpt":
-        flops_per_sample = float(model.flops_per_token() * seq_len)
+    flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
     monitoring = dict(
         log_dir=run_dir, tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
     )
+    engine = _engine(s, run_dir, resuming, model, monitoring)
     if resuming:
-        path = run_dir / CHECKPOINT
-        try:
-            engine = memfit.Engine.resume(
-                path, model, optimizer, lr_scheduler=scheduler, **monitoring
-            )
-        except CheckpointError as exc:
-            previous = run_dir / PREVIOUS
-            hint = (
-                f" The previous checkpoint {previous} may still load: copy it over {path} "
-                "to resume from it."
-                if previous.exists()
-                else ""
-            )
-            raise CheckpointError(f"{exc}{hint}") from None
         console.print(f"resumed {run_dir} at step {engine.steps}")
-    else:
-        engine = memfit.Engine(
-            model,
-            optimizer,
-            precision=s["precision"],
-            checkpoint=s["checkpoint"],
-            memory_budget=s["budget"],
-            accumulation_steps=s["accumulation"],
-            clip_grad_norm=s["clip"],
-            lr_scheduler=scheduler,
-            log_every=s["log_every"],
-            **monitoring,
-        )
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
         f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
     )
+    return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
 
-    val_loss = math.nan
-    train_loss = math.nan
-    start_step = engine.steps
-    started = time.perf_counter()
-    samples_done = 0
-    progress = Progress(
+
+def _engine(
+    s: dict[str, Any], run_dir: Path, resuming: bool, model: Any, monitoring: dict[str, Any]
+) -> Engine:
+    """The optimizer, its schedule and the Engine: a new one, or the one saved in ``run_dir``."""
+    import memfit
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
+    if resuming:
+        return _resume(run_dir, model, optimizer, scheduler, monitoring)
+    return memfit.Engine(
+        model,
+        optimizer,
+        precision=s["precision"],
+        checkpoint=s["checkpoint"],
+        memory_budget=s["budget"],
+        accumulation_steps=s["accumulation"],
+        clip_grad_norm=s["clip"],
+        lr_scheduler=scheduler,
+        log_every=s["log_every"],
+        **monitoring,
+    )
+
+
+def _resume(
+    run_dir: Path, model: Any, optimizer: Any, scheduler: Any, monitoring: dict[str, Any]
+) -> Engine:
+    """The Engine saved in ``run_dir``; a broken checkpoint's error names the previous one."""
+    import memfit
+
+    path = run_dir / CHECKPOINT
+    try:
+        return memfit.Engine.resume(path, model, optimizer, lr_scheduler=scheduler, **monitoring)
+    except CheckpointError as exc:
+        previous = run_dir / PREVIOUS
+        hint = (
+            f" The previous checkpoint {previous} may still load: copy it over {path} "
+            "to resume from it."
+            if previous.exists()
+            else ""
+        )
+        raise CheckpointError(f"{exc}{hint}") from None
+
+
+def _progress(console: Console) -> Progress:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
         TextColumn("step {task.completed:>5}/{task.total}"),
         BarColumn(),
         TextColumn("loss {task.fields[loss]}"),
@@ -339,90 +361,135 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
         console=console,
     )
+
+
+def _progress_fields(metrics: dict[str, float], tokens_per_sample: int | None) -> dict[str, str]:
+    """The progress bar's loss, speed, scale and memory from a log step's metrics."""
+    from memfit.units import format_bytes
+
+    sps = metrics["throughput/samples_per_second"]
+    speed = (
+        f"{sps * tokens_per_sample:,.0f} tok/s" if tokens_per_sample else f"{sps:,.1f} samples/s"
+    )
+    peak = metrics.get("memory/peak_bytes")
+    return {
+        "loss": f"{metrics['loss']:.4f}",
+        "speed": speed,
+        "scale": f"{metrics['amp/scale']:g}",
+        "mem": format_bytes(peak) if peak else "-",
+    }
+
+
+def _train_loop(job: _Job, console: Console) -> _Outcome:
+    """Train to ``steps`` with a progress bar, validating and saving on schedule."""
+    s, engine = job.settings, job.engine
+    val_loss = math.nan
+    train_loss = math.nan
+    started = time.perf_counter()
+    samples_done = 0
+    progress = _progress(console)
     with progress:
         task = progress.add_task(
-            "train", total=s["steps"], completed=start_step, loss="-", speed="-", scale="-", mem="-"
+            "train",
+            total=s["steps"],
+            completed=engine.steps,
+            loss="-",
+            speed="-",
+            scale="-",
+            mem="-",
         )
         while engine.steps < s["steps"]:
-            batch = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-            engine.train_step(batch, loss_fn)
+            batch = _batch(job.batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
+            engine.train_step(batch, job.loss_fn)
             samples_done += s["batch_size"]
             step = engine.steps
             if step % s["log_every"] == 0:
-                m = engine.metrics
-                train_loss = m["loss"]
-                sps = m["throughput/samples_per_second"]
-                speed = (
-                    f"{sps * tokens_per_sample:,.0f} tok/s"
-                    if tokens_per_sample
-                    else f"{sps:,.1f} samples/s"
-                )
-                peak = m.get("memory/peak_bytes")
-                progress.update(
-                    task,
-                    loss=f"{train_loss:.4f}",
-                    speed=speed,
-                    scale=f"{m['amp/scale']:g}",
-                    mem=format_bytes(peak) if peak else "-",
-                )
+                train_loss = engine.metrics["loss"]
+                progress.update(task, **_progress_fields(engine.metrics, job.tokens_per_sample))
             if step % s["eval_every"] == 0 or step == s["steps"]:
-                val_loss = evaluate(engine, loss_fn, batch_fn, s["batch_size"], s["eval_batches"])
+                val_loss = evaluate(
+                    engine, job.loss_fn, job.batch_fn, s["batch_size"], s["eval_batches"]
+                )
                 engine.log_metrics({"val/loss": val_loss})
                 progress.console.print(f"step {step}: validation loss {val_loss:.4f}")
             if step % s["save_every"] == 0 or step == s["steps"]:
-                _save(engine, run_dir)
+                _save(engine, job.run_dir)
             progress.update(task, completed=step)
     elapsed = time.perf_counter() - started
     if engine.steps % s["log_every"] != 0 and samples_done:
-        train_loss = engine._read_metrics()["loss"]
+        train_loss = engine.read_metrics()["loss"]
+    return _Outcome(train_loss, val_loss, samples_done, elapsed)
+
+
+def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
+    """Write summary.json, health.json and plan.json, close the Engine, print the summary
+    and health tables and write the report."""
+    from memfit.monitor import health_to_dict, make_report, render_health
+
+    engine, run_dir = job.engine, job.run_dir
     stats = engine.scaler.stats
-    peak_bytes = engine.metrics.get("memory/peak_bytes")
-    summary = {
-        "steps": engine.steps,
-        "applied_steps": engine.applied_steps,
-        "skipped_steps": stats.skipped,
-        "final_train_loss": train_loss,
-        "final_val_loss": val_loss,
-        "peak_memory_bytes": peak_bytes,
-        "samples_per_second": samples_done / elapsed if elapsed > 0 else 0.0,
-        "tokens_per_second": samples_done * tokens_per_sample / elapsed
-        if tokens_per_sample and elapsed > 0
-        else None,
-        "wall_seconds": elapsed,
-        "precision": engine.policy.mode,
-        "loss_scale": stats.scale,
-    }
+    summary = _summary(job, outcome, stats)
     _write_json(run_dir / "summary.json", summary)
     checks = engine.health()
     _write_json(run_dir / "health.json", health_to_dict(checks))
     if engine.plan is not None and hasattr(engine.plan, "to_json"):
         (run_dir / "plan.json").write_text(engine.plan.to_json())
     engine.close()
-
-    table = Table(title="summary", show_header=False)
-    table.add_row(
-        "steps (applied / skipped)", f"{engine.steps} ({engine.applied_steps} / {stats.skipped})"
-    )
-    table.add_row("final train loss", f"{train_loss:.4f}")
-    table.add_row("final validation loss", f"{val_loss:.4f}")
-    table.add_row(
-        "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
-    )
-    if tokens_per_sample:
-        table.add_row("throughput", f"{summary['tokens_per_second']:,.0f} tokens/s")
-    else:
-        table.add_row("throughput", f"{summary['samples_per_second']:,.1f} samples/s")
-    table.add_row("precision / loss scale", f"{engine.policy.mode} / {stats.scale:g}")
-    table.add_row("wall time", f"{elapsed:.1f} s")
-    table.add_row("run directory", str(run_dir))
-    console.print(table)
+    console.print(_summary_table(job, outcome, summary, stats))
     console.print(render_health(checks))
     try:
         report = make_report(run_dir)
         console.print(f"report: {report}")
     except Exception as exc:  # the run itself succeeded; a report problem is not fatal
         console.print(f"[yellow]report not written: {exc}[/]")
-    return 0
+
+
+def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]:
+    """What summary.json holds."""
+    engine, elapsed, samples = job.engine, outcome.elapsed, outcome.samples_done
+    return {
+        "steps": engine.steps,
+        "applied_steps": engine.applied_steps,
+        "skipped_steps": stats.skipped,
+        "final_train_loss": outcome.train_loss,
+        "final_val_loss": outcome.val_loss,
+        "peak_memory_bytes": engine.metrics.get("memory/peak_bytes"),
+        "samples_per_second": samples / elapsed if elapsed > 0 else 0.0,
+        "tokens_per_second": samples * job.tokens_per_sample / elapsed
+        if job.tokens_per_sample and elapsed > 0
+        else None,
+        "wall_seconds": elapsed,
+        "precision": engine.policy.mode,
+        "loss_scale": stats.scale,
+    }
+
+
+def _summary_table(
+    job: _Job, outcome: _Outcome, summary: dict[str, Any], stats: ScalerStats
+) -> Table:
+    from rich.table import Table
+
+    from memfit.units import format_bytes
+
+    engine = job.engine
+    peak_bytes = summary["peak_memory_bytes"]
+    table = Table(title="summary", show_header=False)
+    table.add_row(
+        "steps (applied / skipped)", f"{engine.steps} ({engine.applied_steps} / {stats.skipped})"
+    )
+    table.add_row("final train loss", f"{outcome.train_loss:.4f}")
+    table.add_row("final validation loss", f"{outcome.val_loss:.4f}")
+    table.add_row(
+        "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
+    )
+    if job.tokens_per_sample:
+        table.add_row("throughput", f"{summary['tokens_per_second']:,.0f} tokens/s")
+    else:
+        table.add_row("throughput", f"{summary['samples_per_second']:,.1f} samples/s")
+    table.add_row("precision / loss scale", f"{engine.policy.mode} / {stats.scale:g}")
+    table.add_row("wall time", f"{outcome.elapsed:.1f} s")
+    table.add_row("run directory", str(job.run_dir))
+    return table
 
 
 def _save(engine: Any, run_dir: Path) -> None:

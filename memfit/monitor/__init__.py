@@ -16,17 +16,13 @@ from memfit.monitor.metrics import (
     ActivationRanges,
     GradNormStats,
     OverflowWindow,
-    Throughput,
     UnderflowStats,
     activation_metrics,
-    count_flops,
     first_nonfinite,
     grad_norm_stats,
     gradient_underflow,
     memory_metrics,
     near_fp16_limit,
-    recompute_overhead_from_flops,
-    recompute_overhead_from_time,
     suggest_initial_scale,
 )
 from memfit.monitor.monitor import Monitor, MonitorConfig
@@ -39,6 +35,12 @@ from memfit.monitor.sinks import (
     TensorBoardSink,
     check_log_dir,
     is_rank_zero,
+)
+from memfit.monitor.throughput import (
+    Throughput,
+    count_flops,
+    recompute_overhead_from_flops,
+    recompute_overhead_from_time,
 )
 
 __all__ = [

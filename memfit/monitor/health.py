@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -162,7 +162,10 @@ def _first(metrics: Mapping[str, Any], *keys: str) -> float | None:
     return None
 
 
-def _status(value: float, threshold: float, op: str) -> Status:
+def _status(value: float, threshold: float | None, op: str) -> Status:
+    # A check without a threshold only asks for a finite value.
+    if threshold is None:
+        return "pass" if math.isfinite(value) else "warn"
     if math.isnan(value):
         return "warn"
     healthy = {
@@ -172,6 +175,262 @@ def _status(value: float, threshold: float, op: str) -> Status:
         ">": value > threshold,
     }[op]
     return "pass" if healthy else "warn"
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every check reads: the metrics, the thresholds, the extra context, the mode."""
+
+    metrics: Mapping[str, Any]
+    thresholds: HealthThresholds
+    extra: Mapping[str, Any]
+    mode: str
+
+    @property
+    def fp16(self) -> bool:
+        return self.mode.startswith("fp16")
+
+    @property
+    def mixed(self) -> bool:
+        return self.mode != "fp32"
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One health check: where its value comes from, what it is compared with, what it says.
+
+    Evaluated by :func:`_evaluate`: ``"n/a"`` with ``skip``'s reason when the check does not
+    apply, ``"n/a"`` with "not measured (``missing``)" when the value is absent, else the
+    value against ``threshold`` by ``op`` (without a threshold: whether it is finite), with
+    ``remedy`` on a warning.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    """Metric keys for the value; the first present one wins."""
+    missing: str
+    """What to measure, for the detail of a check whose value is absent."""
+    remedy: str | Callable[[_Run], str]
+    """The one-line remedy of a warning (or what builds it from the run)."""
+    threshold: str | Callable[[_Run], float] | None = None
+    """The healthy bound: a :class:`HealthThresholds` field's name, or what reads it from
+    the run; None: the value only has to be finite."""
+    op: str = "<="
+    percent: bool = False
+    skip: Callable[[_Run], str | None] = lambda run: None
+    """Why the check does not apply to this run, or None when it does."""
+    value: Callable[[_Run], float | None] | None = None
+    """Where the value comes from first; when it gives None, the first of ``keys``."""
+    detail: Callable[[_Run, Status], str] = lambda run, status: ""
+    """Context for a measured value."""
+    value_when_skipped: bool = True
+    """Whether a check that does not apply still shows the measured value."""
+
+
+def _evaluate(check: _Check, run: _Run) -> HealthCheck:
+    value = check.value(run) if check.value is not None else None
+    if value is None:
+        value = _first(run.metrics, *check.keys)
+    reason = check.skip(run)
+    if reason is not None:
+        shown = value if check.value_when_skipped else None
+        return HealthCheck(check.name, "n/a", shown, None, detail=reason, percent=check.percent)
+    if value is None:
+        detail = f"not measured ({check.missing})"
+        return HealthCheck(check.name, "n/a", detail=detail, percent=check.percent)
+    threshold = _threshold(check, run)
+    status = _status(value, threshold, check.op)
+    remedy = check.remedy if isinstance(check.remedy, str) else check.remedy(run)
+    return HealthCheck(
+        check.name,
+        status,
+        value,
+        threshold,
+        check.op,
+        percent=check.percent,
+        detail=check.detail(run, status),
+        remedy=remedy if status == "warn" else "",
+    )
+
+
+def _threshold(check: _Check, run: _Run) -> float | None:
+    if check.threshold is None:
+        return None
+    if isinstance(check.threshold, str):
+        return getattr(run.thresholds, check.threshold)
+    return check.threshold(run)
+
+
+def _no_scaling(run: _Run) -> str | None:
+    if run.fp16:
+        return None
+    return f"{run.mode} does not scale the loss: bf16 and fp32 share fp32's exponent range"
+
+
+def _keeps_fp32_range(what: str) -> Callable[[_Run], str | None]:
+    def skip(run: _Run) -> str | None:
+        return None if run.fp16 else f"{run.mode} {what} keep fp32's range"
+
+    return skip
+
+
+def _overflow_detail(run: _Run, status: Status) -> str:
+    skipped = _first(run.metrics, "amp/skipped")
+    return f"{skipped:g} steps skipped in all" if skipped is not None else ""
+
+
+def _underflow_remedy(run: _Run) -> str:
+    suggested = _first(run.metrics, "amp/suggested_scale")
+    hint = f" (suggested: {suggested:g})" if suggested is not None else ""
+    return (
+        f"raise the loss scale{hint} with LossScaler(init_scale=..., min_scale=...), "
+        "or use bf16-mixed"
+    )
+
+
+def _worst_unit(metrics: Mapping[str, Any]) -> tuple[str, float] | None:
+    """The unit with the largest ``act/max/<unit>`` (NaN counts as largest), or None.
+
+    The model itself is the unit ``""``: it has a value but no name to show.
+    """
+    unit_values = {
+        k.removeprefix("act/max/"): float(v)
+        for k, v in metrics.items()
+        if k.startswith("act/max/") and isinstance(v, (int, float))
+    }
+    if not unit_values:
+        return None
+    return max(unit_values.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1])
+
+
+def _worst_unit_fraction(run: _Run) -> float | None:
+    worst = _worst_unit(run.metrics)
+    return None if worst is None else worst[1] / _FP16_MAX
+
+
+def _worst_unit_name(run: _Run) -> str:
+    worst = _worst_unit(run.metrics)
+    return worst[0] if worst is not None else ""
+
+
+def _activation_detail(run: _Run, status: Status) -> str:
+    unit = _worst_unit_name(run)
+    return f"largest in {unit!r}, share of fp16's 65504" if unit else ""
+
+
+def _activation_remedy(run: _Run) -> str:
+    where = _worst_unit_name(run) or "the module with the largest outputs"
+    return (
+        f"keep {where} in fp32 (PrecisionPolicy(fp32_islands=...)), add a "
+        "normalization before it, or use bf16-mixed"
+    )
+
+
+def _memory_share_remedy(run: _Run) -> str:
+    if run.mode.endswith("-master"):
+        return (
+            "most memory is fp32: the fp32 master copy and optimizer state dominate; use "
+            "a larger micro-batch or shard the optimizer state (FSDP)"
+        )
+    return (
+        "most memory is fp32: use a *-master mode so weights and gradients are 16-bit, "
+        "check that outputs are not cast to float early, and keep fp32 islands few"
+    )
+
+
+def _no_plan(run: _Run) -> str | None:
+    has_plan = run.extra.get("has_plan", _first(run.metrics, "recompute/overhead") is not None)
+    return None if has_plan else "no checkpoint plan in use"
+
+
+_CHECKS: tuple[_Check, ...] = (
+    # Overflow rate: the recent window says what happens now, the run total what happened.
+    _Check(
+        "overflow rate",
+        ("amp/overflow_rate_recent", "amp/overflow_rate"),
+        missing="amp/overflow_rate",
+        threshold="max_overflow_rate",
+        percent=True,
+        skip=_no_scaling,
+        detail=_overflow_detail,
+        remedy=(
+            "overflows are frequent: raise LossScaler(growth_interval=...) or "
+            "hysteresis, keep the overflowing module in fp32 (first_nonfinite names "
+            "it), or use bf16-mixed"
+        ),
+    ),
+    # Loss scale pinned at its minimum: gradients overflow even at the smallest scale.
+    _Check(
+        "loss scale",
+        ("amp/scale",),
+        missing="amp/scale",
+        threshold=lambda run: float(run.extra.get("min_scale", run.thresholds.min_loss_scale)),
+        op=">",
+        skip=_no_scaling,
+        detail=lambda run, status: "pinned at the scaler's minimum" if status == "warn" else "",
+        remedy=(
+            "gradients overflow even unscaled: lower the learning rate, set "
+            "clip_grad_norm, keep the overflowing module in fp32, or use bf16-mixed"
+        ),
+    ),
+    # Gradient underflow: small gradients the scale leaves below fp16's smallest subnormal.
+    _Check(
+        "gradient underflow",
+        ("grad/underflow_fraction",),
+        missing="grad/underflow_fraction, see gradient_underflow",
+        threshold="max_gradient_underflow",
+        percent=True,
+        skip=_keeps_fp32_range("gradients"),
+        remedy=_underflow_remedy,
+    ),
+    # Activation range: the unit with the largest |output| against fp16's maximum.
+    _Check(
+        "activation range",
+        ("act/max_fp16_fraction",),
+        missing="act/max/<unit>, see ActivationRanges",
+        threshold="max_activation_fp16_fraction",
+        op="<",
+        percent=True,
+        skip=_keeps_fp32_range("activations"),
+        value=_worst_unit_fraction,
+        detail=_activation_detail,
+        remedy=_activation_remedy,
+    ),
+    # Low-precision memory share: what a mixed mode is meant to buy.
+    _Check(
+        "low-precision memory share",
+        ("memory/low_precision_share",),
+        missing="memory/low_precision_share, see memory_metrics",
+        threshold="min_low_precision_share",
+        op=">=",
+        percent=True,
+        skip=lambda run: None if run.mixed else "fp32 run: no 16-bit tensors expected",
+        remedy=_memory_share_remedy,
+    ),
+    # Recompute overhead: only meaningful when a checkpoint plan is in use.
+    _Check(
+        "recompute overhead",
+        ("recompute/overhead",),
+        missing="recompute/overhead",
+        threshold="max_recompute_overhead",
+        percent=True,
+        skip=_no_plan,
+        value_when_skipped=False,
+        remedy=(
+            "checkpointing costs too much time: raise the memory budget, use "
+            "strategy='optimal' or selective recompute, or lower the micro-batch"
+        ),
+    ),
+    # A non-finite loss makes every other number moot.
+    _Check(
+        "loss",
+        ("loss",),
+        missing="loss",
+        op="",
+        detail=lambda run, status: "finite" if status == "pass" else "the loss is not finite",
+        remedy=("check the inputs for inf/nan, lower the learning rate, or use bf16-mixed"),
+    ),
+)
 
 
 def check_health(
@@ -195,273 +454,14 @@ def check_health(
         checks = check_health({"amp/overflow_rate": 0.02, "amp/scale": 1.0}, "fp16-mixed")
         [c.name for c in checks if c.status == "warn"]   # ["overflow rate", "loss scale"]
     """
-    t = thresholds if thresholds is not None else HealthThresholds()
-    extra = dict(extra or {})
     mode = resolve_mode(precision.mode if isinstance(precision, PrecisionPolicy) else precision)
-    fp16 = mode.startswith("fp16")
-    mixed = mode != "fp32"
-    no_scaling = f"{mode} does not scale the loss: bf16 and fp32 share fp32's exponent range"
-    checks: list[HealthCheck] = []
-
-    # Overflow rate: the recent window says what happens now, the run total what happened.
-    rate = _first(metrics, "amp/overflow_rate_recent", "amp/overflow_rate")
-    if not fp16:
-        checks.append(
-            HealthCheck("overflow rate", "n/a", rate, None, detail=no_scaling, percent=True)
-        )
-    elif rate is None:
-        checks.append(
-            HealthCheck(
-                "overflow rate", "n/a", detail="not measured (amp/overflow_rate)", percent=True
-            )
-        )
-    else:
-        status = _status(rate, t.max_overflow_rate, "<=")
-        skipped = _first(metrics, "amp/skipped")
-        checks.append(
-            HealthCheck(
-                "overflow rate",
-                status,
-                rate,
-                t.max_overflow_rate,
-                "<=",
-                percent=True,
-                detail=f"{skipped:g} steps skipped in all" if skipped is not None else "",
-                remedy=(
-                    "overflows are frequent: raise LossScaler(growth_interval=...) or "
-                    "hysteresis, keep the overflowing module in fp32 (first_nonfinite names "
-                    "it), or use bf16-mixed"
-                )
-                if status == "warn"
-                else "",
-            )
-        )
-
-    # Loss scale pinned at its minimum: gradients overflow even at the smallest scale.
-    scale = _first(metrics, "amp/scale")
-    min_scale = float(extra.get("min_scale", t.min_loss_scale))
-    if not fp16:
-        checks.append(HealthCheck("loss scale", "n/a", scale, None, detail=no_scaling))
-    elif scale is None:
-        checks.append(HealthCheck("loss scale", "n/a", detail="not measured (amp/scale)"))
-    else:
-        status = _status(scale, min_scale, ">")
-        checks.append(
-            HealthCheck(
-                "loss scale",
-                status,
-                scale,
-                min_scale,
-                ">",
-                detail="pinned at the scaler's minimum" if status == "warn" else "",
-                remedy=(
-                    "gradients overflow even unscaled: lower the learning rate, set "
-                    "clip_grad_norm, keep the overflowing module in fp32, or use bf16-mixed"
-                )
-                if status == "warn"
-                else "",
-            )
-        )
-
-    # Gradient underflow: small gradients the scale leaves below fp16's smallest subnormal.
-    under = _first(metrics, "grad/underflow_fraction")
-    if not fp16:
-        checks.append(
-            HealthCheck(
-                "gradient underflow",
-                "n/a",
-                under,
-                None,
-                detail=f"{mode} gradients keep fp32's range",
-                percent=True,
-            )
-        )
-    elif under is None:
-        checks.append(
-            HealthCheck(
-                "gradient underflow",
-                "n/a",
-                detail="not measured (grad/underflow_fraction, see gradient_underflow)",
-                percent=True,
-            )
-        )
-    else:
-        status = _status(under, t.max_gradient_underflow, "<=")
-        suggested = _first(metrics, "amp/suggested_scale")
-        hint = f" (suggested: {suggested:g})" if suggested is not None else ""
-        checks.append(
-            HealthCheck(
-                "gradient underflow",
-                status,
-                under,
-                t.max_gradient_underflow,
-                "<=",
-                percent=True,
-                remedy=(
-                    f"raise the loss scale{hint} with LossScaler(init_scale=..., "
-                    "min_scale=...), or use bf16-mixed"
-                )
-                if status == "warn"
-                else "",
-            )
-        )
-
-    # Activation range: the unit with the largest |output| against fp16's maximum.
-    unit_values = {
-        k.removeprefix("act/max/"): float(v)
-        for k, v in metrics.items()
-        if k.startswith("act/max/") and isinstance(v, (int, float))
-    }
-    fraction = _first(metrics, "act/max_fp16_fraction")
-    worst_unit = ""
-    if unit_values:
-        worst_unit, worst = max(
-            unit_values.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1]
-        )
-        fraction = worst / _FP16_MAX
-    if not fp16:
-        checks.append(
-            HealthCheck(
-                "activation range",
-                "n/a",
-                fraction,
-                None,
-                detail=f"{mode} activations keep fp32's range",
-                percent=True,
-            )
-        )
-    elif fraction is None:
-        checks.append(
-            HealthCheck(
-                "activation range",
-                "n/a",
-                detail="not measured (act/max/<unit>, see ActivationRanges)",
-                percent=True,
-            )
-        )
-    else:
-        status = _status(fraction, t.max_activation_fp16_fraction, "<")
-        where = worst_unit or "the module with the largest outputs"
-        checks.append(
-            HealthCheck(
-                "activation range",
-                status,
-                fraction,
-                t.max_activation_fp16_fraction,
-                "<",
-                percent=True,
-                detail=f"largest in {worst_unit!r}, share of fp16's 65504" if worst_unit else "",
-                remedy=(
-                    f"keep {where} in fp32 (PrecisionPolicy(fp32_islands=...)), add a "
-                    "normalization before it, or use bf16-mixed"
-                )
-                if status == "warn"
-                else "",
-            )
-        )
-
-    # Low-precision memory share: what a mixed mode is meant to buy.
-    share = _first(metrics, "memory/low_precision_share")
-    if not mixed:
-        checks.append(
-            HealthCheck(
-                "low-precision memory share",
-                "n/a",
-                share,
-                None,
-                detail="fp32 run: no 16-bit tensors expected",
-                percent=True,
-            )
-        )
-    elif share is None:
-        checks.append(
-            HealthCheck(
-                "low-precision memory share",
-                "n/a",
-                detail="not measured (memory/low_precision_share, see memory_metrics)",
-                percent=True,
-            )
-        )
-    else:
-        status = _status(share, t.min_low_precision_share, ">=")
-        remedy = (
-            "most memory is fp32: use a *-master mode so weights and gradients are 16-bit, "
-            "check that outputs are not cast to float early, and keep fp32 islands few"
-        )
-        if mode.endswith("-master"):
-            remedy = (
-                "most memory is fp32: the fp32 master copy and optimizer state dominate; use "
-                "a larger micro-batch or shard the optimizer state (FSDP)"
-            )
-        checks.append(
-            HealthCheck(
-                "low-precision memory share",
-                status,
-                share,
-                t.min_low_precision_share,
-                ">=",
-                percent=True,
-                remedy=remedy if status == "warn" else "",
-            )
-        )
-
-    # Recompute overhead: only meaningful when a checkpoint plan is in use.
-    overhead = _first(metrics, "recompute/overhead")
-    has_plan = bool(extra.get("has_plan", overhead is not None))
-    if not has_plan:
-        checks.append(
-            HealthCheck(
-                "recompute overhead", "n/a", detail="no checkpoint plan in use", percent=True
-            )
-        )
-    elif overhead is None:
-        checks.append(
-            HealthCheck(
-                "recompute overhead",
-                "n/a",
-                detail="not measured (recompute/overhead)",
-                percent=True,
-            )
-        )
-    else:
-        status = _status(overhead, t.max_recompute_overhead, "<=")
-        checks.append(
-            HealthCheck(
-                "recompute overhead",
-                status,
-                overhead,
-                t.max_recompute_overhead,
-                "<=",
-                percent=True,
-                remedy=(
-                    "checkpointing costs too much time: raise the memory budget, use "
-                    "strategy='optimal' or selective recompute, or lower the micro-batch"
-                )
-                if status == "warn"
-                else "",
-            )
-        )
-
-    # A non-finite loss makes every other number moot.
-    loss = _first(metrics, "loss")
-    if loss is None:
-        checks.append(HealthCheck("loss", "n/a", detail="not measured (loss)"))
-    else:
-        finite = math.isfinite(loss)
-        checks.append(
-            HealthCheck(
-                "loss",
-                "pass" if finite else "warn",
-                loss,
-                None,
-                op="",
-                detail="finite" if finite else "the loss is not finite",
-                remedy=""
-                if finite
-                else "check the inputs for inf/nan, lower the learning rate, or use bf16-mixed",
-            )
-        )
-    return checks
+    run = _Run(
+        metrics=metrics,
+        thresholds=thresholds if thresholds is not None else HealthThresholds(),
+        extra=dict(extra or {}),
+        mode=mode,
+    )
+    return [_evaluate(check, run) for check in _CHECKS]
 
 
 _STYLES = {"pass": "green", "warn": "bold yellow", "n/a": "dim"}

@@ -7,6 +7,8 @@ called at logging time, not every step.
 
 Metric names follow the engine's: ``<group>/<name>``, e.g. ``amp/overflow_rate_recent``,
 ``grad/underflow_fraction``, ``memory/kind/activations``. See ``docs/monitoring.md``.
+Throughput and recompute overhead live in :mod:`memfit.monitor.throughput` and are
+importable from here too.
 
 Example::
 
@@ -20,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.monitor.throughput import (
+    Throughput,
+    count_flops,
+    recompute_overhead_from_flops,
+    recompute_overhead_from_time,
+)
+from memfit.nested import tensors
 
 __all__ = [
     "FP16_MAX",
@@ -69,17 +77,9 @@ MAX_SUGGESTED_SCALE = 2.0**24
 # ---------------------------------------------------------------------- activation ranges
 
 
-def _floating_tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.numel() > 0:
-            out.append(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _floating_tensors(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _floating_tensors(v, out)
-    return out
+def _floating_tensors(value: Any) -> list[torch.Tensor]:
+    """The non-empty floating-point tensors in a module's output, however nested."""
+    return [t for t in tensors(value) if t.is_floating_point() and t.numel() > 0]
 
 
 class ActivationRanges:
@@ -87,8 +87,8 @@ class ActivationRanges:
 
     Forward hooks on ``units`` (qualified module names, ``""`` for the model itself) record,
     on every ``every``-th call of ``model``'s forward (the first call included), the largest
-    ``|x|`` over every floating-point tensor in each unit's output (nested tuples, lists
-    and dicts too). The running maximum since the last :meth:`read` stays in a 0-dim fp32
+    ``|x|`` over every floating-point tensor in each unit's output (nested tuples, lists,
+    dicts and dataclasses too, see :func:`memfit.nested.tensors`). The running maximum since the last :meth:`read` stays in a 0-dim fp32
     tensor on the output's device: no host sync in the hooks.
 
     The hooks run under ``torch.no_grad()`` and return nothing, so outputs and gradients
@@ -143,7 +143,7 @@ class ActivationRanges:
             if not self._active:
                 return
             with torch.no_grad():
-                for t in _floating_tensors(output, []):
+                for t in _floating_tensors(output):
                     # aminmax is one pass without an |x| temporary; it propagates NaN.
                     low, high = torch.aminmax(t.detach())
                     value = torch.maximum(low.abs(), high.abs()).float()
@@ -556,139 +556,6 @@ class OverflowWindow:
     def metrics(self) -> dict[str, float]:
         """``{"amp/overflow_rate_recent": rate}``."""
         return {"amp/overflow_rate_recent": self.rate}
-
-
-# ---------------------------------------------------------------------- throughput
-
-
-def recompute_overhead_from_flops(recompute_flops: float, forward_backward_flops: float) -> float:
-    """Extra work from checkpointing: ``recompute_flops / forward_backward_flops``.
-
-    ``forward_backward_flops`` is one step's forward and backward without checkpointing
-    (count both with ``torch.utils.flop_counter.FlopCounterMode``, see :func:`count_flops`).
-    This is the overhead if every FLOP cost the same time; memory-bound recomputed ops
-    (norms, activations) cost more time per FLOP, so it reads low for them.
-
-    Example::
-
-        recompute_overhead_from_flops(plan.recompute_flops, 3 * forward_flops)
-    """
-    if not forward_backward_flops > 0:
-        raise ConfigError(
-            f"forward_backward_flops must be > 0, got {forward_backward_flops}; count the step first"
-        )
-    if recompute_flops < 0:
-        raise ConfigError(f"recompute_flops must be >= 0, got {recompute_flops}")
-    return float(recompute_flops) / float(forward_backward_flops)
-
-
-def recompute_overhead_from_time(
-    step_seconds_with_plan: float, step_seconds_without: float
-) -> float:
-    """Extra step time from checkpointing: ``with_plan / without - 1``.
-
-    Measure both as the mean over several steps after warm-up, with the device synced at
-    the ends of the window. This is the overhead that matters, but it includes noise; it
-    can come out slightly negative, which means "no measurable overhead".
-
-    Example::
-
-        recompute_overhead_from_time(0.130, 0.100)   # 0.3
-    """
-    if not step_seconds_without > 0:
-        raise ConfigError(f"step_seconds_without must be > 0, got {step_seconds_without}")
-    return float(step_seconds_with_plan) / float(step_seconds_without) - 1.0
-
-
-def count_flops(fn: Callable[[], Any]) -> int:
-    """FLOPs of running ``fn()`` once, counted by ``torch.utils.flop_counter.FlopCounterMode``.
-
-    Counts matmuls, convolutions and attention (what dominates); runs ``fn`` for real.
-
-    Example::
-
-        flops = count_flops(lambda: model(x).sum().backward())
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        fn()
-    return int(counter.get_total_flops())
-
-
-class Throughput:
-    """Samples/s, tokens/s and achieved FLOP/s over a window of steps (host-side).
-
-    Give it the samples and wall seconds of each step (or of a window of steps). Timing on
-    an accelerator is only right over windows whose ends were synced (the engine reads
-    metrics every ``log_every`` steps, which syncs). ``tokens_per_sample`` and
-    ``flops_per_sample`` (forward + backward + recompute, e.g. from :func:`count_flops`
-    divided by the batch size) enable the matching metrics; ``peak_flops`` (the device's
-    peak FLOP/s in the training dtype) adds model FLOP utilization.
-
-    Example::
-
-        tp = Throughput(tokens_per_sample=256, flops_per_sample=6 * n_params * 256)
-        tp.add(samples=16, seconds=0.12)
-        tp.metrics()   # {"throughput/samples_per_second": 133.3, "throughput/tokens_per_second": ...}
-    """
-
-    def __init__(
-        self,
-        tokens_per_sample: int | None = None,
-        flops_per_sample: float | None = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        for name, value in (
-            ("tokens_per_sample", tokens_per_sample),
-            ("flops_per_sample", flops_per_sample),
-            ("peak_flops", peak_flops),
-        ):
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0 or None, got {value}")
-        self.tokens_per_sample = tokens_per_sample
-        self.flops_per_sample = flops_per_sample
-        self.peak_flops = peak_flops
-        self.samples = 0
-        self.seconds = 0.0
-        self._started: float | None = None
-
-    def add(self, samples: int, seconds: float) -> None:
-        """Count ``samples`` processed in ``seconds`` of wall time."""
-        if samples < 0 or seconds < 0:
-            raise ConfigError(f"samples and seconds must be >= 0, got {samples}, {seconds}")
-        self.samples += int(samples)
-        self.seconds += float(seconds)
-
-    def start(self) -> None:
-        """Start timing a step on the host clock; :meth:`stop` adds it."""
-        self._started = time.perf_counter()
-
-    def stop(self, samples: int) -> None:
-        """Add the step started by :meth:`start` with ``samples`` samples."""
-        if self._started is None:
-            raise ConfigError("Throughput.stop() called without start()")
-        self.add(samples, time.perf_counter() - self._started)
-        self._started = None
-
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Rates over the window since the last reset; empty when no time was counted."""
-        if self.seconds <= 0:
-            return {}
-        sps = self.samples / self.seconds
-        out = {"throughput/samples_per_second": sps}
-        if self.tokens_per_sample is not None:
-            out["throughput/tokens_per_second"] = sps * self.tokens_per_sample
-        if self.flops_per_sample is not None:
-            flops = sps * self.flops_per_sample
-            out["throughput/flops_per_second"] = flops
-            if self.peak_flops is not None:
-                out["throughput/mfu"] = flops / self.peak_flops
-        if reset:
-            self.samples = 0
-            self.seconds = 0.0
-        return out
 
 
 # ---------------------------------------------------------------------- memory

@@ -5,6 +5,10 @@ and nothing else; at a log step (every ``log_every`` optimizer steps) it reads e
 a few host syncs: scaler counters, gradient norms and underflow (one pass over the
 gradients), activation maxima, and, once per run, a measured memory breakdown.
 
+The monitor knows nothing of the Engine: it is given the model, and at each call the data
+it reads (gradients, the precision policy, the loss scale, the metrics). The Engine makes
+one and calls it; a training loop of your own can do the same.
+
 Example::
 
     engine = memfit.Engine(model, opt, precision="fp16-mixed", log_dir="runs/a",
@@ -12,14 +16,20 @@ Example::
     ...
     for check in engine.health():
         print(check.name, check.status, check.remedy)
+
+    # Without an Engine:
+    monitor = Monitor(model, MonitorConfig(), log_dir=Path("runs/b"))
+    metrics = {"step": 10.0, "amp/skipped": 0.0, "loss": loss.item()}
+    metrics.update(monitor.gradient_metrics(model.named_parameters(), policy, scale))
+    monitor.log(metrics)
+    monitor.health(metrics, policy, min_scale=1.0, has_plan=False)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +43,7 @@ from memfit.monitor.metrics import (
     near_fp16_limit,
 )
 from memfit.monitor.sinks import JSONLSink, Sink, TensorBoardSink, check_log_dir
-
-if TYPE_CHECKING:
-    from memfit.engine import Engine
+from memfit.precision.policy import PrecisionPolicy
 
 
 @dataclass
@@ -62,11 +70,15 @@ class MonitorConfig:
 
 
 class Monitor:
-    """Collects an Engine's metrics and writes them to sinks (JSONL, TensorBoard, yours)."""
+    """Collects a training run's metrics and writes them to sinks (JSONL, TensorBoard, yours).
+
+    ``model`` is the module whose unit outputs are tracked (activation ranges); ``log_dir``
+    adds a JSONL sink (and a TensorBoard one) to ``sinks``.
+    """
 
     def __init__(
         self,
-        engine: Engine,
+        model: torch.nn.Module,
         config: MonitorConfig,
         log_dir: Path | None,
         sinks: Sequence[Sink] = (),
@@ -89,28 +101,35 @@ class Monitor:
         if config.enabled and config.activation_every:
             units = config.activation_units
             if units is None:
-                units = _default_units(engine.model)
+                units = _default_units(model)
             if units:
-                self.ranges = ActivationRanges(engine.model, units, every=config.activation_every)
+                self.ranges = ActivationRanges(model, units, every=config.activation_every)
 
-    def gradient_metrics(self, engine: Engine) -> dict[str, float]:
-        """Norm distribution and underflow of the unscaled gradients (before zero_grad)."""
+    def gradient_metrics(
+        self,
+        named_params: Iterable[tuple[str, torch.Tensor]],
+        policy: PrecisionPolicy,
+        loss_scale: float | torch.Tensor | None,
+    ) -> dict[str, float]:
+        """Norm distribution and underflow of the unscaled gradients (before zero_grad).
+
+        ``named_params``: (name, tensor) for each tensor the optimizer steps (the fp32
+        masters in the ``*-master`` modes); those without a ``.grad`` are left out.
+        ``loss_scale``: the scale the backward ran with (None: 1), for the underflow counts
+        of a mixed ``policy``.
+        """
         if not (self.config.enabled and self.config.grad_stats):
             return {}
-        named = _named_grads(engine)
+        named = {name: p.grad for name, p in named_params if p.grad is not None}
         if not named:
             return {}
         out = grad_norm_stats(named).to_metrics()
-        if engine.policy.mixed:
-            scale = engine.scaler.scale_tensor
-            out.update(
-                gradient_underflow(
-                    list(named.values()), 1.0 if scale is None else scale
-                ).to_metrics()
-            )
+        if policy.mixed:
+            scale = 1.0 if loss_scale is None else loss_scale
+            out.update(gradient_underflow(list(named.values()), scale).to_metrics())
         return out
 
-    def log(self, engine: Engine, metrics: dict[str, float]) -> dict[str, float]:
+    def log(self, metrics: dict[str, float]) -> dict[str, float]:
         """Add the monitor's metrics to ``metrics`` and send them to every sink."""
         self.window.update(metrics["step"], metrics["amp/skipped"])
         metrics.update(self.window.metrics())
@@ -126,15 +145,23 @@ class Monitor:
             sink.log(step, metrics)
         return metrics
 
-    def health(self, engine: Engine) -> list[HealthCheck]:
-        """The health checks on the latest metrics."""
-        extra = {"min_scale": engine.scaler.min_scale, "has_plan": engine.plan is not None}
-        return check_health(engine.metrics, engine.policy, self.config.thresholds, extra)
+    def health(
+        self,
+        metrics: Mapping[str, float],
+        policy: PrecisionPolicy,
+        min_scale: float,
+        has_plan: bool,
+    ) -> list[HealthCheck]:
+        """The health checks on ``metrics`` (the latest logged ones) with this config's
+        thresholds; ``min_scale`` is the loss scaler's, ``has_plan`` whether a checkpoint
+        plan is in use."""
+        extra = {"min_scale": min_scale, "has_plan": has_plan}
+        return check_health(metrics, policy, self.config.thresholds, extra)
 
-    def near_fp16_limit(self, engine: Engine) -> list[tuple[str, float]]:
-        """Units whose recent activations came within half of fp16's largest value."""
+    def near_fp16_limit(self, metrics: Mapping[str, float]) -> list[tuple[str, float]]:
+        """Units whose activations in ``metrics`` came within half of fp16's largest value."""
         prefix = "act/max/"
-        values = {k[len(prefix) :]: v for k, v in engine.metrics.items() if k.startswith(prefix)}
+        values = {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}
         return near_fp16_limit(values, self.config.thresholds.max_activation_fp16_fraction)
 
     def close(self) -> None:
@@ -155,13 +182,3 @@ def _default_units(model: torch.nn.Module) -> list[str]:
         return [name for name, _ in model.named_children()]
     # The blocks themselves: the units that have no unit children (leaves of the unit tree).
     return [u.name for u in tree.root.walk() if u.name and not u.children]
-
-
-def _named_grads(engine: Engine) -> dict[str, torch.Tensor]:
-    masters = dict(zip(engine.master.names, engine.master.masters)) if engine.master else {}
-    out = {}
-    for name, working in engine.model.named_parameters():
-        param = masters.get(name, working)
-        if param.grad is not None:
-            out[name] = param.grad
-    return out
