@@ -15,10 +15,10 @@ from memfit.memory import MemoryReport, measure
 from memfit.monitor.monitor import MonitorConfig
 from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
 from memfit.units import format_bytes, parse_bytes
-
-__version__ = "0.1.0"
+from memfit.version import __version__
 
 __all__ = [
+    "__version__",
     "BudgetError",
     "CheckpointError",
     "ConfigError",

@@ -599,7 +599,7 @@ def make_report(
         f"<section id='health'><h2>Health</h2><p class='sub'>{html.escape(source)}</p>"
         f"{health_html}</section>"
     )
-    from memfit import __version__
+    from memfit.version import __version__
 
     title = f"memfit run report: {run.run_dir.resolve().name}"
     model = run.config.get("model")
