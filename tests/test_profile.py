@@ -186,13 +186,13 @@ def test_a_unit_called_three_times_pays_the_machinery_three_times(
     assert prof["b"].piece_seconds == prof.piece_seconds
     # As the executor runs it: recomputing `a` checkpoints each of its three calls.
     calls = []
-    real = apply_module._checkpoint
+    real = apply_module.run_checkpointed
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(apply_module, "_checkpoint", counting)
+    monkeypatch.setattr(apply_module, "run_checkpointed", counting)
     with planned(model, {"a": "recompute"}):
         model(torch.randn(4, 8)).sum().backward()
     assert len(calls) == 3

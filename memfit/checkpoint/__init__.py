@@ -1,7 +1,7 @@
 """Activation checkpointing: find units, profile them, plan under a budget, apply in place."""
 
 from memfit.checkpoint.api import plan, plan_step
-from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan
+from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan, suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile import Profile, profile
@@ -25,4 +25,5 @@ __all__ = [
     "remove_plan",
     "solve",
     "structure_fingerprint",
+    "suspended",
 ]

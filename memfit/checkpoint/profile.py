@@ -13,8 +13,8 @@ How each number is measured:
   (outside the model) go to :attr:`Profile.loss_saved_bytes`.
 * **Input / output bytes**: the storages of the tensors a unit receives (positional and
   keyword) and returns, resident ones excluded, counted once per call.
-* **Matmul saved bytes**: the outputs of matmul-like ops (:data:`~memfit.checkpoint.apply.
-  MATMUL_OPS`, seen by a ``TorchDispatchMode``). Selective recompute keeps *every* such
+* **Matmul saved bytes**: the outputs of matmul-like ops (:data:`~memfit.checkpoint.
+  recompute.MATMUL_OPS`, seen by a ``TorchDispatchMode``). Selective recompute keeps *every* such
   output of the unit, whether or not autograd saves it, so that is what is counted.
 * **FLOPs**: ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention),
   plus :data:`FLOP_FORMULAS` for CPU attention kernels torch does not count. Elementwise
@@ -96,9 +96,14 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from memfit.checkpoint import apply as _apply
-from memfit.checkpoint.apply import MATMUL_OPS, _tensors
+from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.recompute import (
+    MATMUL_OPS,
+    has_own_forward,
+    run_checkpointed,
+    stock_sequential,
+)
 from memfit.checkpoint.tree import (
     Unit,
     UnitTree,
@@ -108,7 +113,7 @@ from memfit.checkpoint.tree import (
     unit_tree,
 )
 from memfit.errors import ConfigError, PlanError
-from memfit.memory import _call
+from memfit.nested import call_model, first_floating, map_tensors, tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes
 
@@ -303,18 +308,6 @@ class Profile:
 # --------------------------------------------------------------------------- helpers
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(v, fn) for v in obj)
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    return obj
-
-
 def _storage(t: torch.Tensor) -> tuple[Any, int, Any]:
     """(key, bytes, keep-alive reference) of the memory behind ``t``."""
     try:
@@ -333,25 +326,21 @@ def _clock(sync: bool) -> float:
 
 
 def _default_loss(output: Any) -> torch.Tensor:
-    for t in _tensors(output):
-        if t.is_floating_point():
-            if not t.requires_grad:
-                raise PlanError(
-                    "the first floating-point tensor of the model's output does not require "
-                    "grad, so the default loss cannot backpropagate; pass loss_fn"
-                )
-            return t.float().sum()
-    raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
+    t = first_floating(output)
+    if t is None:
+        raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
+    if not t.requires_grad:
+        raise PlanError(
+            "the first floating-point tensor of the model's output does not require "
+            "grad, so the default loss cannot backpropagate; pass loss_fn"
+        )
+    return t.float().sum()
 
 
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
-
-
-def _stock_sequential(module: nn.Module) -> bool:
-    return type(module).forward is nn.Sequential.forward and "forward" not in module.__dict__
 
 
 def _probe_iter(self: nn.Module) -> Iterator[nn.Module]:
@@ -516,10 +505,10 @@ class _Recorder:
             if st.first_call < 0:
                 st.first_call = self.counter
             self.counter += 1
-            tensors = _tensors((args, kwargs))
-            call.in_versions = [(t, t._version) for t in tensors]
-            st.input_bytes += self.nonresident_bytes(tensors)
-            for t in tensors:
+            received = tensors((args, kwargs))
+            call.in_versions = [(t, t._version) for t in received]
+            st.input_bytes += self.nonresident_bytes(received)
+            for t in received:
                 key, nbytes, _ = _storage(t)
                 if key not in self.resident:
                     st.input_keys[key] = nbytes
@@ -555,7 +544,7 @@ class _Recorder:
                     f"updates buffer {type(m).__name__}.{label} in forward, so a recompute "
                     "would see the updated value"
                 )
-        st.output_bytes += self.nonresident_bytes(_tensors(output))
+        st.output_bytes += self.nonresident_bytes(tensors(output))
         st.tail_flops += call.tail_flops
         st.tail_time += call.tail_time
         self.chain_exit(name, output)
@@ -587,10 +576,10 @@ class _Recorder:
 
     # ---- bytes
 
-    def nonresident_bytes(self, tensors: list[torch.Tensor]) -> int:
+    def nonresident_bytes(self, items: list[torch.Tensor]) -> int:
         seen: set[Any] = set()
         total = 0
-        for t in tensors:
+        for t in items:
             key, nbytes, _ = _storage(t)
             if key in self.resident or key in seen:
                 continue
@@ -644,7 +633,7 @@ class _Recorder:
         packet = func.overloadpacket
         formula = _FLOPS.get(packet)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+        moved = sum(t.numel() * t.element_size() for t in tensors((args, kwargs, out)))
         estimate = max(flops / self.flop_rate, moved / self.bandwidth)
         st = self.stats[unit]
         if self.phase == "bwd":
@@ -658,7 +647,7 @@ class _Recorder:
             call.tail_time += op_time
         if packet in MATMUL_OPS:
             st.mm_time_own += op_time
-            for t in _tensors(out):
+            for t in tensors(out):
                 key, nbytes, ref = _storage(t)
                 if key not in self.mm_seen and key not in self.resident:
                     self.mm_seen[key] = ref
@@ -682,7 +671,7 @@ class _Recorder:
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            for t in _tensors(value):
+            for t in tensors(value):
                 for name in self.mm_units.get(_storage(t)[0], ()):
                     st = self.stats[name]
                     st.no_selective = st.no_selective or (
@@ -693,7 +682,7 @@ class _Recorder:
     def head_made(self, out: Any) -> None:
         """Count the new tensors an op of the head of backward makes (gradients, among them
         the top modules' weight gradients) while they live, and keep their peak."""
-        for t in _tensors(out):
+        for t in tensors(out):
             key, nbytes, ref = _storage(t)
             if key in self.head_keys or key in self.saved_seen or key in self.resident:
                 continue  # a view of a gradient counted already, or a forward tensor
@@ -797,7 +786,7 @@ def _run_step(
             handles.append(
                 m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
             )
-            if rec.full and unit.is_chain and not _stock_sequential(m):
+            if rec.full and unit.is_chain and not stock_sequential(m):
                 rec.iterated[unit.name] = []
                 m.__dict__["_memfit_iterated"] = rec.iterated[unit.name]
                 swapped.append((m, type(m)))
@@ -815,7 +804,7 @@ def _run_step(
                 )
             rec.phase = "fwd"
             with policy.autocast(device_type):
-                run = functools.partial(_call, model, inputs)
+                run = functools.partial(call_model, model, inputs)
                 output = run() if wrap is None else wrap(run)
                 if forward_only:
                     return output, 0.0
@@ -859,26 +848,23 @@ def _preserved(model: nn.Module, train: bool | None, rng_devices: list[int]) -> 
     ]
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    applied = model.__dict__.get(_apply._APPLIED)
-    _apply.remove_plan(model)
-    try:
-        for p in params:
-            p.grad = None
-        if train:
-            model.train()
-        with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
-            yield
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for m, name, buf, value in buffers:
-                m._buffers[name] = buf
-                buf.copy_(value)
-        for m, mode in modes:
-            m.training = mode
-        if applied is not None:
-            _apply.apply_plan(model, applied[0], early_stop=applied[1])
+    with suspended(model):
+        try:
+            for p in params:
+                p.grad = None
+            if train:
+                model.train()
+            with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
+                yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for m, name, buf, value in buffers:
+                    m._buffers[name] = buf
+                    buf.copy_(value)
+            for m, mode in modes:
+                m.training = mode
 
 
 @contextlib.contextmanager
@@ -892,14 +878,14 @@ def _fake_run(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tensors = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
-    fake = next((t for t in tensors if _is_fake(t)), None)
+    every = [*model.parameters(), *model.buffers(), *tensors(inputs)]
+    fake = next((t for t in every if _is_fake(t)), None)
     if fake is not None:
         with fake.fake_mode:
             yield inputs, fake.fake_mode, fake.device
         return
-    if not any(t.device.type == "meta" for t in tensors):
-        device = tensors[0].device if tensors else torch.device("cpu")
+    if not any(t.device.type == "meta" for t in every):
+        device = every[0].device if every else torch.device("cpu")
         yield inputs, None, device
         return
 
@@ -924,7 +910,7 @@ def _fake_run(
                     if t is not None:
                         originals.append((table, name, t))
                         table[name] = to_fake(t)
-        fake_inputs = _map_tensors(inputs, to_fake)
+        fake_inputs = map_tensors(inputs, to_fake)
         with mode:
             yield fake_inputs, mode, dev
     finally:
@@ -999,7 +985,7 @@ def profile(
     loss_fn = loss_fn or _default_loss
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    first = next(iter([*model.parameters(), *_tensors(example_inputs)]), None)
+    first = next(iter([*model.parameters(), *tensors(example_inputs)]), None)
     rng_devices = (
         [first.device.index or 0]
         if first is not None and first.device.type == "cuda" and not _is_fake(first)
@@ -1017,12 +1003,12 @@ def profile(
             )
             rec = _Recorder(tree, stats, full=True, **settings)
             rec.resident = {
-                _storage(t)[0] for t in [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+                _storage(t)[0] for t in [*model.parameters(), *model.buffers(), *tensors(inputs)]
             }
             output, bwd_seconds = _run_step(model, inputs, loss_fn, policy, device.type, rec, tree)
             grad_bytes = _unique_bytes([p.grad for p in model.parameters() if p.grad is not None])
-            input_bytes = _unique_bytes(_tensors(inputs))
-            output_bytes = rec.nonresident_bytes(_tensors(output))
+            input_bytes = _unique_bytes(tensors(inputs))
+            output_bytes = rec.nonresident_bytes(tensors(output))
             loss_saved = rec.loss_saved
             head_backward = rec.head_peak
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
@@ -1090,9 +1076,9 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
     """Seconds the executor's checkpoint adds per piece, forward and backward.
 
     A chain of tiny ops (each saves its input, so a rebuild runs) is timed with every op a
-    piece of its own (``memfit.checkpoint.apply._checkpoint``, as plans run them, under the
-    training precision) and without; the median difference over a few interleaved rounds,
-    per piece. What the rebuilt ops themselves take is in the difference too, but on eight
+    piece of its own (:func:`~memfit.checkpoint.recompute.run_checkpointed`, as plans run
+    them, under the training precision) and without; the median difference over a few
+    interleaved rounds, per piece. What the rebuilt ops themselves take is in the difference too, but on eight
     numbers it is a few microseconds against the machinery's hundred or so."""
     x = torch.zeros(8, device=device, requires_grad=True)
 
@@ -1102,9 +1088,7 @@ def _piece_overhead(policy: PrecisionPolicy, device: torch.device, sync: bool) -
             y = x
             for _ in range(_OVERHEAD_PIECES):
                 if pieces:
-                    y = _apply._checkpoint(
-                        torch.sin, (y,), {}, [], selective=False, early_stop=True
-                    )
+                    y = run_checkpointed(torch.sin, (y,), {}, [], selective=False, early_stop=True)
                 else:
                     y = torch.sin(y)
         y.sum().backward()
@@ -1180,12 +1164,12 @@ def _selective_overheads(rounds: int, timing: _Timing, stats: dict[str, _Stats])
     first selective forward of a process sets torch up (about a second on a CPU): it runs
     once untimed."""
     # The inputs go in as arguments only so that checkpoint finds their device.
-    args = tuple(_tensors(timing.inputs))
+    args = tuple(tensors(timing.inputs))
     model = timing.model
 
     def forward(selective: bool) -> dict[str, _Stats]:
         def wrap(run: Callable[[], Any]) -> Any:
-            return _apply._checkpoint(
+            return run_checkpointed(
                 lambda *_: run(), args, {}, [model], selective=selective, early_stop=True
             )
 
@@ -1203,8 +1187,8 @@ def _selective_overheads(rounds: int, timing: _Timing, stats: dict[str, _Stats])
         st.sel_overhead = max(0.0, cached - plain)
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum({key: nbytes for key, nbytes, _ in map(_storage, tensors)}.values())
+def _unique_bytes(items: list[torch.Tensor]) -> int:
+    return sum({key: nbytes for key, nbytes, _ in map(_storage, items)}.values())
 
 
 def _pool_times(unit: Unit, cost: UnitCost) -> None:
@@ -1305,7 +1289,7 @@ def _build(
 
     st = stats[unit.name]
     module = unit.module
-    if not _apply._has_own_forward(module):
+    if not has_own_forward(module):
         st.reason(
             f"{type(module).__name__} has no forward of its own; checkpoint its children "
             "or segments of them"
@@ -1332,7 +1316,7 @@ def _build(
         and chain.ok
         and chain.passes >= 1
         and chain.expected == 0
-        and (_stock_sequential(module) or iterated.get(unit.name, False))
+        and (stock_sequential(module) or iterated.get(unit.name, False))
     )
     return UnitCost(
         name=unit.name,
