@@ -19,7 +19,7 @@ from memfit.checkpoint.apply import (
     remove_plan,
     suspended,
 )
-from memfit.checkpoint.profile import flop_counter, profile
+from memfit.checkpoint.profiler import flop_counter, profile
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import PlanError
 

@@ -16,7 +16,7 @@ import torch
 import memfit
 from memfit.checkpoint.api import RESERVE, optimizer_state_bytes, plan_step
 from memfit.checkpoint.apply import remove_plan
-from memfit.checkpoint.profile import flop_counter
+from memfit.checkpoint.profiler import flop_counter
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.models import build_model
 from memfit.units import format_bytes

@@ -4,7 +4,7 @@ from memfit.checkpoint.api import plan, plan_step
 from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan, suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.profile import Profile, profile
+from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.solve import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
 
