@@ -26,7 +26,7 @@ import memfit
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import RESERVE, plan_step
-from memfit.checkpoint.profile import flop_counter
+from memfit.checkpoint.profiler import flop_counter
 from memfit.errors import BudgetError
 from memfit.models.gpt import gpt_loss
 from memfit.units import format_bytes

@@ -17,8 +17,9 @@ from memfit.checkpoint.apply import (
     is_applied,
     planned,
     remove_plan,
+    suspended,
 )
-from memfit.checkpoint.profile import flop_counter, profile
+from memfit.checkpoint.profiler import flop_counter, profile
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import PlanError
 
@@ -489,6 +490,44 @@ def test_is_applied_applied_plan_and_context_manager() -> None:
     assert "forward" in model.blocks[0].__dict__ and "forward" not in model.blocks[1].__dict__
 
 
+def test_suspended_takes_the_plan_off_and_puts_it_back() -> None:
+    model = MiniTransformer()
+    unplanned = _snapshot(model)
+    x = _tokens()
+    with flop_counter() as plain:
+        _loss(model(x)).backward()
+    plan = {"decisions": {"blocks.2": "recompute"}, "segments": {"blocks": [(0, 1)]}}
+    apply_plan(model, plan, early_stop=False)
+    applied = _snapshot(model)
+    with flop_counter() as before:
+        _loss(model(x)).backward()
+
+    with suspended(model) as m:
+        assert m is model
+        assert not is_applied(model) and applied_plan(model) is None
+        assert _snapshot(model) == unplanned and type(model.blocks) is nn.ModuleList
+        with flop_counter() as inside:
+            _loss(model(x)).backward()
+        assert inside.get_total_flops() == plain.get_total_flops()
+    assert applied_plan(model) is plan and _snapshot(model) == applied
+    with flop_counter() as after:  # early_stop=False again: the same recompute
+        _loss(model(x)).backward()
+    assert after.get_total_flops() == before.get_total_flops() > plain.get_total_flops()
+
+    # Put back when the block raises, too.
+    with pytest.raises(RuntimeError, match="inside"):
+        with suspended(model):
+            assert not is_applied(model)
+            raise RuntimeError("inside")
+    assert applied_plan(model) is plan and _snapshot(model) == applied
+
+    # A model without a plan: nothing to take off, nothing put on.
+    remove_plan(model)
+    with suspended(model):
+        assert _snapshot(model) == unplanned
+    assert not is_applied(model) and _snapshot(model) == unplanned
+
+
 def test_accepts_plan_like_objects() -> None:
     model = MiniTransformer()
     sol = SimpleNamespace(decisions={"blocks.0": "keep", "blocks.1": "recompute"}, segments={})
@@ -627,6 +666,8 @@ def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: 
     model = _hf_model(kind)
     ids = _tokens((4, 16), 64)
     inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    if kind == "llama":  # trained without its key/value cache, as with HF's own checkpointing
+        inputs["use_cache"] = False
 
     def loss_fn(out: object) -> torch.Tensor:
         return out.loss

@@ -18,7 +18,7 @@ import memfit
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.planner import RESERVE, plan_step, profile_step, solve_profile
-from memfit.checkpoint.profile import flop_counter
+from memfit.checkpoint.profiler import flop_counter
 from memfit.checkpoint.step_memory import optimizer_state_bytes
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.models import build_model
@@ -329,3 +329,55 @@ def test_plan_of_a_fresh_model_counts_the_precisions_islands_and_leaves_the_mode
     memfit.apply_precision(prepared, memfit.PrecisionPolicy(precision))
     prepared_plan = memfit.plan(prepared, x, strategy="none", precision=precision)
     assert fresh_plan.predicted_peak_bytes == prepared_plan.predicted_peak_bytes
+
+
+def _cached_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    cfg = transformers.LlamaConfig(
+        **shape, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64
+    )
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def test_layers_that_keep_state_between_calls_are_never_recomputed_and_the_plan_says_why() -> None:
+    # Called with its key/value cache on (the default), a decoder appends each layer's keys
+    # to a cache object: a rerun in backward appends again, and selective checkpointing
+    # then fails in backward. The probe finds it; the plan leaves those layers out.
+    model = _cached_llama()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    for strategy in ("full", "optimal"):
+        plan = memfit.plan(model, inputs, strategy=strategy, loss_fn=lambda out: out.loss)
+        assert all(d == "keep" for d in plan.decisions.values()), plan.decisions
+        notes = " ".join(plan.notes)
+        assert "model.layers.0, model.layers.1" in notes and "use_cache=False" in notes
+    plan = memfit.plan(
+        model, {**inputs, "use_cache": False}, strategy="full", loss_fn=lambda o: o.loss
+    )
+    assert plan.decisions["model.layers.0"] == "recompute" and not plan.notes
+
+
+def test_probe_finds_a_counter_kept_between_calls_and_leaves_stateless_units_alone() -> None:
+    from memfit.checkpoint.probe import unstable_units
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.history: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.history.append(x)  # grows each call: the rerun concatenates one more
+            return self.linear(torch.cat(self.history, dim=1)[:, -4:])
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Counting(), torch.nn.Dropout(0.5))
+    x = torch.randn(3, 4)
+    found = unstable_units(model, lambda: model(x), ["0", "1", "2"])
+    assert set(found) == {"1"} and "does other work when run again" in found["1"]
+    rng = torch.get_rng_state()
+    buffers = [b.clone() for b in model.buffers()]
+    assert unstable_units(model, lambda: model(x), ["0", "2"]) == {}
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe leaves the random state alone
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))

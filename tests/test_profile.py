@@ -11,7 +11,7 @@ from torch import nn
 from memfit.checkpoint import apply as apply_module
 from memfit.checkpoint.apply import applied_plan, apply_plan, is_applied, planned
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.profile import Profile, flop_counter, profile
+from memfit.checkpoint.profiler import Profile, flop_counter, profile
 from memfit.errors import ConfigError, PlanError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,16 +119,17 @@ def test_times() -> None:
 
 
 def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    profile_module = importlib.import_module("memfit.checkpoint.profile")
+    timing_module = importlib.import_module("memfit.checkpoint.profiler.timing")
+    measure_module = importlib.import_module("memfit.checkpoint.profiler.measure")
     passes: list[bool] = []
-    run_step = profile_module._run_step
+    run_step = timing_module.run_step
 
     def counting_run_step(*args: object, **kwargs: object) -> object:
         if kwargs.get("forward_only"):
             passes.append(kwargs["wrap"] is not None)
         return run_step(*args, **kwargs)
 
-    monkeypatch.setattr(profile_module, "_run_step", counting_run_step)
+    monkeypatch.setattr(timing_module, "run_step", counting_run_step)
     base = profile(_chain(), X)
     # A warm-up, then timed_steps forwards of each kind, all of them as checkpointed pieces.
     assert passes == [True] * 7
@@ -138,14 +139,14 @@ def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.Monk
         for st in stats.values():
             st.sel_overhead = 0.25
 
-    monkeypatch.setattr(profile_module, "_selective_overheads", fixed)
+    monkeypatch.setattr(measure_module, "selective_overheads", fixed)
     charged = profile(_chain(), X)
     for unit in charged.root.walk():
         assert unit.non_matmul_fwd_seconds >= 0.5 * (1 - 1e-9)
         assert base[unit.name].non_matmul_fwd_seconds < 0.5  # tiny ops: far below that
     # No matmul, nothing to time: a model of elementwise ops is not timed selectively.
     passes.clear()
-    monkeypatch.setattr(profile_module, "_selective_overheads", profile_module._selective_overheads)
+    monkeypatch.setattr(measure_module, "selective_overheads", measure_module.selective_overheads)
     profile(
         nn.Sequential(nn.ReLU(), nn.Tanh()), torch.randn(5, 8, requires_grad=True), units=["0", "1"]
     )
@@ -153,12 +154,12 @@ def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.Monk
 
 
 def test_selective_left_out_when_it_cannot_be_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    profile_module = importlib.import_module("memfit.checkpoint.profile")
+    measure_module = importlib.import_module("memfit.checkpoint.profiler.measure")
 
     def failing(*args: object) -> None:
         raise RuntimeError("this forward does not run as one piece")
 
-    monkeypatch.setattr(profile_module, "_selective_overheads", failing)
+    monkeypatch.setattr(measure_module, "selective_overheads", failing)
     prof = profile(_chain(), X)
     assert not any(u.can_select for u in prof.root.walk())
     assert "could not be timed: RuntimeError: this forward" in prof.no_selective["0"]
@@ -186,13 +187,13 @@ def test_a_unit_called_three_times_pays_the_machinery_three_times(
     assert prof["b"].piece_seconds == prof.piece_seconds
     # As the executor runs it: recomputing `a` checkpoints each of its three calls.
     calls = []
-    real = apply_module._checkpoint
+    real = apply_module.run_checkpointed
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(apply_module, "_checkpoint", counting)
+    monkeypatch.setattr(apply_module, "run_checkpointed", counting)
     with planned(model, {"a": "recompute"}):
         model(torch.randn(4, 8)).sum().backward()
     assert len(calls) == 3

@@ -1,10 +1,10 @@
 """Activation checkpointing: find units, profile them, plan under a budget, apply in place."""
 
-from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan
+from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan, suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import PlanResult, make_plan, plan, plan_step
-from memfit.checkpoint.profile import Profile, profile
+from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.solve import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
 
@@ -27,4 +27,5 @@ __all__ = [
     "remove_plan",
     "solve",
     "structure_fingerprint",
+    "suspended",
 ]

@@ -8,6 +8,8 @@ parent. Per unit it installs, on the module *instance*:
   ``torch.utils.checkpoint.checkpoint`` (RNG state preserved, so dropout replays).
 * ``"selective"`` the same, with ``create_selective_checkpoint_contexts`` and a policy that
   saves the outputs of matmul-like ops (:data:`MATMUL_OPS`) and recomputes the rest.
+  Both run :func:`memfit.checkpoint.recompute.run_checkpointed`, the piece the profiler
+  times too.
 * segments ``{container: [(start, end), ...]}`` (inclusive) for a ``sequential`` unit:
   children ``start..end`` run as one checkpointed piece. An ``nn.Sequential`` with the
   stock ``forward`` gets a ``forward`` that walks its children in segments. Any other
@@ -45,7 +47,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import types
@@ -54,12 +55,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
+from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, Decision
+from memfit.checkpoint.recompute import (
+    MATMUL_OPS,
+    has_own_forward,
+    run_checkpointed,
+    stock_sequential,
+)
 from memfit.checkpoint.tree import _lookup, iter_override_class, structure_fingerprint
 from memfit.errors import PlanError
 
@@ -71,240 +74,13 @@ __all__ = [
     "is_applied",
     "planned",
     "remove_plan",
+    "suspended",
 ]
 
 log = logging.getLogger(__name__)
 
-#: The decisions a plan may give a unit.
-DECISIONS: tuple[str, ...] = ("keep", "recompute", "selective")
-
-_MATMUL_OP_NAMES = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "addbmm",
-    "_scaled_mm",
-    "convolution",
-    "_convolution",
-    "cudnn_convolution",
-    "convolution_overrideable",
-    "mkldnn_convolution",
-    "_slow_conv2d_forward",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
-    "_cudnn_rnn",
-    "mkldnn_rnn_layer",
-    "_thnn_fused_lstm_cell",
-    "_thnn_fused_gru_cell",
-)
-
-
-def _packets(names: tuple[str, ...]) -> frozenset[Any]:
-    found = []
-    for name in names:
-        try:
-            found.append(getattr(torch.ops.aten, name))
-        except (AttributeError, RuntimeError):  # an op this torch build does not have
-            continue
-    return frozenset(found)
-
-
-#: Matmul-like aten ops (as ``OpOverloadPacket`` s): selective recompute saves their
-#: outputs, and the profiler counts their outputs as what selective recompute keeps.
-MATMUL_OPS: frozenset[Any] = _packets(_MATMUL_OP_NAMES)
-
 _PATCH = "_memfit_patch"  # on each changed module: a _Patch
 _APPLIED = "_memfit_applied"  # on the model: the plan applied to it
-
-
-def _save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if getattr(op, "overloadpacket", None) in MATMUL_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# --------------------------------------------------------------------------- recompute core
-
-
-def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors in ``obj``: nested mappings, lists, tuples and dataclasses."""
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _tensors(getattr(obj, f.name), out)
-    return out
-
-
-def _unique_modules(modules: list[nn.Module]) -> list[nn.Module]:
-    seen: dict[int, nn.Module] = {}
-    for top in modules:
-        for m in top.modules():
-            seen.setdefault(id(m), m)
-    return list(seen.values())
-
-
-class _RecomputeGuard:
-    """Makes a recompute see the forward's modes and leave buffers as the forward left them."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = _unique_modules(modules)
-        self.training: list[bool] = []
-        self.versions: list[tuple[nn.Module, str, torch.Tensor, int]] = []
-        self.mutated: list[tuple[nn.Module, str]] = []
-
-    def forward_started(self) -> None:
-        self.training = [m.training for m in self.modules]
-        self.versions = [
-            (m, name, buf, buf._version)
-            for m in self.modules
-            for name, buf in m._buffers.items()
-            if buf is not None
-        ]
-
-    def forward_done(self) -> None:
-        mutated = {
-            (id(m), name): (m, name)
-            for m, name, buf, version in self.versions
-            if m._buffers.get(name) is not buf or buf._version != version
-        }
-        self.versions = []
-        # BatchNorm's kernels update running_mean/var without bumping their version
-        # counters, so normalization layers that track statistics are listed explicitly.
-        for m in self.modules:
-            if (
-                isinstance(m, nn.modules.batchnorm._NormBase)
-                and m.training
-                and m.track_running_stats
-            ):
-                for name in ("running_mean", "running_var", "num_batches_tracked"):
-                    if m._buffers.get(name) is not None:
-                        mutated[(id(m), name)] = (m, name)
-        self.mutated = list(mutated.values())
-
-    def enter_recompute(self) -> None:
-        self._saved = []
-        for m, name in self.mutated:
-            buf = m._buffers.get(name)
-            if buf is not None:
-                self._saved.append((m, name, buf, buf.detach().clone()))
-        self._modes = [m.training for m in self.modules]
-        # Set only what differs: Module.__setattr__ is slow, and in training every mode
-        # usually matches already (a piece of a GPT block holds a dozen modules).
-        for m, mode in zip(self.modules, self.training):
-            if m.training != mode:
-                m.training = mode
-
-    def exit_recompute(self) -> None:
-        with torch.no_grad():
-            for m, name, buf, value in self._saved:
-                m._buffers[name] = buf
-                buf.copy_(value)
-        for m, mode in zip(self.modules, self._modes):
-            if m.training != mode:
-                m.training = mode
-        self._saved = []
-
-
-#: What torch's selective checkpoint says in backward when a cached output was changed.
-_SAC_MUTATED = "cached during selective activation checkpoint has been mutated"
-
-
-class _RecomputeContext:
-    """checkpoint's recompute context: the guard around torch's own (e.g. selective) one.
-
-    The guard's buffer copies run outside selective checkpoint's dispatch mode, which
-    would otherwise take them for ops of the recomputed region. A class, not a generator,
-    because checkpoint enters the same object again on every recompute.
-    """
-
-    def __init__(self, guard: _RecomputeGuard, inner: Any, label: str) -> None:
-        self.guard = guard
-        self.inner = inner
-        self.label = label
-
-    def __enter__(self) -> _RecomputeContext:
-        self.guard.enter_recompute()
-        try:
-            self.inner.__enter__()
-        except BaseException:
-            self.guard.exit_recompute()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        try:
-            return self.inner.__exit__(*exc)
-        finally:
-            self.guard.exit_recompute()
-            error = exc[1]
-            if isinstance(error, RuntimeError) and _SAC_MUTATED in str(error):
-                raise PlanError(
-                    f"{self.label} is checkpointed 'selective', but a matmul output it "
-                    "caches was changed in place after forward made it (e.g. "
-                    "ReLU(inplace=True) right after a Linear or a convolution), so the "
-                    "rebuild cannot use it. Give this unit 'recompute' instead, or make "
-                    "that op out of place; memfit.plan does not choose 'selective' there."
-                ) from error
-
-
-def _checkpoint(
-    fn: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    modules: list[nn.Module],
-    *,
-    selective: bool,
-    early_stop: bool,
-    label: str = "a checkpointed piece",
-) -> Any:
-    """Run ``fn(*args, **kwargs)`` under non-reentrant checkpoint, guarding ``modules``."""
-    guard = _RecomputeGuard(modules)
-    first = [True]
-    n_args = len(args)
-
-    def run(*flat: Any) -> Any:
-        call_args = flat[:n_args]
-        if first[0]:  # checkpoint calls fn once in forward; later calls recompute
-            first[0] = False
-            guard.forward_started()
-            try:
-                return fn(*call_args, **kwargs)
-            finally:
-                guard.forward_done()
-        return fn(*call_args, **kwargs)
-
-    def context_fn() -> tuple[Any, Any]:
-        if selective:
-            fwd, rec = create_selective_checkpoint_contexts(_save_matmul_outputs)
-        else:
-            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-        return fwd, _RecomputeContext(guard, rec, label)
-
-    # checkpoint finds the devices whose RNG state it must save from its positional
-    # arguments only; tensors passed by keyword are appended so dropout replays on them too.
-    extra = tuple(_tensors(kwargs))
-    return checkpoint(
-        run,
-        *args,
-        *extra,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=context_fn,
-        early_stop=early_stop,
-    )
 
 
 # --------------------------------------------------------------------------- patches
@@ -315,7 +91,7 @@ class _Patch:
 
     def __init__(self, name: str) -> None:
         self.name = name  # the module's qualified name in the model
-        self.decision = "keep"
+        self.decision: Decision = KEEP
         self.segments: list[tuple[int, int]] = []
         self.early_stop = True
         self.forward_patched = False
@@ -344,7 +120,7 @@ class _SegmentCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._run(*args, **kwargs)
-        return _checkpoint(
+        return run_checkpointed(
             self._run, args, kwargs, self.modules, selective=False, early_stop=self.early_stop
         )
 
@@ -389,14 +165,14 @@ def _base_forward(module: nn.Module, patch: _Patch, *args: Any, **kwargs: Any) -
 
 def _planned_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     patch: _Patch = self.__dict__[_PATCH]
-    if patch.decision == "keep" or not torch.is_grad_enabled():
+    if patch.decision == KEEP or not torch.is_grad_enabled():
         return _base_forward(self, patch, *args, **kwargs)
-    return _checkpoint(
+    return run_checkpointed(
         functools.partial(_base_forward, self, patch),
         args,
         kwargs,
         [self],
-        selective=patch.decision == "selective",
+        selective=patch.decision == SELECTIVE,
         early_stop=patch.early_stop,
         label=f"unit {patch.name!r}",
     )
@@ -417,10 +193,6 @@ def _patch_forward(module: nn.Module, patch: _Patch) -> None:
         # A bound method of a module-level function: copy.deepcopy rebinds it to the copy.
         module.__dict__["forward"] = types.MethodType(_planned_forward, module)
         patch.forward_patched = True
-
-
-def _has_own_forward(module: nn.Module) -> bool:
-    return "forward" in module.__dict__ or type(module).forward is not nn.Module.forward
 
 
 # --------------------------------------------------------------------------- plan reading
@@ -490,7 +262,7 @@ def _validate(
                 f"unknown decision {decision!r} for unit {name!r}; use one of {DECISIONS}"
             )
         module = _lookup(model, name)
-        if decision != "keep" and not _has_own_forward(module):
+        if decision != KEEP and not has_own_forward(module):
             raise PlanError(
                 f"unit {name!r} ({type(module).__name__}) has no forward of its own, so it "
                 "cannot be recomputed; checkpoint its children or give it segments"
@@ -554,15 +326,14 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         patch = _patch_of(module, name)
         patch.segments = list(ranges)
         patch.early_stop = early_stop
-        stock = type(module).forward is nn.Sequential.forward and "forward" not in module.__dict__
-        if stock:
+        if stock_sequential(module):
             patch.sequential_forward = True
             _patch_forward(module, patch)
         else:
             patch.orig_class = type(module)
             module.__class__ = iter_override_class(type(module), _segmented_iter)
     for name, decision in decisions.items():
-        if decision == "keep":
+        if decision == KEEP:
             continue
         module = _lookup(model, name)
         patch = _patch_of(module, name)
@@ -571,13 +342,13 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         _patch_forward(module, patch)
 
     model.__dict__[_APPLIED] = (plan, early_stop)
-    counts = {d: sum(v == d for v in decisions.values()) for d in ("recompute", "selective")}
+    counts = {d: sum(v == d for v in decisions.values()) for d in (RECOMPUTE, SELECTIVE)}
     n_segments = sum(len(r) for r in segments.values())
     log.info(
         "checkpoint plan applied to %s: %d recomputed, %d selective, %d segments",
         type(model).__name__,
-        counts["recompute"],
-        counts["selective"],
+        counts[RECOMPUTE],
+        counts[SELECTIVE],
         n_segments,
     )
     return model
@@ -646,3 +417,24 @@ def planned(model: nn.Module, plan: Any, *, early_stop: bool = True) -> Iterator
         remove_plan(model)
         if previous is not None:
             apply_plan(model, previous[0], early_stop=previous[1])
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module) -> Iterator[nn.Module]:
+    """Take the plan applied to ``model`` off inside a ``with`` block, and put it back
+    afterwards, also when the block raises. A no-op for a model without a plan.
+
+    Example::
+
+        apply_plan(model, plan)
+        with suspended(model):
+            loss_fn(model, batch).backward()   # runs as if no plan were applied
+        assert applied_plan(model) is plan
+    """
+    applied = model.__dict__.get(_APPLIED)
+    remove_plan(model)
+    try:
+        yield model
+    finally:
+        if applied is not None:
+            apply_plan(model, applied[0], early_stop=applied[1])

@@ -1,7 +1,8 @@
 """The planner's input: a tree of candidate units with their measured costs.
 
 Plain dataclasses with no torch in them, so the solvers (``solve.py``) can serve any
-framework's recompute primitive. ``profile.py`` fills them in from a profiled step.
+framework's recompute primitive. The profiler (``profiler/``) fills them in from a
+profiled step.
 
 Cost model (docs/planner.md has the full statement and its assumptions), per option:
 

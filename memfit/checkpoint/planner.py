@@ -4,7 +4,7 @@
 
 1. **profile** (:func:`profile_step`, :func:`profile_model`): one instrumented step and a
    few timed ones under the training precision give each unit's costs
-   (:mod:`memfit.checkpoint.profile`), cut down to the model's own units.
+   (:mod:`memfit.checkpoint.profiler`), cut down to the model's own units.
 2. **step memory** (:func:`memfit.checkpoint.step_memory.step_memory`): what the step holds
    whatever the plan: weights, gradients, optimizer state, the loss's tensors.
 3. **solve** (:func:`memfit.checkpoint.solve.solve`): the plan with the least recompute
@@ -26,20 +26,19 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.checkpoint.apply import applied_plan, apply_plan, remove_plan
+from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import unstable_units
-from memfit.checkpoint.profile import Profile, profile
+from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.solve import evaluate, solve
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
@@ -107,20 +106,6 @@ def profile_model(
             loss_saved_bytes=float(prof.loss_saved_bytes),
         )
         return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
-
-
-@contextlib.contextmanager
-def suspended(model: nn.Module) -> Iterator[None]:
-    # Replaced by the executor's own context manager once it has one.
-    plan_ = applied_plan(model)
-    if plan_ is None:
-        yield
-        return
-    remove_plan(model)
-    try:
-        yield
-    finally:
-        apply_plan(model, plan_)
 
 
 def _without_unstable(

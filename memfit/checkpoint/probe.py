@@ -44,9 +44,12 @@ class _OpLog(TorchDispatchMode):
     def __init__(self, ops: list[OpRecord]) -> None:
         super().__init__()
         self.ops = ops
+        self.paused = False  # while the probe's own hooks copy a unit's inputs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         shapes = tuple((tuple(t.shape), str(t.dtype)) for t in tensors(out))
         self.ops.append((str(func), shapes))
         return out
@@ -138,13 +141,19 @@ def unstable_units(
     if not modules or any(p.device.type == "meta" for p in model.parameters()):
         return {}
     rec = _Recording()
+    log = _OpLog(rec.ops)
 
     def before(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             if not rec.active:
                 return
             device = _device_type(module, args, kwargs)
-            copy = map_tensors((args, kwargs), lambda t: t.detach().clone())
+            # The copy's own ops belong to no unit: a parent's rerun makes no copies.
+            log.paused = True
+            try:
+                copy = map_tensors((args, kwargs), lambda t: t.detach().clone())
+            finally:
+                log.paused = False
             call = _Call(
                 name=name,
                 module=module,
@@ -175,7 +184,7 @@ def unstable_units(
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
         with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
-            with _autocast(*autocast), _OpLog(rec.ops):
+            with _autocast(*autocast), log:
                 run_forward()
             rec.active = False
             for call in rec.calls:

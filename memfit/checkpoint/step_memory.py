@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.profile import Profile
+from memfit.checkpoint.profiler import Profile
 from memfit.precision.policy import PrecisionPolicy
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.

@@ -1,0 +1,454 @@
+"""Recording one profiled step: the module hooks, dispatch mode and saved-tensor hooks that
+fill each unit's :class:`Stats`.
+
+The :class:`Recorder` runs in two kinds of step (:func:`~memfit.checkpoint.profiler.
+runner.run_step` attaches it): the *instrumented* one (``full=True``), which sees every op
+(:class:`OpMode`) and every tensor saved for backward, for bytes, FLOPs, op times and the
+flags; and the *timed* ones (``full=False``), which only stamp the time at each unit's
+start and end and at each autograd node.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
+from memfit.checkpoint.recompute import MATMUL_OPS
+from memfit.checkpoint.tree import Unit, UnitTree
+from memfit.nested import tensors
+
+__all__ = ["ChainState", "OpMode", "Recorder", "Stats", "clock", "storage_of"]
+
+
+def storage_of(t: torch.Tensor) -> tuple[Any, int, Any]:
+    """(key, bytes, keep-alive reference) of the memory behind ``t``."""
+    try:
+        st = t.untyped_storage()
+        return st._cdata, int(st.nbytes()), st
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        # Tensors without a plain storage (sparse, some subclasses): count the tensor itself.
+        return ("tensor", id(t)), t.numel() * t.element_size(), t
+
+
+def clock(sync: bool) -> float:
+    """``time.perf_counter()``, after the device's queued work when ``sync`` (CUDA)."""
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@dataclass
+class Stats:
+    """What a step measured of one unit (``*_own``: of its ops outside its child units)."""
+
+    calls: int = 0
+    first_call: int = -1
+    fwd_time: float = 0.0
+    bwd_time_own: float = 0.0
+    est_fwd_own: float = 0.0
+    est_bwd_own: float = 0.0
+    flops_own: float = 0.0
+    nm_flops_own: float = 0.0
+    mm_time_own: float = 0.0
+    nm_time_own: float = 0.0
+    saved_own: int = 0
+    mm_out_own: int = 0
+    tail_flops: float = 0.0
+    tail_time: float = 0.0
+    tail_timed: float = 0.0  # the tail's time as the timed step measured it (CPU)
+    sel_overhead: float = 0.0  # what selective checkpoint's caching mode adds to its forward
+    input_bytes: int = 0
+    output_bytes: int = 0
+    input_keys: dict[Any, int] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    # Why selective recompute would fail here (a matmul output it caches is changed in place).
+    no_selective: str = ""
+
+    def reason(self, text: str) -> None:
+        if text not in self.reasons:
+            self.reasons.append(text)
+
+
+@dataclass
+class _Call:
+    name: str
+    t0: float = 0.0
+    # FLOPs and op time since the last tensor saved for backward inside this call: the
+    # tail a rebuild that stops early skips.
+    tail_flops: float = 0.0
+    tail_time: float = 0.0
+    last_pack: float | None = None  # in the timed step: when it last saved a tensor
+    in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
+
+
+@dataclass
+class ChainState:
+    n: int
+    expected: int = 0
+    passes: int = 0
+    ok: bool = True
+    last_out: torch.Tensor | None = None
+
+
+class Recorder:
+    """Hooks, a dispatch mode and saved-tensor hooks for one profiled step."""
+
+    def __init__(
+        self,
+        tree: UnitTree,
+        stats: dict[str, Stats],
+        *,
+        full: bool,
+        measured: bool,
+        sync: bool,
+        flop_rate: float,
+        bandwidth: float,
+    ) -> None:
+        self.tree = tree
+        self.stats = stats
+        self.full = full  # the instrumented step (bytes, FLOPs, ops) or the timed one
+        self.measured = measured
+        self.sync = sync
+        self.flop_rate = flop_rate
+        self.bandwidth = bandwidth
+        self.unit_of: dict[int, str] = {id(u.module): u.name for u in tree}
+        self.parent_of: dict[str, tuple[str, int]] = {}
+        self.chains: dict[str, ChainState] = {}
+        for unit in tree:
+            if unit.is_chain:
+                self.chains[unit.name] = ChainState(len(unit.children))
+                for k, child in enumerate(unit.children):
+                    self.parent_of[child.name] = (unit.name, k)
+        self.stack: list[_Call] = []
+        self.phase: str | None = None
+        self.bwd_owner: str | None = None
+        self.quiet = False
+        self.markers: list[int] = []
+        self.owners: list[str | None] = []
+        self.probe: torch.Tensor | None = None
+        self.bwd_events: list[tuple[float, str | None]] = []
+        self.resident: set[Any] = set()
+        self.saved_seen: dict[Any, Any] = {}
+        self.saved_by: dict[Any, set[str | None]] = {}  # every unit that saves a storage
+        self.saved_owner: dict[Any, str | None] = {}
+        self.mm_seen: dict[Any, Any] = {}
+        self.mm_units: dict[Any, tuple[str, ...]] = {}  # the units around each matmul output
+        # The head of backward: the loss's and the top units' own ops, before backward
+        # reaches any unit below them. What it makes, live at once, at most.
+        self.top = _top_chain(tree.root)
+        self.in_head = True
+        self.head_keys: set[Any] = set()
+        self.head_live = [0]
+        self.head_peak = 0
+        self.loss_saved = 0
+        self.counter = 0
+        self.iterated: dict[str, list[bool]] = {}
+        self.subtree_buffers: dict[str, list[tuple[nn.Module, str]]] = {}
+        if full:
+            for unit in tree:
+                self.subtree_buffers[unit.name] = [
+                    (m, name)
+                    for m in unit.module.modules()
+                    if not isinstance(m, nn.modules.batchnorm._NormBase)
+                    for name in m._buffers
+                ]
+
+    # ---- time and sequence numbers
+
+    def now(self) -> float:
+        return clock(self.sync)
+
+    def mark(self, owner: str | None) -> None:
+        # The sequence number of a fresh autograd node: every node created after this
+        # point belongs to ``owner`` until the next mark.
+        self.quiet = True
+        try:
+            with torch.enable_grad():
+                assert self.probe is not None
+                node = self.probe.view_as(self.probe).grad_fn
+        finally:
+            self.quiet = False
+        # No node under inference mode: nothing there goes to backward anyway.
+        seq = node._sequence_nr() if node is not None else (self.markers or [0])[-1]
+        self.markers.append(seq)
+        self.owners.append(owner)
+
+    def owner(self, seq: int) -> str | None:
+        i = bisect_right(self.markers, seq) - 1
+        return self.owners[i] if i >= 0 else None
+
+    # ---- module hooks
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self.unit_of.get(id(module))
+        if name is None or self.phase != "fwd":
+            return
+        st = self.stats[name]
+        call = _Call(name)
+        if self.full:
+            st.calls += 1
+            if st.first_call < 0:
+                st.first_call = self.counter
+            self.counter += 1
+            received = tensors((args, kwargs))
+            call.in_versions = [(t, t._version) for t in received]
+            st.input_bytes += self.nonresident_bytes(received)
+            for t in received:
+                key, nbytes, _ = storage_of(t)
+                if key not in self.resident:
+                    st.input_keys[key] = nbytes
+            call.buf_versions = [
+                (bname, m, bname, buf, buf._version)
+                for m, bname in self.subtree_buffers[name]
+                if (buf := m._buffers.get(bname)) is not None
+            ]
+            self.chain_enter(name, args, kwargs)
+        self.stack.append(call)
+        self.mark(name)
+        call.t0 = self.now()
+
+    def post_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        name = self.unit_of.get(id(module))
+        if name is None or self.phase != "fwd" or not self.stack or self.stack[-1].name != name:
+            return
+        t1 = self.now()
+        call = self.stack.pop()
+        st = self.stats[name]
+        st.fwd_time += t1 - call.t0
+        self.mark(self.stack[-1].name if self.stack else None)
+        if not self.full:
+            st.tail_timed += t1 - (call.last_pack if call.last_pack is not None else call.t0)
+            return
+        if any(t._version != v for t, v in call.in_versions):
+            st.reason("modifies an input tensor in place, so a recompute would see changed inputs")
+        for label, m, bname, buf, version in call.buf_versions:
+            if m._buffers.get(bname) is not buf or buf._version != version:
+                st.reason(
+                    f"updates buffer {type(m).__name__}.{label} in forward, so a recompute "
+                    "would see the updated value"
+                )
+        st.output_bytes += self.nonresident_bytes(tensors(output))
+        st.tail_flops += call.tail_flops
+        st.tail_time += call.tail_time
+        self.chain_exit(name, output)
+
+    def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        where = self.parent_of.get(name)
+        if where is None:
+            return
+        state = self.chains[where[0]]
+        k = where[1]
+        single = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(single, torch.Tensor) or k != state.expected:
+            state.ok = False
+        elif k > 0 and single is not state.last_out:
+            state.ok = False
+
+    def chain_exit(self, name: str, output: Any) -> None:
+        where = self.parent_of.get(name)
+        if where is None:
+            return
+        state = self.chains[where[0]]
+        k = where[1]
+        if not isinstance(output, torch.Tensor):
+            state.ok = False
+        state.last_out = output if isinstance(output, torch.Tensor) else None
+        state.expected = (k + 1) % state.n
+        if k == state.n - 1:
+            state.passes += 1
+
+    # ---- bytes
+
+    def nonresident_bytes(self, items: list[torch.Tensor]) -> int:
+        seen: set[Any] = set()
+        total = 0
+        for t in items:
+            key, nbytes, _ = storage_of(t)
+            if key in self.resident or key in seen:
+                continue
+            seen.add(key)
+            total += nbytes
+        return total
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase not in ("fwd", "loss"):
+            return t
+        # A rebuild that stops early stops here if nothing is saved after this (resident
+        # tensors count: checkpoint counts every saved tensor).
+        for call in self.stack:
+            call.tail_flops = call.tail_time = 0.0
+        key, nbytes, ref = storage_of(t)
+        if key in self.resident:
+            return t
+        self.saved_by.setdefault(key, set()).add(self.stack[-1].name if self.stack else None)
+        if key in self.saved_seen:
+            return t
+        self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
+        self.saved_owner[key] = self.stack[-1].name if self.stack else None
+        if self.stack:
+            self.stats[self.stack[-1].name].saved_own += nbytes
+        else:
+            self.loss_saved += nbytes
+        return t
+
+    def pack_time(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase == "fwd":
+            now = time.perf_counter()
+            for call in self.stack:
+                call.last_pack = now
+        return t
+
+    # ---- ops
+
+    def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
+        if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
+            self.check_mutation(func, args, kwargs)
+        if self.phase == "bwd" and self.in_head:
+            self.head_made(out)
+        if self.phase == "fwd":
+            unit = self.stack[-1].name if self.stack else None
+        elif self.phase == "bwd":
+            unit = self.bwd_owner
+        else:
+            unit = None
+        if unit is None:
+            return
+        packet = func.overloadpacket
+        formula = FLOP_REGISTRY.get(packet)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        moved = sum(t.numel() * t.element_size() for t in tensors((args, kwargs, out)))
+        estimate = max(flops / self.flop_rate, moved / self.bandwidth)
+        st = self.stats[unit]
+        if self.phase == "bwd":
+            st.est_bwd_own += estimate
+            return
+        st.flops_own += flops
+        st.est_fwd_own += estimate
+        op_time = seconds if self.measured else estimate
+        for call in self.stack:
+            call.tail_flops += flops
+            call.tail_time += op_time
+        if packet in MATMUL_OPS:
+            st.mm_time_own += op_time
+            for t in tensors(out):
+                key, nbytes, ref = storage_of(t)
+                if key not in self.mm_seen and key not in self.resident:
+                    self.mm_seen[key] = ref
+                    self.mm_units[key] = tuple(call.name for call in self.stack)
+                    st.mm_out_own += nbytes
+        else:
+            st.nm_time_own += op_time
+            st.nm_flops_own += flops
+        if kwargs.get("generator") is not None:
+            for call in self.stack:
+                self.stats[call.name].reason(
+                    f"draws random numbers from an explicit torch.Generator ({packet}), "
+                    "which checkpoint does not replay"
+                )
+
+    def check_mutation(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Selective recompute caches matmul outputs and refuses, in backward, one that
+        was changed in place after it was made (``ReLU(inplace=True)`` right after a
+        ``Linear`` or a convolution): every unit around such an output cannot be selective."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tensors(value):
+                for name in self.mm_units.get(storage_of(t)[0], ()):
+                    st = self.stats[name]
+                    st.no_selective = st.no_selective or (
+                        f"a matmul output made in it is changed in place later "
+                        f"({func.overloadpacket}), which selective recompute cannot replay"
+                    )
+
+    def head_made(self, out: Any) -> None:
+        """Count the new tensors an op of the head of backward makes (gradients, among them
+        the top modules' weight gradients) while they live, and keep their peak."""
+        for t in tensors(out):
+            key, nbytes, ref = storage_of(t)
+            if key in self.head_keys or key in self.saved_seen or key in self.resident:
+                continue  # a view of a gradient counted already, or a forward tensor
+            try:
+                weakref.finalize(ref, _head_freed, self.head_keys, self.head_live, key, nbytes)
+            except TypeError:
+                continue  # nothing to follow the lifetime of: not counted
+            self.head_keys.add(key)
+            self.head_live[0] += nbytes
+        self.head_peak = max(self.head_peak, self.head_live[0])
+
+    # ---- backward
+
+    def hook_graph(self, roots: list[Any]) -> list[Any]:
+        handles = []
+        seen: set[int] = set()
+        keep: list[Any] = []
+        todo = [r for r in roots if r is not None]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            keep.append(node)
+            seq = node._sequence_nr()
+            if seq < 2**62:  # AccumulateGrad nodes carry UINT64_MAX
+                handles.append(node.register_prehook(self._node_hook(self.owner(seq))))
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+        return handles
+
+    def _node_hook(self, owner: str | None) -> Callable[[Any], None]:
+        def hook(grad_outputs: Any) -> None:
+            if self.full:
+                self.bwd_owner = owner
+                if owner is not None and owner not in self.top:
+                    self.in_head = False
+            else:
+                self.bwd_events.append((self.now(), owner))
+
+        return hook
+
+
+def _head_freed(keys: set[Any], live: list[int], key: Any, nbytes: int) -> None:
+    keys.discard(key)
+    live[0] -= nbytes
+
+
+def _top_chain(root: Unit) -> set[str]:
+    """The root and its single-child descendants: units around every other unit (a step
+    module around the model), whose own ops run at the head of backward."""
+    names = {root.name}
+    while len(root.children) == 1:
+        root = root.children[0]
+        names.add(root.name)
+    return names
+
+
+class OpMode(TorchDispatchMode):
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.quiet or rec.phase is None:
+            return func(*args, **kwargs)
+        t0 = rec.now() if rec.measured else 0.0
+        out = func(*args, **kwargs)
+        seconds = rec.now() - t0 if rec.measured else 0.0
+        rec.on_op(func, args, kwargs, out, seconds)
+        return out

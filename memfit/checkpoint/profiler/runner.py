@@ -1,0 +1,206 @@
+"""Running a profiled step: one forward and backward with a recorder attached, the model
+left as it was found (:func:`preserved`), on fake tensors where the model is on the meta
+device (:func:`fake_run`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.checkpoint.apply import suspended
+from memfit.checkpoint.profiler.recorder import OpMode, Recorder
+from memfit.checkpoint.recompute import stock_sequential
+from memfit.checkpoint.tree import UnitTree, iter_override_class
+from memfit.errors import PlanError
+from memfit.nested import call_model, first_floating, map_tensors, tensors
+from memfit.precision.policy import PrecisionPolicy
+
+__all__ = ["default_loss", "fake_run", "is_fake", "preserved", "run_step"]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The sum of the first floating-point tensor in the model's output."""
+    t = first_floating(output)
+    if t is None:
+        raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
+    if not t.requires_grad:
+        raise PlanError(
+            "the first floating-point tensor of the model's output does not require "
+            "grad, so the default loss cannot backpropagate; pass loss_fn"
+        )
+    return t.float().sum()
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``FakeTensor``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _probe_iter(self: nn.Module) -> Iterator[nn.Module]:
+    marks = self.__dict__.get("_memfit_iterated")
+    if marks is not None:
+        marks.append(True)
+    return iter(self._modules.values())
+
+
+def run_step(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    policy: PrecisionPolicy,
+    device_type: str,
+    rec: Recorder,
+    tree: UnitTree,
+    *,
+    forward_only: bool = False,
+    wrap: Callable[[Callable[[], Any]], Any] | None = None,
+) -> tuple[Any, float]:
+    """One forward + backward with ``rec`` attached; returns (output, backward seconds).
+    ``forward_only``: stop after the model's forward (backward seconds 0); ``wrap``: runs
+    the model's forward, given as a function of no arguments (as a checkpointed piece)."""
+    handles = []
+    swapped: list[tuple[nn.Module, type]] = []
+    try:
+        for unit in tree:
+            m = unit.module
+            handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
+            handles.append(
+                m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
+            )
+            if rec.full and unit.is_chain and not stock_sequential(m):
+                rec.iterated[unit.name] = []
+                m.__dict__["_memfit_iterated"] = rec.iterated[unit.name]
+                swapped.append((m, type(m)))
+                m.__class__ = iter_override_class(type(m), _probe_iter)
+        rec.probe = torch.zeros((), requires_grad=True)
+        modes = contextlib.ExitStack()
+        with modes:
+            if rec.full:
+                modes.enter_context(OpMode(rec))
+                modes.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+            elif not rec.sync:
+                # Where the last saved tensor of each unit comes, timed: its tail is the rest.
+                modes.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(rec.pack_time, lambda t: t)
+                )
+            rec.phase = "fwd"
+            with policy.autocast(device_type):
+                run = functools.partial(call_model, model, inputs)
+                output = run() if wrap is None else wrap(run)
+                if forward_only:
+                    return output, 0.0
+                rec.phase = "loss"
+                loss = loss_fn(output)
+            if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+                raise PlanError(
+                    "the loss does not depend on the model's parameters through autograd "
+                    "(no grad_fn); pass a loss_fn that returns a differentiable scalar"
+                )
+            handles.extend(rec.hook_graph([loss.grad_fn]))
+            rec.phase = "bwd"
+            t0 = rec.now()
+            loss.backward()
+            t1 = rec.now()
+            rec.phase = None
+        if not rec.full:
+            events = rec.bwd_events + [(t1, None)]
+            for (t, owner), (t_next, _) in zip(events, events[1:]):
+                if owner is not None:
+                    rec.stats[owner].bwd_time_own += t_next - t
+        return output, t1 - t0
+    finally:
+        rec.phase = None
+        for h in handles:
+            h.remove()
+        for m, cls in swapped:
+            m.__class__ = cls
+            m.__dict__.pop("_memfit_iterated", None)
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, train: bool | None, rng_devices: list[int]) -> Iterator[None]:
+    """Leave the model's modes, buffers, grads, plan and the RNG as they were."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [
+        (m, name, buf, buf.detach().clone())
+        for m in model.modules()
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    with suspended(model):
+        try:
+            for p in params:
+                p.grad = None
+            if train:
+                model.train()
+            with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
+                yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for m, name, buf, value in buffers:
+                    m._buffers[name] = buf
+                    buf.copy_(value)
+            for m, mode in modes:
+                m.training = mode
+
+
+@contextlib.contextmanager
+def fake_run(
+    model: nn.Module, inputs: Any, fake_device: str | None
+) -> Iterator[tuple[Any, Any, torch.device]]:
+    """Yield (inputs, fake mode or None, device) to run the step with.
+
+    Meta tensors cannot autocast or hold values; they are swapped for fake tensors on a
+    real device type for the duration of the step, and put back afterwards.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    every = [*model.parameters(), *model.buffers(), *tensors(inputs)]
+    fake = next((t for t in every if is_fake(t)), None)
+    if fake is not None:
+        with fake.fake_mode:
+            yield inputs, fake.fake_mode, fake.device
+        return
+    if not any(t.device.type == "meta" for t in every):
+        device = every[0].device if every else torch.device("cpu")
+        yield inputs, None, device
+        return
+
+    dev = torch.device(fake_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+
+    def to_fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+            if isinstance(t, nn.Parameter):
+                f = nn.Parameter(f, requires_grad=t.requires_grad)
+            memo[id(t)] = f
+        return memo[id(t)]
+
+    originals: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        originals.append((table, name, t))
+                        table[name] = to_fake(t)
+        fake_inputs = map_tensors(inputs, to_fake)
+        with mode:
+            yield fake_inputs, mode, dev
+    finally:
+        for table, name, t in originals:
+            table[name] = t
