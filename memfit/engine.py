@@ -25,7 +25,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
+from memfit.nested import map_tensors, tensors
 from memfit.precision.apply import apply_precision
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
@@ -69,7 +70,13 @@ class EngineSettings:
 
 
 def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Split a tensor, or a tuple/list/dict of tensors, into ``parts`` along dim 0."""
+    """Split a tensor, or a nested tuple/list/dict of tensors, into ``parts`` along dim 0;
+    values that are not tensors are given to every part as they are.
+
+    Example::
+
+        first, second = split_batch({"x": torch.zeros(4, 3), "lr": 0.1}, 2)
+    """
     size = batch_size(batch)
     if size < parts:
         raise ConfigError(
@@ -78,53 +85,21 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
         )
     if parts == 1:
         return [batch]
-    if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, parts, dim=0))
-    if isinstance(batch, Mapping):
-        pieces = {
-            k: split_batch(v, parts) if _has_tensor(v) else [v] * parts for k, v in batch.items()
-        }
-        return [{k: pieces[k][i] for k in batch} for i in range(parts)]
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        columns = [split_batch(v, parts) if _has_tensor(v) else [v] * parts for v in batch]
-        rows = [[col[i] for col in columns] for i in range(parts)]
-        if hasattr(batch, "_fields"):  # a NamedTuple takes its fields as arguments
-            return [type(batch)(*row) for row in rows]
-        if isinstance(batch, tuple):
-            return [type(batch)(row) for row in rows]
-        return rows
-    raise ConfigError(f"cannot split a batch of type {type(batch).__name__}; give tensors")
-
-
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return any(_has_tensor(v) for v in value)
-    return False
+    chunks = {id(t): torch.tensor_split(t, parts, dim=0) for t in tensors(batch)}
+    return [map_tensors(batch, lambda t, i=i: chunks[id(t)][i]) for i in range(parts)]
 
 
 def batch_size(batch: Batch) -> int:
     """Size of dim 0 shared by every tensor of the batch."""
-    sizes: set[int] = set()
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.dim() == 0:
-                raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
-            sizes.add(value.shape[0])
-        elif isinstance(value, Mapping):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, Sequence) and not isinstance(value, str):
-            for v in value:
-                visit(v)
-
-    visit(batch)
-    if not sizes:
-        raise ConfigError("the batch holds no tensor; give a tensor or a tuple/list/dict of them")
+    found = tensors(batch)
+    if not found:
+        raise ConfigError(
+            f"the batch ({type(batch).__name__}) holds no tensor; give a tensor or a "
+            "tuple/list/dict of them"
+        )
+    if any(t.dim() == 0 for t in found):
+        raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
+    sizes = {t.shape[0] for t in found}
     if len(sizes) > 1:
         raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
     return sizes.pop()

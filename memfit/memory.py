@@ -52,9 +52,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
+from memfit.nested import tensors
 from memfit.units import format_bytes
 
-__all__ = ["KINDS", "MemoryReport", "estimate_step_memory", "measure"]
+__all__ = ["KINDS", "MemoryReport", "measure"]
 
 KINDS: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "temp")
 """The kinds ``MemoryReport.by_kind`` always has, in display order."""
@@ -159,19 +160,6 @@ class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers which tracked storage it stands for."""
 
     __slots__ = ("key", "serial")
-
-
-def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    # Op arguments and results are tensors, or lists/tuples (cat, foreach ops) of them.
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _collect_tensors(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _collect_tensors(item, out)
-    return out
 
 
 class _StorageTracker:
@@ -336,7 +324,7 @@ class _TrackingMode(TorchDispatchMode):
         tracker = self.tracker
         # Inputs first: an output that shares an input's storage (a view, an in-place op) is
         # then known and not mistaken for an allocation.
-        for t in _collect_tensors((args, kwargs), []):
+        for t in tensors((args, kwargs)):
             tracker.see(t)
         out = func(*args, **kwargs)
         # Inside backward, ops run with grad mode on only to rebuild activations (checkpoint
@@ -346,7 +334,7 @@ class _TrackingMode(TorchDispatchMode):
             if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
             else _TEMP
         )
-        for t in _collect_tensors(out, []):
+        for t in tensors(out):
             serial = tracker.see(t)
             if rank != _TEMP and serial is not None:
                 tracker.mark_serial(serial, rank)
@@ -443,7 +431,7 @@ class _Roles:
                 mark(p.grad, _GRADS)
         if state:
             # Values may be tensors or lists of them (LBFGS keeps its history in lists).
-            for value in _collect_tensors(list(optimizer.state.values()), []):
+            for value in tensors(list(optimizer.state.values())):
                 mark(value, _OPTIMIZER)
 
     def refresh(self) -> None:
@@ -648,96 +636,3 @@ def _add_untracked(by_kind: dict[str, int], by_dtype: dict[str, int], extra: int
         take = min(deficit, by_kind[kind])
         by_kind[kind] -= take
         deficit -= take
-
-
-def estimate_step_memory(
-    model_fn: Callable[[], nn.Module],
-    inputs_fn: Callable[[], Any],
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    device: torch.device | str = "cpu",
-) -> MemoryReport:
-    """Estimate a training step's peak memory without allocating it, with fake tensors.
-
-    Builds the model on the meta device, gives it fake parameters on ``device`` (tensors
-    with shapes, dtypes and devices but no data, ``FakeTensorMode``), runs forward, backward
-    and an optimizer step, and tracks storages exactly as ``measure`` does. Two steps run and
-    the second is reported, so optimizer state made lazily by the first counts, as in
-    steady-state training.
-
-    Args:
-        model_fn: builds the model on the default device; dtype casts (``.to(bf16)``) are
-            fine, moves to a device are not (pass ``device`` instead).
-        inputs_fn: builds the inputs: a tensor (``model(x)``), tuple (``model(*x)``) or dict.
-        loss_fn: output -> scalar loss; default: sum of the first floating-point tensor.
-        optimizer_fn: params -> optimizer; default ``torch.optim.AdamW``; ``lambda p: None``
-            for no optimizer.
-        autocast_dtype: run forward under ``torch.autocast`` with this dtype.
-        device: the device the step would run on (nothing is allocated there).
-
-    Sizes on CUDA are rounded to the allocator's 512-byte blocks; library workspaces and
-    allocator fragmentation are not modelled.
-
-    Example::
-
-        est = estimate_step_memory(lambda: GPT(cfg), lambda: torch.randint(0, 50257, (8, 1024)))
-        print(format_bytes(est.peak_bytes))
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        # Fake CUDA tensors need the CUDA build's device hooks; without them torch aborts.
-        raise ConfigError(
-            "estimating for a CUDA device needs a CUDA build of torch with a visible GPU; "
-            "estimate with device='cpu' instead (same bytes, without allocator rounding)"
-        )
-    loss_of = loss_fn or _default_loss
-    make_optimizer = optimizer_fn or torch.optim.AdamW
-    with torch.device("meta"):
-        model = model_fn()
-    # Real tensors may meet fake ones (constants a model keeps in plain attributes); they
-    # are read, never allocated, so allowing them costs nothing here.
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        # to_empty rather than building under the fake mode: casting a fake module's
-        # parameters (.to(dtype)) swaps tensors, which fake parameters do not allow.
-        model.to_empty(device=device)
-        with torch.device(device):
-            inputs = inputs_fn()
-        optimizer = make_optimizer(model.parameters())
-
-        def step() -> None:
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(
-                device.type,
-                dtype=autocast_dtype or torch.bfloat16,
-                enabled=autocast_dtype is not None,
-            ):
-                loss = loss_of(_call(model, inputs))
-            loss.backward()
-            if optimizer is not None:
-                optimizer.step()
-
-        step()
-        # Fake tensors keep their storages on the meta device: that is what is tracked.
-        round_to = _CUDA_BLOCK if device.type == "cuda" else 1
-        _, tracker = _track(step, torch.device("meta"), model, optimizer, False, round_to)
-    return _tracker_report(tracker, device, None)
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    for t in _collect_tensors(output, []):
-        if t.is_floating_point():
-            return t.float().sum()
-    raise ConfigError("the model's output holds no floating-point tensor; pass loss_fn")

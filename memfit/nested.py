@@ -60,14 +60,31 @@ def tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with each tensor replaced by ``fn(tensor)``; containers rebuilt as they were.
+    """``obj`` with each tensor replaced by ``fn(tensor)``; containers rebuilt as they were
+    (a ``Mapping`` pytree does not know, such as a ``UserDict``, comes back as a ``dict``;
+    a dataclass as a copy with its fields mapped).
 
     Example::
 
         >>> map_tensors((torch.ones(1), "x"), lambda t: t * 2)
         (tensor([2.]), 'x')
     """
-    return pytree.tree_map_only(torch.Tensor, fn, obj)
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if isinstance(value, Mapping):
+            return {k: map_tensors(v, fn) for k, v in value.items()}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {
+                f.name: map_tensors(getattr(value, f.name), fn)
+                for f in dataclasses.fields(value)
+                if f.init
+            }
+            return dataclasses.replace(value, **changes)
+        return value
+
+    return pytree.tree_map(leaf, obj)
 
 
 def call_model(model: nn.Module | Callable[..., Any], inputs: Any) -> Any:

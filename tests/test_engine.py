@@ -750,3 +750,26 @@ def test_split_batch_shapes() -> None:
     assert all(isinstance(p, tuple) and len(p[1][0]) == 2 for p in tuples)
     assert split_batch(x, 1)[0] is x
     assert batch_size({"a": [x, {"b": y}]}) == 10
+
+
+def test_split_batch_keeps_containers_and_gives_non_tensors_to_every_part() -> None:
+    import collections
+    import dataclasses as dc
+
+    from memfit.engine import split_batch
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @dc.dataclass
+    class Batch:
+        ids: torch.Tensor
+        name: str
+
+    x = torch.arange(8).reshape(4, 2)
+    parts = split_batch({"p": Pair(x, x[:, 0]), "b": Batch(x, "s"), "lr": 0.5}, 2)
+    assert [type(p["p"]) for p in parts] == [Pair, Pair]
+    assert torch.equal(parts[1]["p"].x, x[2:]) and torch.equal(parts[1]["p"].y, x[2:, 0])
+    assert type(parts[0]["b"]) is Batch and torch.equal(parts[0]["b"].ids, x[:2])
+    assert parts[0]["b"].name == "s" and [p["lr"] for p in parts] == [0.5, 0.5]
+    user = collections.UserDict({"input_ids": x})  # Hugging Face's BatchEncoding is one
+    assert [p["input_ids"].shape[0] for p in split_batch(user, 4)] == [1, 1, 1, 1]
