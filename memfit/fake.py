@@ -22,7 +22,7 @@ from memfit.errors import ConfigError
 from memfit.memory import _CUDA_BLOCK, MemoryReport, _track, _tracker_report
 from memfit.nested import call_model, first_floating
 
-__all__ = ["estimate_step_memory"]
+__all__ = ["estimate_step_memory", "optimizer_step_temp_bytes"]
 
 
 def estimate_step_memory(
@@ -108,3 +108,41 @@ def _default_loss(output: Any) -> torch.Tensor:
     if first is None:
         raise ConfigError("the model's output holds no floating-point tensor; pass loss_fn")
     return first.float().sum()
+
+
+def optimizer_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes ``optimizer.step()`` allocates for itself beyond parameters, gradients and
+    state, at its peak: measured on a shadow optimizer of the same class and settings over
+    fake tensors of the same shapes, dtypes and devices (nothing is allocated, the real
+    optimizer is not touched).
+
+    A ``foreach`` AdamW makes about one parameter-sized temporary per group (the square
+    root of its second moments); per-parameter (``foreach=False``) a few of the largest
+    parameter's size; ``fused`` none.
+
+    Example::
+
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        optimizer_step_temp_bytes(opt)   # about the bytes of the parameters
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        groups = []
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                shadow = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                    requires_grad=p.requires_grad,
+                )
+                if p.requires_grad:
+                    shadow.grad = torch.empty_like(shadow)
+                params.append(shadow)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        shadow_optimizer = type(optimizer)(groups)
+        shadow_optimizer.step()  # the first step makes the state; the second is measured
+        _, tracker = _track(
+            shadow_optimizer.step, torch.device("meta"), None, shadow_optimizer, False, 1
+        )
+    return int(_tracker_report(tracker, torch.device("cpu"), None).by_kind["temp"])

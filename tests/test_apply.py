@@ -677,7 +677,8 @@ def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: 
     assert min(peaks) < max(peaks), "the blocks' activations must be worth checkpointing"
     budget = int((min(peaks) + max(peaks)) / 2 / (1 - RESERVE)) + 1  # plans keep RESERVE free
     plan = memfit.plan(model, inputs, budget, loss_fn=loss_fn, precision=precision)
-    assert plan.recompute_flops > 0
+    # Selective recompute re-runs no matmuls, so its FLOPs may be 0: look at decisions.
+    assert any(d != "keep" for d in plan.decisions.values()) or plan.segments
     base, cp = copy.deepcopy(model), copy.deepcopy(model)
     apply_plan(cp, plan)
 

@@ -174,7 +174,7 @@ def test_budget_below_optimizer_step_says_what_dominates() -> None:
     model, loss_fn, batch, engine = _setup("gpt")
     with pytest.raises(BudgetError) as info:
         plan_step(model, batch, loss_fn, 1024, "optimal", "fp32", engine.optimizer)
-    assert "parameters, gradients and optimizer state" in str(info.value)
+    assert "parameters, gradients, optimizer state and the step's temporaries" in str(info.value)
 
 
 def test_budget_above_unplanned_peak_gives_none_plan_said_plainly() -> None:
@@ -291,7 +291,8 @@ def test_hf_models_computing_their_loss_inside_fit_their_budget(kind: str, preci
     for share in (0.0, 0.5):
         budget = int((min(peaks) + share * (max(peaks) - min(peaks))) / (1 - RESERVE)) + 1
         plan = memfit.plan(model, inputs, budget, loss_fn=loss_fn, precision=precision)
-        assert plan.recompute_flops > 0
+        # Selective recompute re-runs no matmuls, so its FLOPs may be 0: look at decisions.
+        assert any(d != "keep" for d in plan.decisions.values()) or plan.segments
         memfit.apply_plan(model, plan)
         step()
         measured = memfit.measure(step, model=model).peak_bytes

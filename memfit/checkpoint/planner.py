@@ -228,7 +228,8 @@ def solve_profile(
     if budget_bytes is not None and optimizer_phase > budget_bytes:
         raise BudgetError(
             f"budget {format_bytes(budget_bytes)} is below what the optimizer step alone holds, "
-            f"{format_bytes(optimizer_phase)} (parameters, gradients and optimizer state): no "
+            f"{format_bytes(optimizer_phase)} (parameters, gradients, optimizer state and the "
+            "step's temporaries): no "
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
         )

@@ -10,6 +10,9 @@ checkpointing cannot change, the *static* bytes, is counted from the model and o
   (Adam/AdamW two fp32 buffers per parameter element and a step count per parameter,
   SGD with momentum and Adagrad one buffer);
 * fp32 master weights in the master modes;
+* during the optimizer step only: what the step allocates for itself (a ``foreach``
+  optimizer's temporaries, about one parameter-sized tensor per group for AdamW), measured
+  on a shadow optimizer over fake tensors;
 * the step's inputs, and the activation gradient passed between units in backward;
 * at the end of forward only: the model's output, what the loss saves, and the larger of
   autocast's 16-bit copies of fp32 weights (mixed modes) and the gradients the head of
@@ -23,12 +26,13 @@ phase instead of appearing one unit at a time as its backward makes them.
 Example::
 
     mem = step_memory(model, prof, PrecisionPolicy.of("bf16-mixed"), optimizer)
-    mem.base_bytes + mem.grad_bytes   # what the optimizer step alone holds
+    mem.optimizer_phase_bytes   # what the optimizer step alone holds
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +40,10 @@ from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler import Profile
+from memfit.fake import optimizer_step_temp_bytes
 from memfit.precision.policy import PrecisionPolicy
+
+log = logging.getLogger(__name__)
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
 _STATE_ELEMENTS = {
@@ -95,6 +102,9 @@ class StepMemory:
     in_flight_bytes: float
     """The activation gradient passed between units in backward (the largest output of a
     unit inside the model; the model's own output's gradient is in ``loss_bytes``)."""
+    optimizer_temp_bytes: float = 0.0
+    """What the optimizer's step allocates for itself (``foreach`` temporaries; see
+    :func:`memfit.fake.optimizer_step_temp_bytes`), held only during the step."""
     accumulated_grad_bytes: float = 0.0
     """Gradients held from earlier micro-batches while the last one runs (all of
     ``grad_bytes`` when ``accumulation_steps > 1``, else 0)."""
@@ -107,8 +117,8 @@ class StepMemory:
 
     @property
     def optimizer_phase_bytes(self) -> float:
-        """What the optimizer step holds: base and every gradient."""
-        return self.base_bytes + self.grad_bytes
+        """What the optimizer step holds: base, every gradient and the step's temporaries."""
+        return self.base_bytes + self.grad_bytes + self.optimizer_temp_bytes
 
 
 def step_memory(
@@ -165,8 +175,25 @@ def step_memory(
         loss_bytes=float(output + loss_saved + end_of_forward),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=in_flight,
+        optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)),
         accumulated_grad_bytes=float(grad_bytes) if accumulation_steps > 1 else 0.0,
     )
+
+
+def _optimizer_temp_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    try:
+        return optimizer_step_temp_bytes(optimizer)
+    except Exception as exc:  # an optimizer fake tensors cannot run: plan without the term
+        log.warning(
+            "could not measure the temporaries of %s.step() on fake tensors (%s: %s); the "
+            "plan leaves them out, so keep some margin in the budget",
+            type(optimizer).__name__,
+            type(exc).__name__,
+            exc,
+        )
+        return 0
 
 
 def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]:
