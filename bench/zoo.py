@@ -128,7 +128,7 @@ ZOO: dict[str, ZooModel] = {
             num_labels=10,
         ),
         transformers.ResNetForImageClassification,
-        _images(8, 64, 10),
+        _images(8, 128, 10),
     ),
     "convnext": ZooModel(
         lambda: transformers.ConvNextConfig(

@@ -16,3 +16,28 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def op_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The profiler's clock reads the number of aten ops run so far instead of the time:
+    a unit's "seconds" become the ops it ran, the same on every machine and under any
+    load, so a test of how times are attributed has a verdict that cannot flake."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memfit.checkpoint.profiler import recorder, timing
+
+    class _Counter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            _Counter.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def clock(sync: bool) -> float:
+        return float(_Counter.ops)
+
+    monkeypatch.setattr(recorder, "clock", clock)
+    monkeypatch.setattr(timing, "clock", clock)
+    with _Counter():
+        yield

@@ -94,7 +94,7 @@ def test_fwd_flops_match_flop_counter() -> None:
     assert not prof["blocks"].can_recompute and "no forward" in prof.reasons["blocks"][0]
 
 
-def test_times() -> None:
+def test_times(op_clock: None) -> None:
     prof = profile(_chain(), X)
     for unit in prof.root.walk():
         assert unit.fwd_seconds > 0 and unit.bwd_seconds >= 0
@@ -105,9 +105,9 @@ def test_times() -> None:
     relu = prof["1"]
     assert relu.non_matmul_fwd_seconds >= relu.fwd_seconds * (1 - 1e-12)
     assert "sequential" in prof.summary()
-    # The checkpoint machinery's cost per piece is measured (about 0.15 ms on a CPU) and
-    # carried by every unit, so that each piece of a plan is charged it.
-    assert 0 < prof.piece_seconds < 0.05
+    # The checkpoint machinery's cost per piece is measured (about 0.15 ms on a CPU; here
+    # in ops, op_clock) and carried by every unit, so that each piece of a plan is charged it.
+    assert 0 < prof.piece_seconds
     assert {u.piece_seconds for u in prof.root.walk()} == {prof.piece_seconds}
     assert "a piece" in prof.summary()
     # Times are medians over the timed steps; one step is allowed, none is not.
@@ -214,12 +214,12 @@ class _NoTail(nn.Module):
         return torch.relu(x)  # the last op saves its output: nothing to skip
 
 
-def test_tail_time_is_what_follows_the_last_saved_tensor() -> None:
+def test_tail_time_is_what_follows_the_last_saved_tensor(op_clock: None) -> None:
     model = nn.Sequential(_SlowTail(), _NoTail())
     prof = profile(model, torch.randn(512, 512, requires_grad=True), units=["0", "1"])
     slow, none = prof["0"], prof["1"]
-    # Attribution, not speed: forty of the forty-one ops are the first unit's tail, none
-    # of the second's; the margins leave room for a noisy machine.
+    # Attribution, not speed (op_clock: time is the ops run): forty of the forty-one ops
+    # are the first unit's tail, none of the second's.
     assert slow.tail_seconds > 0.5 * slow.fwd_seconds
     assert none.tail_seconds < 0.5 * none.fwd_seconds
     assert slow.tail_flops == none.tail_flops == 0
