@@ -5,7 +5,7 @@ from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile import Profile, profile
-from memfit.checkpoint.solve import FrontierPoint, Solution, solve
+from memfit.checkpoint.solvers import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
 
 __all__ = [

@@ -37,7 +37,7 @@ from memfit.checkpoint.apply import apply_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile import Profile, profile
-from memfit.checkpoint.solve import evaluate, solve
+from memfit.checkpoint.solvers import evaluate, solve
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.precision.policy import PrecisionPolicy

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.solve import FrontierPoint, Solution, _format_bytes
+from memfit.checkpoint.solvers import FrontierPoint, Solution
 from memfit.errors import PlanError
+from memfit.units import format_bytes
 
 __all__ = ["FORMAT", "VERSION", "Piece", "Plan", "structure_hash"]
 
@@ -133,12 +134,12 @@ class Plan:
         structure: Sequence[Sequence[str]] | str | None = None,
         units_info: UnitCost | None = None,
     ) -> Plan:
-        """Wrap a solver :class:`~memfit.checkpoint.solve.Solution`.
+        """Wrap a solver :class:`~memfit.checkpoint.solvers.Solution`.
 
         ``units_info``: the cost tree the solution was made from; with it the plan lists
         what each recomputed piece saves and costs.
 
-        >>> from memfit.checkpoint.solve import solve
+        >>> from memfit.checkpoint.solvers import solve
         >>> a, b = (UnitCost(n, own_saved_bytes=64.0, input_bytes=8.0) for n in "ab")
         >>> tree = UnitCost("", children=[a, b])
         >>> plan = Plan.from_solution(solve(tree, "full", None), precision="bf16-mixed",
@@ -318,7 +319,7 @@ class Plan:
           recompute        0.00 GFLOP  0.00 ms per step
         """
         budget = (
-            f"budget {_format_bytes(self.budget_bytes)}"
+            f"budget {format_bytes(self.budget_bytes)}"
             if self.budget_bytes is not None
             else "no budget"
         )
@@ -329,11 +330,11 @@ class Plan:
         lines += self._piece_rows(max_rows)
         lines += [
             "",
-            f"  predicted peak {_format_bytes(self.predicted_peak_bytes):>12}",
-            f"    static       {_format_bytes(self.static_bytes):>12}  parameters, "
+            f"  predicted peak {format_bytes(self.predicted_peak_bytes):>12}",
+            f"    static       {format_bytes(self.static_bytes):>12}  parameters, "
             "optimizer state, inputs",
-            f"    kept         {_format_bytes(self.kept_bytes):>12}  activations held for backward",
-            f"    transient    {_format_bytes(self.transient_bytes):>12}  the loss, or the "
+            f"    kept         {format_bytes(self.kept_bytes):>12}  activations held for backward",
+            f"    transient    {format_bytes(self.transient_bytes):>12}  the loss, or the "
             "highest rebuild in backward",
             f"  recompute      {f'{self.recompute_flops / 1e9:.2f} GFLOP':>12}  "
             f"{self.recompute_seconds * 1e3:.2f} ms per step",
@@ -360,7 +361,7 @@ class Plan:
                     (
                         name,
                         p.kind,
-                        _format_bytes(p.saved_bytes - p.kept_bytes),
+                        format_bytes(p.saved_bytes - p.kept_bytes),
                         f"{p.recompute_seconds * 1e3:.2f} ms",
                     )
                 )
@@ -401,7 +402,7 @@ class Plan:
             p = points[i]
             mark = "*" if i == chosen else " "
             out.append(
-                f"  {mark} {_format_bytes(p.peak_bytes):>10} {p.recompute_seconds * 1e3:>9.2f} ms"
+                f"  {mark} {format_bytes(p.peak_bytes):>10} {p.recompute_seconds * 1e3:>9.2f} ms"
             )
         return out
 
@@ -410,7 +411,7 @@ class Plan:
         segs = sum(len(v) for v in self.segments.values())
         return (
             f"Plan({self.strategy}, {recomputed} units recomputed, {segs} segments, peak "
-            f"{_format_bytes(self.predicted_peak_bytes)}, recompute "
+            f"{format_bytes(self.predicted_peak_bytes)}, recompute "
             f"{self.recompute_seconds * 1e3:.2f} ms)"
         )
 
