@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, UnitCost
 from memfit.checkpoint.solvers import FrontierPoint, Solution
 from memfit.errors import PlanError
 from memfit.units import format_bytes
@@ -33,8 +33,6 @@ __all__ = ["FORMAT", "VERSION", "Piece", "Plan", "structure_hash"]
 FORMAT = "memfit-plan"
 #: The JSON format version this memfit writes, and the newest it reads.
 VERSION = 1
-
-_DECISIONS = ("keep", "recompute", "selective")
 
 Structure = list[tuple[str, str]]
 
@@ -352,7 +350,7 @@ class Plan:
         return "\n".join(line.rstrip() for line in lines)
 
     def _piece_rows(self, max_rows: int) -> list[str]:
-        kept = sum(d == "keep" for d in self.decisions.values())
+        kept = sum(d == KEEP for d in self.decisions.values())
         rows: list[tuple[str, str, str, str]] = []
         if self.pieces:
             for p in self.pieces:
@@ -367,7 +365,7 @@ class Plan:
                 )
         else:
             for unit, d in self.decisions.items():
-                if d != "keep":
+                if d != KEEP:
                     rows.append((_piece_name(unit, None), d, "", ""))
             for unit, ranges in self.segments.items():
                 rows.extend((_piece_name(unit, r), "segment", "", "") for r in ranges)
@@ -407,7 +405,7 @@ class Plan:
         return out
 
     def __repr__(self) -> str:
-        recomputed = sum(d != "keep" for d in self.decisions.values())
+        recomputed = sum(d != KEEP for d in self.decisions.values())
         segs = sum(len(v) for v in self.segments.values())
         return (
             f"Plan({self.strategy}, {recomputed} units recomputed, {segs} segments, peak "
@@ -446,9 +444,9 @@ def _pieces(
     out: list[Piece] = []
     for name, d in decisions.items():
         unit = units.get(name)
-        if unit is None or d == "keep":
+        if unit is None or d == KEEP:
             continue
-        if d == "recompute":
+        if d == RECOMPUTE:
             out.append(
                 Piece(
                     name,
@@ -522,7 +520,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
 
     def decisions_ok(v: Any) -> bool:
         return isinstance(v, dict) and all(
-            isinstance(k, str) and x in _DECISIONS for k, x in v.items()
+            isinstance(k, str) and x in DECISIONS for k, x in v.items()
         )
 
     def segments_ok(v: Any) -> bool:
@@ -557,7 +555,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         return (
             isinstance(p, dict)
             and isinstance(p.get("unit"), str)
-            and p.get("kind") in ("recompute", "selective", "segment")
+            and p.get("kind") in (RECOMPUTE, SELECTIVE, "segment")
             and (p.get("children") is None or pair(p.get("children")))
             and all(number(p.get(k)) for k in piece_numbers)
         )
