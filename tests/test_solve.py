@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import random
@@ -17,6 +16,7 @@ from memfit.checkpoint.solvers import (
     FrontierPoint,
     Solution,
     evaluate,
+    limits,  # the work limits, which some tests lower
     parse_strategy,
     solve,
 )
@@ -26,9 +26,6 @@ from memfit.checkpoint.solvers.nodes import find_chains, flatten
 from memfit.checkpoint.solvers.optimal import polish
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.units import format_bytes
-
-# The search's work limits, which the approximate-pass tests lower.
-limits = importlib.import_module("memfit.checkpoint.solvers.limits")
 
 # --------------------------------------------------------------------------- brute force
 
