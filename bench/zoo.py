@@ -393,9 +393,7 @@ class Bench:
             base_flops = count_flops(step)
             base.update(
                 predicted=float(whole.predicted_peak_bytes),
-                error_pct=100
-                * (whole.predicted_peak_bytes - base["measured"])
-                / base["measured"],
+                error_pct=100 * (whole.predicted_peak_bytes - base["measured"]) / base["measured"],
                 step_flops=base_flops,
                 frontier=[[p.peak_bytes, p.recompute_flops] for p in whole.frontier],
                 notes=list(whole.notes),
@@ -504,9 +502,7 @@ def _compare(model: nn.Module, plan: memfit.Plan, inputs: dict[str, Any], tag: s
     memfit.remove_plan(planned)
 
     def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-        return (a is None and b is None) or (
-            a is not None and b is not None and torch.equal(a, b)
-        )
+        return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
     bad = [n for n in grads_a if not same(grads_a[n], grads_b[n])]
     bad_bufs = [n for n in bufs_a if not same(bufs_a[n], bufs_b[n])]
@@ -674,7 +670,9 @@ def main() -> None:
         try:
             bench.model_rows(name)
         except Exception as exc:  # building the model or its first step failed
-            bench.add({"model": name, "precision": "–", "variant": "setup", "error": error_text(exc)})
+            bench.add(
+                {"model": name, "precision": "–", "variant": "setup", "error": error_text(exc)}
+            )
     wall = time.perf_counter() - start
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -697,7 +695,9 @@ def main() -> None:
             "configs": {n: ZOO[n].config().to_dict() for n in names},
         }
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": bench.rows, "failures": found}, f, indent=1, default=str)
+            json.dump(
+                {"meta": meta, "rows": bench.rows, "failures": found}, f, indent=1, default=str
+            )
         print(f"\nrows: {args.json}")
 
 

@@ -109,7 +109,7 @@ def _check_checkpoint_request(checkpoint: Any) -> None:
     # A misspelt strategy should fail when the Engine is made, not at the first step.
     if isinstance(checkpoint, str):
         if checkpoint not in ("none", "auto"):
-            from memfit.checkpoint.solve import parse_strategy
+            from memfit.checkpoint.solvers import parse_strategy
 
             parse_strategy(checkpoint)
     elif not (hasattr(checkpoint, "decisions") and hasattr(checkpoint, "segments")):

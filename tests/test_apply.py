@@ -702,7 +702,7 @@ def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: 
 
 @pytest.mark.parametrize("strategy", ["full", "uniform:2", "sqrt", "optimal"])
 def test_profile_solve_apply_pipeline(strategy: str) -> None:
-    solve_mod = pytest.importorskip("memfit.checkpoint.solve")
+    solve_mod = pytest.importorskip("memfit.checkpoint.solvers")
     model = MiniCNN()
     x = _images()
     prof = profile(model, x, loss_fn=_loss)

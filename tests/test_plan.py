@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import FORMAT, VERSION, Piece, Plan, structure_hash
-from memfit.checkpoint.solve import FrontierPoint, solve
+from memfit.checkpoint.solvers import FrontierPoint, solve
 from memfit.errors import PlanError
 
 MIB = float(2**20)
@@ -325,9 +325,9 @@ def test_repr_is_one_line() -> None:
 
 
 def _fmt(n: float) -> str:
-    from memfit.checkpoint.solve import _format_bytes
+    from memfit.units import format_bytes
 
-    return _format_bytes(n)
+    return format_bytes(n)
 
 
 def test_from_json_fills_optional_fields() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import random
@@ -13,17 +12,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.solve import (
+from memfit.checkpoint.solvers import (
     FrontierPoint,
     Solution,
     evaluate,
+    limits,  # the work limits, which some tests lower
     parse_strategy,
     solve,
 )
+from memfit.checkpoint.solvers.evaluate import NodePlan
+from memfit.checkpoint.solvers.fixed import family_plan
+from memfit.checkpoint.solvers.nodes import find_chains, flatten
+from memfit.checkpoint.solvers.optimal import polish
 from memfit.errors import BudgetError, ConfigError, PlanError
-
-# The package re-exports the solve() function under the same name as the module.
-solve_module = importlib.import_module("memfit.checkpoint.solve")
+from memfit.units import format_bytes
 
 # --------------------------------------------------------------------------- brute force
 
@@ -213,17 +215,17 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
     highest = max(p[0] for p in brute)
     budget = max(0.5, lowest + where * (highest - lowest))
     best = min((p for p in brute if p[0] <= budget), key=lambda p: (p[1], p[2]))
-    names = ("_EXACT_WORK", "_THIN_POINTS", "_SEGMENT_POINTS")
-    saved = [getattr(solve_module, n) for n in names]
+    names = ("EXACT_WORK", "THIN_POINTS", "SEGMENT_POINTS")
+    saved = [getattr(limits, n) for n in names]
     try:
         # Every pass approximate, frontiers thinned hard: a plan that fits, never better
         # than the optimum, its numbers those of an independent evaluation.
         for name, value in zip(names, (-1, 2, 2)):
-            setattr(solve_module, name, value)
+            setattr(limits, name, value)
         approx = solve(root, "optimal", budget)
     finally:
         for name, value in zip(names, saved):
-            setattr(solve_module, name, value)
+            setattr(limits, name, value)
     assert approx.predicted_peak_bytes <= budget
     assert approx.recompute_seconds >= best[1]
     check = evaluate(root, approx.decisions, approx.segments)
@@ -232,15 +234,21 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
 
 def _polish_by_trying_each(nodes: list, plan, cap: float):  # noqa: ANN001, ANN202
     """The polish rule, stated plainly: each piece, slowest first, kept if the plan fits."""
-    pieces = [(nodes[u].fwd_s, u, None) for u, d in enumerate(plan.decision) if d != "keep"]
+    pieces = [
+        (nodes[u].rebuild_seconds, u, None) for u, d in enumerate(plan.decision) if d != "keep"
+    ]
     for u, ranges in plan.segs.items():
-        pieces += [(nodes[u].upto_s[j] - nodes[u].pre_s[i], u, (i, j)) for i, j in ranges]
+        node = nodes[u]
+        pieces += [
+            (node.rebuild_seconds_through[j] - node.forward_seconds_before[i], u, (i, j))
+            for i, j in ranges
+        ]
     for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
         decision = list(plan.decision)
         segs = {k: [r for r in v if r != rng or k != u] for k, v in plan.segs.items()}
         if rng is None:
             decision[u] = "keep"
-        trial = solve_module._Plan(decision, {k: v for k, v in segs.items() if v})
+        trial = NodePlan(decision, {k: v for k, v in segs.items() if v})
         if trial.peak(nodes, 0.0) <= cap:
             plan = trial
     return plan
@@ -251,14 +259,12 @@ def _polish_by_trying_each(nodes: list, plan, cap: float):  # noqa: ANN001, ANN2
 def test_polish_skips_only_pieces_that_cannot_fit(
     root: UnitCost, family: str, where: float
 ) -> None:
-    nodes = solve_module._flatten(root)
-    chains = solve_module._find_chains(nodes)
-    plan = solve_module._family_plan(
-        nodes, chains, family, 2 if family == "uniform" else None, None
-    )
+    nodes = flatten(root)
+    chains = find_chains(nodes)
+    plan = family_plan(nodes, chains, family, 2 if family == "uniform" else None, None)
     low = plan.peak(nodes, 0.0)
-    cap = low + where * (nodes[0].saved - low)
-    fast = solve_module._polish(nodes, plan, cap, 0.0)
+    cap = low + where * (nodes[0].saved_bytes - low)
+    fast = polish(nodes, plan, cap, 0.0)
     slow = _polish_by_trying_each(nodes, plan, cap)
     assert (fast.decision, fast.segs) == (slow.decision, slow.segs)
     assert fast.peak(nodes, 0.0) <= max(cap, low)
@@ -296,19 +302,19 @@ def test_block_by_block_plans_are_near_exact_where_walks_are_thinned_hard(
 ) -> None:
     root = _gpt_like(12, sequential)
     none_peak = solve(root, "none", None).predicted_peak_bytes
-    names = ("_EXACT_WORK", "_THIN_POINTS", "_SEGMENT_POINTS")
+    names = ("EXACT_WORK", "THIN_POINTS", "SEGMENT_POINTS")
     for share in (0.4, 0.55, 0.7, 0.85):
         exact = solve(root, "optimal", share * none_peak, frontier=False)
-        saved = [getattr(solve_module, n) for n in names]
+        saved = [getattr(limits, n) for n in names]
         try:
             # Every walk approximate and thinned to 4 points: alone they come out 17-138%
             # slower than the optimum on this tree; planned block by block, within 0.5%.
             for name, value in zip(names, (-1, 4, 2)):
-                setattr(solve_module, name, value)
+                setattr(limits, name, value)
             approx = solve(root, "optimal", share * none_peak, frontier=False)
         finally:
             for name, value in zip(names, saved):
-                setattr(solve_module, name, value)
+                setattr(limits, name, value)
         assert exact.exact and not approx.exact
         assert approx.predicted_peak_bytes <= share * none_peak
         assert exact.recompute_seconds <= approx.recompute_seconds <= 1.01 * exact.recompute_seconds
@@ -400,7 +406,7 @@ def test_budget_below_the_smallest_peak_names_it() -> None:
         solve(root, "optimal", smallest - 1, static_bytes=2**30)
     message = str(info.value)
     assert f"{smallest:.0f} bytes" in message
-    assert solve_module._format_bytes(smallest) in message
+    assert format_bytes(smallest) in message
     assert "Static memory dominates" in message
     # Exactly the smallest peak is feasible.
     assert solve(root, "optimal", smallest, static_bytes=2**30).predicted_peak_bytes == smallest
@@ -419,7 +425,7 @@ def test_fixed_strategies_that_cannot_fit_suggest_optimal() -> None:
     smallest_full = solve(root, "full", None).predicted_peak_bytes
     with pytest.raises(BudgetError, match="'optimal'") as info:
         solve(root, "full", smallest_full - 1)
-    assert solve_module._format_bytes(smallest_full) in str(info.value)
+    assert format_bytes(smallest_full) in str(info.value)
     with pytest.raises(BudgetError, match="strategy 'none' cannot fit"):
         solve(root, "none", smallest_full)
 

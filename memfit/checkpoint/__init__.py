@@ -5,7 +5,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import PlanResult, make_plan, plan, plan_step
 from memfit.checkpoint.profiler import Profile, profile
-from memfit.checkpoint.solve import FrontierPoint, Solution, solve
+from memfit.checkpoint.solvers import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The planner's input: a tree of candidate units with their measured costs.
 
-Plain dataclasses with no torch in them, so the solvers (``solve.py``) can serve any
-framework's recompute primitive. The profiler (``profiler/``) fills them in from a
+Plain dataclasses with no torch in them, so the solvers (the ``solvers`` package) can serve
+any framework's recompute primitive. The profiler (``profiler/``) fills them in from a
 profiled step.
 
 Cost model (docs/planner.md has the full statement and its assumptions), per option:

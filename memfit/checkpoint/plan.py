@@ -22,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.solve import FrontierPoint, Solution, _format_bytes
+from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, UnitCost
+from memfit.checkpoint.solvers import FrontierPoint, Solution
 from memfit.errors import PlanError
+from memfit.units import format_bytes
 
 __all__ = ["FORMAT", "VERSION", "Piece", "Plan", "structure_hash"]
 
@@ -32,8 +33,6 @@ __all__ = ["FORMAT", "VERSION", "Piece", "Plan", "structure_hash"]
 FORMAT = "memfit-plan"
 #: The JSON format version this memfit writes, and the newest it reads.
 VERSION = 1
-
-_DECISIONS = ("keep", "recompute", "selective")
 
 Structure = list[tuple[str, str]]
 
@@ -133,12 +132,12 @@ class Plan:
         structure: Sequence[Sequence[str]] | str | None = None,
         units_info: UnitCost | None = None,
     ) -> Plan:
-        """Wrap a solver :class:`~memfit.checkpoint.solve.Solution`.
+        """Wrap a solver :class:`~memfit.checkpoint.solvers.Solution`.
 
         ``units_info``: the cost tree the solution was made from; with it the plan lists
         what each recomputed piece saves and costs.
 
-        >>> from memfit.checkpoint.solve import solve
+        >>> from memfit.checkpoint.solvers import solve
         >>> a, b = (UnitCost(n, own_saved_bytes=64.0, input_bytes=8.0) for n in "ab")
         >>> tree = UnitCost("", children=[a, b])
         >>> plan = Plan.from_solution(solve(tree, "full", None), precision="bf16-mixed",
@@ -318,7 +317,7 @@ class Plan:
           recompute        0.00 GFLOP  0.00 ms per step
         """
         budget = (
-            f"budget {_format_bytes(self.budget_bytes)}"
+            f"budget {format_bytes(self.budget_bytes)}"
             if self.budget_bytes is not None
             else "no budget"
         )
@@ -329,11 +328,11 @@ class Plan:
         lines += self._piece_rows(max_rows)
         lines += [
             "",
-            f"  predicted peak {_format_bytes(self.predicted_peak_bytes):>12}",
-            f"    static       {_format_bytes(self.static_bytes):>12}  parameters, "
+            f"  predicted peak {format_bytes(self.predicted_peak_bytes):>12}",
+            f"    static       {format_bytes(self.static_bytes):>12}  parameters, "
             "optimizer state, inputs",
-            f"    kept         {_format_bytes(self.kept_bytes):>12}  activations held for backward",
-            f"    transient    {_format_bytes(self.transient_bytes):>12}  the loss, or the "
+            f"    kept         {format_bytes(self.kept_bytes):>12}  activations held for backward",
+            f"    transient    {format_bytes(self.transient_bytes):>12}  the loss, or the "
             "highest rebuild in backward",
             f"  recompute      {f'{self.recompute_flops / 1e9:.2f} GFLOP':>12}  "
             f"{self.recompute_seconds * 1e3:.2f} ms per step",
@@ -351,7 +350,7 @@ class Plan:
         return "\n".join(line.rstrip() for line in lines)
 
     def _piece_rows(self, max_rows: int) -> list[str]:
-        kept = sum(d == "keep" for d in self.decisions.values())
+        kept = sum(d == KEEP for d in self.decisions.values())
         rows: list[tuple[str, str, str, str]] = []
         if self.pieces:
             for p in self.pieces:
@@ -360,13 +359,13 @@ class Plan:
                     (
                         name,
                         p.kind,
-                        _format_bytes(p.saved_bytes - p.kept_bytes),
+                        format_bytes(p.saved_bytes - p.kept_bytes),
                         f"{p.recompute_seconds * 1e3:.2f} ms",
                     )
                 )
         else:
             for unit, d in self.decisions.items():
-                if d != "keep":
+                if d != KEEP:
                     rows.append((_piece_name(unit, None), d, "", ""))
             for unit, ranges in self.segments.items():
                 rows.extend((_piece_name(unit, r), "segment", "", "") for r in ranges)
@@ -401,16 +400,16 @@ class Plan:
             p = points[i]
             mark = "*" if i == chosen else " "
             out.append(
-                f"  {mark} {_format_bytes(p.peak_bytes):>10} {p.recompute_seconds * 1e3:>9.2f} ms"
+                f"  {mark} {format_bytes(p.peak_bytes):>10} {p.recompute_seconds * 1e3:>9.2f} ms"
             )
         return out
 
     def __repr__(self) -> str:
-        recomputed = sum(d != "keep" for d in self.decisions.values())
+        recomputed = sum(d != KEEP for d in self.decisions.values())
         segs = sum(len(v) for v in self.segments.values())
         return (
             f"Plan({self.strategy}, {recomputed} units recomputed, {segs} segments, peak "
-            f"{_format_bytes(self.predicted_peak_bytes)}, recompute "
+            f"{format_bytes(self.predicted_peak_bytes)}, recompute "
             f"{self.recompute_seconds * 1e3:.2f} ms)"
         )
 
@@ -445,9 +444,9 @@ def _pieces(
     out: list[Piece] = []
     for name, d in decisions.items():
         unit = units.get(name)
-        if unit is None or d == "keep":
+        if unit is None or d == KEEP:
             continue
-        if d == "recompute":
+        if d == RECOMPUTE:
             out.append(
                 Piece(
                     name,
@@ -521,7 +520,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
 
     def decisions_ok(v: Any) -> bool:
         return isinstance(v, dict) and all(
-            isinstance(k, str) and x in _DECISIONS for k, x in v.items()
+            isinstance(k, str) and x in DECISIONS for k, x in v.items()
         )
 
     def segments_ok(v: Any) -> bool:
@@ -556,7 +555,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         return (
             isinstance(p, dict)
             and isinstance(p.get("unit"), str)
-            and p.get("kind") in ("recompute", "selective", "segment")
+            and p.get("kind") in (RECOMPUTE, SELECTIVE, "segment")
             and (p.get("children") is None or pair(p.get("children")))
             and all(number(p.get(k)) for k in piece_numbers)
         )

@@ -7,7 +7,7 @@
    (:mod:`memfit.checkpoint.profiler`), cut down to the model's own units.
 2. **step memory** (:func:`memfit.checkpoint.step_memory.step_memory`): what the step holds
    whatever the plan: weights, gradients, optimizer state, the loss's tensors.
-3. **solve** (:func:`memfit.checkpoint.solve.solve`): the plan with the least recompute
+3. **solve** (:func:`memfit.checkpoint.solvers.solve`): the plan with the least recompute
    whose predicted peak fits the budget, less :data:`RESERVE`.
 4. **Plan**: decisions, segments and the predicted peak, ready for ``apply_plan``.
 
@@ -39,7 +39,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import unstable_units
 from memfit.checkpoint.profiler import Profile, profile
-from memfit.checkpoint.solve import evaluate, solve
+from memfit.checkpoint.solvers import evaluate, solve
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError

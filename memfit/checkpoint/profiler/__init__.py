@@ -77,7 +77,7 @@ Example::
 
     prof = profile(model, torch.randint(0, 256, (8, 128)), precision="bf16-mixed")
     print(prof.summary())
-    prof.root            # UnitCost tree for memfit.checkpoint.solve
+    prof.root            # UnitCost tree for memfit.checkpoint.solvers
 """
 
 from memfit.checkpoint.profiler.flops import (

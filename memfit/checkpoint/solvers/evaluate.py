@@ -1,0 +1,244 @@
+"""Evaluating a plan under the cost model: what it keeps, its highest rebuild, its cost."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from memfit.checkpoint.costs import DECISIONS, KEEP, SELECTIVE, Decision, UnitCost
+from memfit.checkpoint.solvers.nodes import FlatUnit, flatten
+from memfit.errors import PlanError
+
+Segments = dict[int, list[tuple[int, int]]]
+"""Per sequential unit's index, the inclusive child ranges checkpointed as one piece."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The cost model's verdict on one set of decisions (see :func:`evaluate`)."""
+
+    kept_bytes: float
+    """Activation bytes held at the end of forward."""
+    transient_bytes: float
+    """peak - static - kept: the loss, or the excess of the highest rebuild in backward."""
+    peak_bytes: float
+    """static + the larger of kept + loss and the highest rebuild."""
+    recompute_seconds: float
+    recompute_flops: float
+    rebuild_bytes: float = 0.0
+    """The highest point of backward's rebuilds: the bytes kept before the piece, its
+    checkpointed input and everything it saves (0 when nothing is recomputed)."""
+
+
+class PlanCost(NamedTuple):
+    """What a plan given per unit index costs (static bytes left out)."""
+
+    kept_bytes: float
+    """Activation bytes held at the end of forward."""
+    rebuild_bytes: float
+    """The highest rebuild in backward, what is kept before it included."""
+    seconds: float
+    flops: float
+
+    def peak(self, loss: float) -> float:
+        """Peak above static: the end of forward, with the loss, or the highest rebuild."""
+        return max(self.kept_bytes + loss, self.rebuild_bytes)
+
+
+@dataclass
+class NodePlan:
+    """A plan given per unit index, its cost evaluated once."""
+
+    decision: list[Decision]
+    segs: Segments
+    cost: PlanCost | None = None
+
+    def evaluated(self, nodes: list[FlatUnit]) -> PlanCost:
+        if self.cost is None:
+            self.cost = evaluate_nodes(nodes, self.decision, self.segs)
+        return self.cost
+
+    def peak(self, nodes: list[FlatUnit], loss: float) -> float:
+        """Peak above static: the end of forward or the highest rebuild."""
+        return self.evaluated(nodes).peak(loss)
+
+    @classmethod
+    def keep_all(cls, nodes: list[FlatUnit]) -> NodePlan:
+        """The plan that recomputes nothing."""
+        return cls([KEEP] * len(nodes), {})
+
+
+def evaluate_nodes(
+    nodes: list[FlatUnit],
+    decision: list[Decision],
+    segs: Mapping[int, list[tuple[int, int]]],
+    shared_inputs: bool = False,
+    rebuilds: list[tuple[tuple[int, tuple[int, int] | None], float]] | None = None,
+) -> PlanCost:
+    """The cost of a plan given per node index.
+
+    Walks the tree in forward order with the bytes kept so far: backward rebuilds a piece
+    when everything after it has been freed and everything before it is still kept.
+    ``rebuilds``, when given, receives each piece's ``((unit, segment or None), rebuild)``
+    in forward order.
+    """
+    # untouched[u]: u and everything below it keep, and u is no segment's member.
+    untouched = [True] * len(nodes)
+    if shared_inputs:
+        members = {
+            nodes[u].children[p] for u, r in segs.items() for i, j in r for p in range(i, j + 1)
+        }
+        for node in reversed(nodes):
+            u = node.index
+            untouched[u] = (
+                decision[u] == KEEP
+                and u not in members
+                and not segs.get(u)
+                and all(untouched[c] for c in node.children)
+            )
+
+    def visit(u: int, k: float, credit: float) -> tuple[float, float, float, float, bool]:
+        """(kept after u, highest rebuild, seconds, flops, whether u ends with a piece)."""
+        node = nodes[u]
+        inherited = credit
+        d = decision[u]
+        if d != KEEP:  # a piece of its own: it keeps its input (selective: and matmul outputs)
+            high = k - credit + node.rebuild_hold_bytes
+            k += node.input_bytes - credit
+            if rebuilds is not None:
+                rebuilds.append(((u, None), high))
+            if d == SELECTIVE:
+                return (
+                    k + node.matmul_saved_bytes,
+                    high,
+                    node.selective_seconds,
+                    node.selective_flops,
+                    True,
+                )
+            return k, high, node.rebuild_seconds, node.rebuild_flops, True
+        k += node.own_saved_bytes
+        high, secs, flops = 0.0, 0.0, 0.0
+        ends = dict(segs.get(u, ()))
+        kids = node.children
+        pos = 0
+        after_piece = False  # the sibling before ended a recomputed piece
+        while pos < len(kids):
+            c = kids[pos]
+            # A piece whose input the wholly kept sibling before it saves keeps nothing new;
+            # a first child receives its parent's input, and the parent's credit with it.
+            if pos == 0:
+                credit = min(inherited, nodes[c].input_bytes)
+                if shared_inputs:  # or what the kept parent's own ops save of it
+                    credit = max(credit, nodes[c].input_saved_by_previous_bytes)
+            elif shared_inputs and untouched[kids[pos - 1]]:
+                credit = nodes[c].input_saved_by_previous_bytes
+            else:
+                credit = 0.0
+            if pos in ends:
+                end = ends[pos]
+                piece = k - credit + node.segment_hold_bytes(pos, end)
+                k += nodes[c].input_bytes - credit
+                if rebuilds is not None:
+                    rebuilds.append(((u, (pos, end)), piece))
+                high = max(high, piece)
+                secs += node.segment_seconds(pos, end)
+                flops += node.segment_flops(pos, end)
+                pos = end + 1
+                after_piece = True
+                continue
+            if after_piece and decision[c] == KEEP:
+                # The piece before is freed after forward, but its output, which this
+                # unit receives and saves, stays: the piece's saved bytes counted it.
+                k += nodes[c].input_saved_by_both_bytes
+            k, h, s, f, after_piece = visit(c, k, credit)
+            high, secs, flops = max(high, h), secs + s, flops + f
+            pos += 1
+        return k, high, secs, flops, after_piece
+
+    return PlanCost(*visit(0, 0.0, 0.0)[:4])
+
+
+def check_plan(
+    nodes: list[FlatUnit],
+    decisions: Mapping[str, str],
+    segments: Mapping[str, list[tuple[int, int]]],
+) -> tuple[list[Decision], Segments]:
+    """A plan given by unit names, checked against the tree, per unit index."""
+    by_name = {n.name: n for n in nodes}
+    for name in decisions:
+        if name not in by_name:
+            raise PlanError(f"the plan names unit {name!r}, which is not in the cost tree")
+    for name in segments:
+        if name not in by_name:
+            raise PlanError(f"the plan has segments for {name!r}, which is not in the cost tree")
+    decision: list[Decision] = [KEEP] * len(nodes)
+    for node in nodes:
+        d = decisions.get(node.name, KEEP)
+        if d not in DECISIONS:
+            raise PlanError(
+                f"unit {node.name!r}: decision {d!r} is not 'keep', 'recompute' or 'selective'"
+            )
+        if d != KEEP and not node.can_recompute:
+            what = "the root" if node.index == 0 else "a unit marked can_recompute=False"
+            raise PlanError(f"unit {node.name!r} cannot be recomputed: it is {what}")
+        if d == SELECTIVE and not node.can_select:
+            raise PlanError(
+                f"unit {node.name!r} cannot be selective: it is marked can_select=False (a "
+                "matmul output made in it is changed in place); use 'recompute'"
+            )
+        decision[node.index] = d  # type: ignore[assignment]
+    segs: Segments = {}
+    for name, ranges in segments.items():
+        node = by_name[name]
+        if not node.sequential:
+            raise PlanError(f"unit {name!r} has segments but is not sequential")
+        taken: set[int] = set()
+        for i, j in ranges:
+            if not (0 <= i < j < len(node.children)):
+                raise PlanError(
+                    f"unit {name!r}: segment ({i}, {j}) must satisfy 0 <= start < end < "
+                    f"{len(node.children)}"
+                )
+            if node.run_start[j] > i:
+                raise PlanError(
+                    f"unit {name!r}: segment ({i}, {j}) contains a child that cannot be recomputed"
+                )
+            if taken.intersection(range(i, j + 1)):
+                raise PlanError(f"unit {name!r}: segment ({i}, {j}) overlaps another one")
+            taken.update(range(i, j + 1))
+        if ranges:
+            segs[node.index] = [(int(i), int(j)) for i, j in ranges]
+    return decision, segs
+
+
+def evaluate(
+    root: UnitCost,
+    decisions: Mapping[str, str],
+    segments: Mapping[str, list[tuple[int, int]]] | None = None,
+    static_bytes: float = 0.0,
+    loss_bytes: float = 0.0,
+    shared_inputs: bool = False,
+) -> Evaluation:
+    """Predict memory and recompute cost of given decisions under the cost model.
+
+    Units missing from ``decisions`` keep. Decisions below a recomputed unit, or on a
+    segment's members, are ignored: nothing is nested inside a recomputed piece.
+    ``loss_bytes`` is held at the end of forward only (the model's output and what the
+    loss saves). With ``shared_inputs``, a recomputed piece whose input the wholly kept
+    sibling before it already saves keeps no second copy (the solvers plan without this
+    credit, a bound; predictions use it).
+
+    >>> from memfit.checkpoint.costs import UnitCost
+    >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.5)
+    >>> evaluate(UnitCost("", children=[block]), {"b": "recompute"}).peak_bytes
+    120.0
+    """
+    nodes = flatten(root)
+    decision, segs = check_plan(nodes, decisions, segments or {})
+    cost = evaluate_nodes(nodes, decision, segs, shared_inputs)
+    peak = cost.peak(loss_bytes)
+    kept = cost.kept_bytes
+    return Evaluation(
+        kept, peak - kept, static_bytes + peak, cost.seconds, cost.flops, cost.rebuild_bytes
+    )

@@ -1,0 +1,246 @@
+"""The cost tree flattened for the solvers: units in pre-order, with the sums they use."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from memfit.checkpoint.costs import UnitCost
+from memfit.errors import PlanError
+
+# The UnitCost fields a unit must give as finite numbers >= 0.
+_NUMBERS = (
+    "own_saved_bytes",
+    "input_bytes",
+    "output_bytes",
+    "matmul_saved_bytes",
+    "fwd_seconds",
+    "fwd_flops",
+    "non_matmul_fwd_seconds",
+    "non_matmul_fwd_flops",
+    "bwd_seconds",
+    "input_saved_by_previous_bytes",
+    "input_saved_by_both_bytes",
+    "recompute_extra_bytes",
+    "grads_from_bytes",
+    "tail_seconds",
+    "tail_flops",
+    "piece_seconds",
+)
+
+
+Chains = list[tuple[int, list[int]]]
+"""(chain unit, positions of its block children), as :func:`find_chains` gives them."""
+
+
+class FlatUnit:
+    """A unit with the numbers the solvers use, indexed in pre-order."""
+
+    __slots__ = (
+        "index",
+        "name",
+        "children",
+        "saved_bytes",
+        "own_saved_bytes",
+        "input_bytes",
+        "rebuild_seconds",
+        "rebuild_flops",
+        "selective_seconds",
+        "selective_flops",
+        "matmul_saved_bytes",
+        "can_recompute",
+        "offers_selective",
+        "can_select",
+        "sequential",
+        "rebuild_hold_bytes",
+        "forward_seconds",
+        "forward_flops",
+        "saved_before",
+        "rebuilt_before",
+        "rebuilt_bytes",
+        "grads_from_bytes",
+        "child_grads_from_bytes",
+        "forward_seconds_before",
+        "forward_flops_before",
+        "rebuild_seconds_through",
+        "rebuild_flops_through",
+        "run_start",
+        "child_input_bytes",
+        "input_saved_by_previous_bytes",
+        "input_saved_by_both_bytes",
+    )
+
+    def __init__(self, index: int, unit: UnitCost, is_root: bool) -> None:
+        self.index = index
+        self.name = unit.name
+        self.children: list[int] = []  # their indices, in forward order
+        self.own_saved_bytes = float(unit.own_saved_bytes)
+        self.saved_bytes = 0.0  # what the whole subtree saves (set in flatten)
+        self.input_bytes = float(unit.input_bytes)
+        # What a piece ending with this unit costs to rebuild: its forward less its tail,
+        # the trailing ops a rebuild that stops early skips, plus the checkpoint machinery.
+        self.rebuild_seconds = tick(unit.rebuild_seconds())
+        self.rebuild_flops = float(unit.rebuild_flops())
+        # Its whole forward, what it costs inside a segment that does not end with it.
+        self.forward_seconds = tick(unit.fwd_seconds)
+        self.forward_flops = float(unit.fwd_flops)
+        self.selective_seconds = tick(unit.selective_seconds())
+        self.selective_flops = float(unit.non_matmul_fwd_flops)
+        self.matmul_saved_bytes = float(unit.matmul_saved_bytes)
+        # Input bytes the sibling before this unit already saves (see evaluate's shared_inputs).
+        self.input_saved_by_previous_bytes = min(
+            float(unit.input_saved_by_previous_bytes), self.input_bytes
+        )
+        # Of those, what this unit saves too (held after a recomputed sibling before it).
+        self.input_saved_by_both_bytes = min(
+            float(unit.input_saved_by_both_bytes), self.input_saved_by_previous_bytes
+        )
+        # The root is the whole model: there is nothing outside it to hold its inputs.
+        self.can_recompute = bool(unit.can_recompute) and not is_root
+        # Selective recompute fails where a matmul output it caches is changed in place.
+        self.can_select = bool(unit.can_select)
+        # It only differs from recompute when matmul outputs are saved.
+        self.offers_selective = (
+            self.can_recompute and self.can_select and self.matmul_saved_bytes > 0
+        )
+        self.sequential = bool(unit.sequential)
+        # What a rebuild of this unit as a piece holds above what is kept before it: its
+        # input, the input's gradient, ``rebuilt_bytes`` and ``grads_from_bytes`` (set in
+        # flatten).
+        self.rebuild_hold_bytes = 0.0
+        # What a rebuild holds besides the input and its gradient: everything the subtree
+        # saves, and what recomputing it allocates besides (cast weights).
+        self.rebuilt_bytes = float(unit.recompute_extra_bytes)
+        # Parameter gradients that exist when backward reaches this unit.
+        self.grads_from_bytes = float(unit.grads_from_bytes)
+        # For a chain (a sequential unit with two or more children), per child position:
+        # sums over the children before it (``*_before``, one entry more than children),
+        # and what it and they cost as a rebuild ending with it (``*_through``). Segment
+        # i..j costs rebuild_seconds_through[j] - forward_seconds_before[i]: the children's
+        # whole forwards, but the last one's tail is skipped.
+        self.saved_before: list[float] = []
+        self.rebuilt_before: list[float] = []
+        self.forward_seconds_before: list[float] = []
+        self.forward_flops_before: list[float] = []
+        self.rebuild_seconds_through: list[float] = []
+        self.rebuild_flops_through: list[float] = []
+        self.child_grads_from_bytes: list[float] = []
+        self.child_input_bytes: list[float] = []
+        # run_start[j]: the first child of the run of recomputable children ending at j.
+        self.run_start: list[int] = []
+
+    def segment_hold_bytes(self, i: int, j: int) -> float:
+        """What a rebuild of children ``i..j`` as one segment holds above what is kept
+        before it: child ``i``'s input and its gradient, what they all rebuild, and the
+        gradients made when backward reaches child ``i``."""
+        return (
+            2 * self.child_input_bytes[i]
+            + self.rebuilt_before[j + 1]
+            - self.rebuilt_before[i]
+            + self.child_grads_from_bytes[i]
+        )
+
+    def segment_seconds(self, i: int, j: int) -> float:
+        """Recompute time of children ``i..j`` as one segment."""
+        return self.rebuild_seconds_through[j] - self.forward_seconds_before[i]
+
+    def segment_flops(self, i: int, j: int) -> float:
+        """Recompute FLOPs of children ``i..j`` as one segment."""
+        return self.rebuild_flops_through[j] - self.forward_flops_before[i]
+
+    def is_chain(self) -> bool:
+        """Sequential with two or more children: segments of them are allowed."""
+        return self.sequential and len(self.children) >= 2
+
+
+def tick(seconds: float) -> float:
+    """``seconds`` rounded to a multiple of 2**-40 s (about a picosecond). Sums of such
+    numbers (below 2**13 s) are exact in any order, so plans that cost the same tie
+    exactly and the tie-breaks decide, not rounding."""
+    return round(float(seconds) * 2**40) / 2**40
+
+
+def flatten(root: UnitCost) -> list[FlatUnit]:
+    """The tree's units in pre-order (children in forward order), checked and summed."""
+    if not isinstance(root, UnitCost):
+        raise PlanError(f"solve() needs the UnitCost tree's root, got {type(root).__name__}")
+    nodes: list[FlatUnit] = []
+    seen: set[str] = set()
+    stack: list[tuple[UnitCost, int]] = [(root, -1)]
+    while stack:
+        unit, parent = stack.pop()
+        if unit.name in seen:
+            raise PlanError(f"unit name {unit.name!r} appears twice in the cost tree")
+        seen.add(unit.name)
+        for attr in _NUMBERS:
+            value = getattr(unit, attr)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise PlanError(
+                    f"unit {unit.name!r}: {attr} must be a finite number >= 0, got {value!r}"
+                )
+        node = FlatUnit(len(nodes), unit, is_root=parent < 0)
+        nodes.append(node)
+        if parent >= 0:
+            nodes[parent].children.append(node.index)
+        # Reversed so that children pop, and are numbered, in forward order.
+        for child in reversed(unit.children):
+            stack.append((child, node.index))
+    for node in reversed(nodes):
+        node.saved_bytes = node.own_saved_bytes + sum(nodes[c].saved_bytes for c in node.children)
+        node.rebuilt_bytes += node.saved_bytes
+        node.rebuild_hold_bytes = 2 * node.input_bytes + node.rebuilt_bytes + node.grads_from_bytes
+        if node.is_chain():
+            kids = [nodes[c] for c in node.children]
+            node.saved_before = _prefix(k.saved_bytes for k in kids)
+            node.rebuilt_before = _prefix(k.rebuilt_bytes for k in kids)
+            node.child_grads_from_bytes = [k.grads_from_bytes for k in kids]
+            node.forward_seconds_before = _prefix(k.forward_seconds for k in kids)
+            node.forward_flops_before = _prefix(k.forward_flops for k in kids)
+            node.rebuild_seconds_through = [
+                node.forward_seconds_before[j] + k.rebuild_seconds for j, k in enumerate(kids)
+            ]
+            node.rebuild_flops_through = [
+                node.forward_flops_before[j] + k.rebuild_flops for j, k in enumerate(kids)
+            ]
+            node.child_input_bytes = [k.input_bytes for k in kids]
+            start = 0
+            for j, kid in enumerate(kids):
+                if not kid.can_recompute:
+                    start = j + 1
+                node.run_start.append(min(start, j))
+    return nodes
+
+
+def _prefix(values: Iterable[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def find_chains(nodes: list[FlatUnit]) -> Chains:
+    """(chain unit, positions of its block children), chains in pre-order (the blocks are
+    defined in the package's docstring)."""
+    chains: Chains = []
+    stack = [0]
+    while stack:
+        u = stack.pop()
+        kids = nodes[u].children
+        if len(kids) == 1:
+            stack.append(kids[0])
+            continue
+        blocks: list[int] = []
+        inner: list[int] = []
+        for pos, c in enumerate(kids):
+            child = nodes[c]
+            if child.is_chain():
+                inner.append(c)  # a container that only iterates: its children are the blocks
+            elif child.can_recompute:
+                blocks.append(pos)
+            else:
+                inner.append(c)
+        if blocks:
+            chains.append((u, blocks))
+        stack.extend(reversed(inner))
+    chains.sort()
+    return chains

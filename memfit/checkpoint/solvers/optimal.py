@@ -1,0 +1,183 @@
+"""The ``optimal`` strategy: the cheapest plan under the budget, and its frontier.
+
+The walks themselves are in :mod:`~memfit.checkpoint.solvers.search`; this module runs
+them for one solve: seeded by the fixed strategies, polished and planned block by block
+where the tree was too large for exact walks, and walked along the (peak, time) frontier.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.checkpoint.costs import KEEP, SELECTIVE
+from memfit.checkpoint.solvers import limits, messages
+from memfit.checkpoint.solvers.blocks import by_blocks
+from memfit.checkpoint.solvers.evaluate import NodePlan, evaluate_nodes
+from memfit.checkpoint.solvers.fixed import family, family_plan
+from memfit.checkpoint.solvers.nodes import Chains, FlatUnit, find_chains
+from memfit.checkpoint.solvers.search import Search
+from memfit.checkpoint.solvers.solution import Solution, solution
+from memfit.errors import BudgetError
+
+# The fixed strategies whose cheapest plan that fits bounds a walk's time.
+_SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("uniform", 8))
+
+
+def _seed(nodes: list[FlatUnit], chains: Chains, cap: float, loss: float) -> NodePlan | None:
+    """The cheapest fixed-strategy plan within ``cap`` above static, or None."""
+    fits = [
+        plan
+        for name, k in _SEEDS
+        for plan in family(nodes, chains, name, k, cap, loss)
+        if plan.peak(nodes, loss) <= cap
+    ]
+    return min(fits, key=lambda p: p.evaluated(nodes).seconds, default=None)
+
+
+def solve_optimal(
+    nodes: list[FlatUnit],
+    label: str,
+    budget: float | None,
+    static: float,
+    loss: float,
+    reserve: float,
+    frontier: bool,
+) -> Solution:
+    """The cheapest plan that fits ``budget`` (the budget less the reserve), with the
+    frontier when ``frontier``."""
+    search = Search(nodes, loss)
+    chains = find_chains(nodes)
+
+    def bound() -> float:
+        # A bound for the least-peak search: the smallest peak of the fixed strategies.
+        return min(
+            search.none_peak,
+            family_plan(nodes, chains, "full", None, None).peak(nodes, loss),
+            family_plan(nodes, chains, "sqrt", None, None).peak(nodes, loss),
+        )
+
+    if budget is None:
+        chosen = search.none
+    else:
+        room = budget - static
+        found = search.cheapest(room, _seed(nodes, chains, room, loss))
+        least = None
+        if found is None:
+            least = search.least_peak(bound())[0]
+            if least <= room:  # an approximate walk lost the plans that fit; take the least
+                found = search.cheapest(least)
+        if found is None:
+            smallest = search.cheapest(least) or search.none
+            raise BudgetError(
+                messages.too_small(budget, smallest.evaluated(nodes), static, loss, reserve)
+            )
+        chosen = found
+        if not search.exact:
+            chosen = polish(nodes, found, room, loss)
+            # Two more plans, the faster kept: a walk under the polished plan's time (the
+            # slower points dropped first, the thinned frontiers are finer where the cheaper
+            # plans lie), when the first walk was short enough to afford twice; and one made
+            # block by block, which the thinned walks do worse at loose budgets.
+            again = search.cheapest(room, chosen) if search.last_work < limits.REFINE_WORK else None
+            for other in (again, by_blocks(nodes, room, loss, search.bounds)):
+                if other is not None and other is not chosen:
+                    other = polish(nodes, other, room, loss)
+                    if other.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
+                        chosen = other
+    exact = search.exact
+    walked = _frontier_plans(search, chains, bound()) if frontier else []
+    sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
+    if budget is None:
+        sol.note = messages.NO_BUDGET
+    return sol
+
+
+def polish(nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float) -> NodePlan:
+    """An approximate plan, with every recomputed piece that the budget can afford to keep
+    kept instead, the slowest first (each one tried once; a kept piece's units keep).
+
+    Keeping a piece adds what it saves, less its input, to everything kept after it, so
+    every later rebuild and the end of forward grow by that much (less the boundary
+    tensors the piece's end no longer holds): a piece that cannot fit by that count is
+    passed over without evaluating the plan again."""
+    pieces = [(nodes[u].rebuild_seconds, u, None) for u, d in enumerate(plan.decision) if d != KEEP]
+    for u, ranges in plan.segs.items():
+        node = nodes[u]
+        pieces += [(node.segment_seconds(i, j), u, (i, j)) for i, j in ranges]
+    depth = [0] * len(nodes)
+    for node in nodes:
+        for c in node.children:
+            depth[c] = depth[node.index] + 1
+    # What a piece's end can hold across boundaries, at most: one tensor per level.
+    slack = max((n.input_saved_by_both_bytes for n in nodes), default=0.0) * (max(depth) + 1)
+    order: dict = {}
+    after: list[float] = []
+
+    def survey() -> float:
+        # Each piece's place in forward order, and the highest rebuild after it.
+        rebuilds: list = []
+        plan.cost = evaluate_nodes(nodes, plan.decision, plan.segs, rebuilds=rebuilds)
+        order.clear()
+        after[:] = [0.0] * (len(rebuilds) + 1)
+        for pos in range(len(rebuilds) - 1, -1, -1):
+            order[rebuilds[pos][0]] = pos
+            after[pos] = max(after[pos + 1], rebuilds[pos][1])
+        return plan.cost.kept_bytes
+
+    kept = survey()
+    for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
+        node = nodes[u]
+        if rng is None:
+            matmul = node.matmul_saved_bytes if plan.decision[u] == SELECTIVE else 0.0
+            grows = node.saved_bytes - node.input_bytes - matmul
+        else:
+            i, j = rng
+            grows = node.saved_before[j + 1] - node.saved_before[i] - node.child_input_bytes[i]
+        grows -= slack
+        if max(after[order[(u, rng)] + 1], kept + loss) + grows > cap:
+            continue
+        decision = list(plan.decision)
+        segs = {k: list(v) for k, v in plan.segs.items()}
+        if rng is None:
+            decision[u] = KEEP
+        else:
+            segs[u].remove(rng)
+            if not segs[u]:
+                del segs[u]
+        trial = NodePlan(decision, segs)
+        if trial.peak(nodes, loss) <= cap:
+            plan = trial
+            kept = survey()
+    return plan
+
+
+def _frontier_plans(search: Search, chains: Chains, bound: float) -> list[NodePlan]:
+    """Plans on the (peak, time) frontier: walked point by point from the no-checkpoint
+    end (each pass finds the cheapest plan below the last one's peak), then sampled at
+    evenly spread caps down to the least peak when the walk is long."""
+    nodes, loss = search.nodes, search.loss
+    plans: list[NodePlan] = []
+    cap = search.none_peak
+    # Small trees get their whole frontier, point by point.
+    steps = limits.STAIRCASE if len(nodes) > limits.SMALL_TREE else math.inf
+    while steps > 0 and search.exact:
+        steps -= 1
+        found = search.cheapest(cap, _seed(nodes, chains, cap, loss))
+        if found is None:
+            return plans
+        plans.append(found)
+        # min(): with fractional costs, sums taken in another order can put the evaluated
+        # peak an ulp above the cap the walk checked; the cap must still go down.
+        cap = math.nextafter(min(cap, found.peak(nodes, loss)), -math.inf)
+    least, reaches = search.least_peak(min(bound, cap))
+    if not search.exact:
+        # Large trees: the plan the least-peak walk found stands for the low end (a second
+        # walk for the cheapest plan at that peak would cost as much as the solve).
+        return [*plans, *([reaches] if reaches is not None else []), search.none]
+    count = limits.SAMPLED
+    for q in range(count + 1):
+        at = least + (cap - least) * q / count
+        found = search.cheapest(at, _seed(nodes, chains, at, loss))
+        if found is not None:
+            plans.append(found)
+    return plans

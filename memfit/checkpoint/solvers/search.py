@@ -1,0 +1,384 @@
+"""The optimal search's walks: one pass of the tree under a cap, and the passes of a solve.
+
+A pass walks the tree in forward order. Its state is a frontier: the plans of everything
+walked so far that are Pareto-optimal in (bytes kept so far, recompute time), each a point
+laid out as :class:`~memfit.checkpoint.solvers.frontier.Point`, its steps the choices made.
+A cap on the peak above static turns every rebuild into a constraint on the bytes kept
+before it, which the walk checks as it goes; so one pass finds the cheapest plan under one
+cap, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.checkpoint.costs import KEEP, RECOMPUTE, SELECTIVE
+from memfit.checkpoint.solvers import limits
+from memfit.checkpoint.solvers.evaluate import NodePlan, Segments
+from memfit.checkpoint.solvers.frontier import (
+    BY_REBUILD,
+    BY_TIME,
+    FLOPS,
+    KEPT,
+    REBUILD,
+    SECONDS,
+    SEGMENT,
+    START,
+    Point,
+    Steps,
+    named,
+)
+from memfit.checkpoint.solvers.nodes import FlatUnit
+
+Bounds = tuple[list[float], list[float]]
+"""Per unit, the least it keeps under any plan, and the least it keeps when kept."""
+
+
+def least_kept(nodes: list[FlatUnit]) -> Bounds:
+    """Lower bounds on the bytes each unit keeps under any plan, and when it keeps."""
+    low = [0.0] * len(nodes)
+    keep_low = [0.0] * len(nodes)
+    for node in reversed(nodes):
+        chain = node.is_chain()
+        # In a chain, a recomputable child may sit inside a segment and keep nothing.
+        inner = sum(0.0 if chain and nodes[c].can_recompute else low[c] for c in node.children)
+        keep_low[node.index] = low[node.index] = node.own_saved_bytes + inner
+        if node.can_recompute:
+            low[node.index] = min(low[node.index], node.input_bytes)
+    return low, keep_low
+
+
+class TooLarge(Exception):
+    """An exact pass outgrew its work limit; the approximate passes take over."""
+
+
+# Distances from a segment's end to its start that approximate passes try.
+_GEOMETRIC = sorted({1, 2, 3} | {1 << e for e in range(2, 20)} | {3 << e for e in range(1, 19)})
+
+
+class Pass:
+    """One walk of the tree under a cap on the peak above static.
+
+    ``least_peak=False``: frontiers in (kept, time), every rebuild within ``cap``; the
+    cheapest final point is the cheapest plan whose peak is within ``cap``.
+    ``least_peak=True``: frontiers in (kept, highest rebuild), for the smallest peak any
+    plan reaches (``cap`` then only bounds the search).
+
+    Points that cannot lead to a plan are dropped as the walk goes: those whose kept bytes,
+    plus the least that the rest of the walk must keep, pass the cap, and those slower than
+    ``seconds`` (the time of a plan already known to fit).
+
+    Frontiers are lists of points, plain tuples laid out as ``Point`` (see the frontier
+    module); the loops below unpack them as ``k, s, f, h, ref``: kept bytes, seconds,
+    FLOPs, highest rebuild, steps.
+    """
+
+    def __init__(
+        self,
+        nodes: list[FlatUnit],
+        bounds: Bounds,
+        cap: float,
+        loss: float,
+        least_peak: bool,
+        seconds: float = math.inf,
+        thin: bool = False,
+    ) -> None:
+        self.nodes = nodes
+        self.low, self.keep_low = bounds
+        self.cap = cap
+        self.limit = cap - loss  # kept bytes only grow, and must end within this
+        self.least_peak = least_peak
+        self.seconds = seconds
+        self.work = limits.EXACT_WORK
+        self.thin = thin
+
+    def run(self) -> list[Point]:
+        """The final frontier."""
+        ended, kept = self.visit(0, [START], 0.0)
+        if ended and kept:
+            return named(self.prune(ended + kept))
+        return named(ended or kept)
+
+    # -- frontiers
+
+    def prune(self, points: list) -> list:
+        """Sort by kept bytes and drop dominated points (thin them past the work limit)."""
+        self.work -= len(points)
+        out: list = []
+        append = out.append
+        if self.least_peak:
+            points.sort(key=BY_REBUILD)
+            best = math.inf
+            for p in points:
+                if p[REBUILD] < best:
+                    append(p)
+                    best = p[REBUILD]
+        else:
+            points.sort(key=BY_TIME)
+            best_s = best_f = math.inf
+            for p in points:
+                if p[SECONDS] < best_s or (p[SECONDS] == best_s and p[FLOPS] < best_f):
+                    append(p)
+                    best_s, best_f = p[SECONDS], p[FLOPS]
+        if self.thin:
+            return self.thinned(out, limits.THIN_POINTS)
+        if self.work < 0:
+            raise TooLarge
+        return out
+
+    @staticmethod
+    def thinned(points: list, count: int) -> list:
+        # Split the kept range into ``count`` equal slices and keep the fastest point of
+        # each (the last), and the least-kept point of all: every kept plan is real, only
+        # some in-between trade-offs are lost.
+        if len(points) <= count:
+            return points
+        low, high = points[0][KEPT], points[-1][KEPT]
+        width = (high - low) / count or 1.0
+        out = [points[0]]
+        for p, q in zip(points[1:], points[2:], strict=False):
+            if (q[KEPT] - low) // width != (p[KEPT] - low) // width:
+                out.append(p)
+        out.append(points[-1])
+        return out
+
+    def rebuilt(
+        self,
+        frontier: list,
+        add: float,
+        rebuild: float,
+        secs: float,
+        flops: float,
+        limit: float,
+        how: tuple[str, int, int, int],
+    ) -> list:
+        """The frontier after a recomputed piece that keeps ``add`` bytes and, when rebuilt,
+        holds ``rebuild`` bytes above what was kept before it. ``how``: the step's kind,
+        unit, start and end."""
+        out = []
+        append = out.append
+        top = min(self.cap - rebuild, limit - add)
+        if self.least_peak:
+            for k, s, f, h, ref in frontier:  # by increasing k: stop at the first that fails
+                if k > top:
+                    break
+                high = k + rebuild
+                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
+            return out
+        # By time, the cap is checked as the walk goes; the highest rebuild is carried to
+        # break ties: of two plans as fast with as much kept, the one whose rebuilds peak
+        # lower (pieces earlier in the step) sorts first and is the one kept.
+        slowest = self.seconds - secs
+        for k, s, f, h, ref in frontier:
+            if k > top:
+                break
+            if s <= slowest:
+                high = k + rebuild
+                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
+        return out
+
+    # -- the walk
+
+    def visit(
+        self, u: int, frontier: list, after: float, keep_in: list | None = None
+    ) -> tuple[list, list]:
+        """The frontiers after unit ``u`` (pieces ending at ``u``, and ``u`` kept), from
+        ``frontier`` (``keep_in`` for the keep option, when it differs: see ``boundary``).
+        ``after``: the least the rest of the walk must keep."""
+        node = self.nodes[u]
+        limit = self.limit - after
+        pieces: list = []
+        if node.can_recompute:
+            pieces += self.rebuilt(
+                frontier,
+                node.input_bytes,
+                node.rebuild_hold_bytes,
+                node.rebuild_seconds,
+                node.rebuild_flops,
+                limit,
+                (RECOMPUTE, u, 0, 0),
+            )
+        if node.offers_selective:
+            pieces += self.rebuilt(
+                frontier,
+                node.input_bytes + node.matmul_saved_bytes,
+                node.rebuild_hold_bytes,
+                node.selective_seconds,
+                node.selective_flops,
+                limit,
+                (SELECTIVE, u, 0, 0),
+            )
+        if len(pieces) > 1 and node.offers_selective:
+            pieces = self.prune(pieces)
+        # Keep: the unit's own saved bytes are counted from its start (a bound: some of its
+        # ops may run after a child, whose rebuild would then not see them).
+        own = node.own_saved_bytes
+        top = limit - self.keep_low[u]
+        source = frontier if keep_in is None else keep_in
+        kept = [(k + own, s, f, h, r) for k, s, f, h, r in source if k <= top]
+        if kept and node.children:
+            if node.is_chain():
+                inner_ended, kept = self.chain(node, kept, after)
+            else:
+                inner_ended, kept = self.sequence(node, kept, after)
+            # A kept unit whose last child ended a piece ends with that piece too.
+            if inner_ended:
+                pieces = self.prune(pieces + inner_ended) if pieces else inner_ended
+        return pieces, kept
+
+    def boundary(self, ended: list, kept: list, nxt: int | None) -> tuple[list, list]:
+        """(all, keep_in) before sibling ``nxt``: when a piece ended just before it and
+        ``nxt`` is kept, the piece's output that ``nxt`` saves stays held (the piece's saved
+        bytes, now freed, had counted it). ``ended``: the points whose last unit ended with
+        a piece; ``kept``: the others."""
+        merged = self.prune(ended + kept) if ended and kept else (ended or kept)
+        shared = self.nodes[nxt].input_saved_by_both_bytes if nxt is not None else 0.0
+        if not shared or not ended:
+            return merged, merged
+        moved = [(k + shared, s, f, h, r) for k, s, f, h, r in ended]
+        return merged, self.prune(moved + kept) if kept else moved
+
+    def sequence(self, node: FlatUnit, frontier: list, after: float) -> tuple[list, list]:
+        """Children of a unit that are not a chain memfit iterates: one after another.
+        Returns the frontiers after the last child: ended with a piece, and the others."""
+        low = self.low
+        kids = node.children
+        rest = sum(low[c] for c in kids)
+        current, keep_in = frontier, frontier
+        ended: list = []
+        kept: list = frontier
+        for pos, c in enumerate(kids):
+            rest -= low[c]
+            ended, kept = self.visit(c, current, after + rest, keep_in)
+            nxt = kids[pos + 1] if pos + 1 < len(kids) else None
+            if nxt is not None:
+                current, keep_in = self.boundary(ended, kept, nxt)
+                if not current:
+                    return [], []
+        return ended, kept
+
+    def chain(self, node: FlatUnit, frontier: list, after: float) -> tuple[list, list]:
+        """Children of a sequential unit, each on its own or in segments of two or more."""
+        nodes, low = self.nodes, self.low
+        kids = node.children
+        # What the children after position j must keep at least (recomputable ones may be
+        # segment members, which keep nothing).
+        rest = [0.0] * (len(kids) + 1)
+        for pos in range(len(kids) - 1, -1, -1):
+            c = kids[pos]
+            rest[pos] = rest[pos + 1] + (0.0 if nodes[c].can_recompute else low[c])
+        before = [frontier]  # before[i]: the frontier before child i
+        # Where segments start from: in approximate passes, thinned further (a long chain
+        # tries every start for every end).
+        from_ = [self.thinned(frontier, limits.SEGMENT_POINTS) if self.thin else frontier]
+        keep_in = frontier  # the same, for child i's keep option
+        live: list[int] = []  # segment starts that can still be extended
+        for j, c in enumerate(kids):
+            if before[j]:
+                ended, kept = self.visit(c, before[j], after + rest[j + 1], keep_in)
+            else:
+                ended, kept = [], []
+            if nodes[c].can_recompute:
+                limit = self.limit - after - rest[j + 1]
+                still = []
+                if self.thin:  # only starts at geometric distances (see the limits module)
+                    starts = [j - d for d in _GEOMETRIC if j - d >= node.run_start[j]]
+                else:
+                    starts = live
+                for i in starts:
+                    start = from_[i]
+                    rebuild = node.segment_hold_bytes(i, j)
+                    if not start or start[0][KEPT] + rebuild > self.cap:
+                        continue  # longer segments from i only save more: it stays dead
+                    still.append(i)
+                    ended += self.rebuilt(
+                        start,
+                        node.child_input_bytes[i],
+                        rebuild,
+                        node.segment_seconds(i, j),
+                        node.segment_flops(i, j),
+                        limit,
+                        (SEGMENT, node.index, i, j),
+                    )
+                live = [*still, j]
+            else:
+                live = []
+            if len(ended) > 1:
+                ended = self.prune(ended)
+            if j + 1 == len(kids):
+                return ended, kept
+            merged, keep_in = self.boundary(ended, kept, kids[j + 1])
+            before.append(merged)
+            from_.append(self.thinned(merged, limits.SEGMENT_POINTS) if self.thin else merged)
+        return [], before[-1]
+
+
+def rebuild_plan(nodes: list[FlatUnit], steps: Steps) -> NodePlan:
+    """The plan a point's steps make."""
+    decision = [KEEP] * len(nodes)
+    segs: Segments = {}
+    while steps is not None:
+        steps, kind, u, i, j = steps
+        if kind == SEGMENT:
+            segs.setdefault(u, []).append((i, j))
+        else:
+            decision[u] = kind  # type: ignore[assignment]
+    for ranges in segs.values():
+        ranges.sort()
+    return NodePlan(decision, segs)
+
+
+class Search:
+    """The passes of one optimal solve: exact until one outgrows its work limit, then
+    approximate (``exact`` becomes False)."""
+
+    def __init__(self, nodes: list[FlatUnit], loss: float) -> None:
+        self.nodes = nodes
+        self.loss = loss
+        self.bounds = least_kept(nodes)
+        self.exact = True
+        self.none = NodePlan.keep_all(nodes)
+        self.none_peak = self.none.peak(nodes, loss)
+        self.last_work = 0  # frontier points the last walk visited
+
+    def walk(self, cap: float, least_peak: bool, seconds: float = math.inf) -> list[Point]:
+        while True:
+            walk = Pass(
+                self.nodes, self.bounds, cap, self.loss, least_peak, seconds, not self.exact
+            )
+            try:
+                final = walk.run()
+            except TooLarge:
+                self.exact = False
+                continue
+            self.last_work = limits.EXACT_WORK - walk.work
+            return final
+
+    def cheapest(self, cap: float, seed: NodePlan | None = None) -> NodePlan | None:
+        """The cheapest plan whose peak above static is within ``cap``, or None.
+        ``seed``, a plan known to fit, bounds the search."""
+        nodes, loss = self.nodes, self.loss
+        if cap >= self.none_peak:
+            return self.none  # recomputes nothing: nothing is cheaper
+        seconds = math.inf
+        if seed is not None and seed.peak(nodes, loss) <= cap:
+            seconds = seed.evaluated(nodes).seconds
+        final = self.walk(cap, False, seconds)
+        if not final:
+            # An approximate pass can lose every plan as fast as the seed; the seed fits.
+            return seed if seconds < math.inf else None
+        # Pruned by time: the last point is the cheapest; among equal times the least kept.
+        return rebuild_plan(nodes, final[-1].steps)
+
+    def least_peak(self, bound: float) -> tuple[float, NodePlan | None]:
+        """The smallest peak above static any plan reaches (searched within ``bound``), and
+        a plan that reaches it (not always the cheapest one)."""
+        final = self.walk(bound, True)
+        if not final:
+            return bound, None
+
+        def peak(p: Point) -> float:
+            return max(p.kept_bytes + self.loss, p.rebuild_bytes)
+
+        best = min(final, key=lambda p: (peak(p), p.seconds))
+        return peak(best), rebuild_plan(self.nodes, best.steps)
