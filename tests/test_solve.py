@@ -1,11 +1,10 @@
-"""The checkpoint solvers: exactness against brute force, budgets, errors, strategies, speed."""
+"""The checkpoint solvers: exactness against brute force, budgets, errors, strategies, large trees."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +25,8 @@ from memfit.checkpoint.solvers.nodes import find_chains, flatten
 from memfit.checkpoint.solvers.optimal import polish
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.units import format_bytes
+
+from cost_trees import flat_chain, gpt_like
 
 # --------------------------------------------------------------------------- brute force
 
@@ -284,7 +285,7 @@ def test_of_equally_cheap_plans_the_one_whose_rebuilds_peak_lowest_wins() -> Non
 
 
 def test_without_the_frontier_the_same_plan_is_chosen() -> None:
-    root = _gpt_like(4, sequential=True)
+    root = gpt_like(4, sequential=True)
     none_peak = solve(root, "none", None).predicted_peak_bytes
     full = solve(root, "optimal", 0.5 * none_peak)
     alone = solve(root, "optimal", 0.5 * none_peak, frontier=False)
@@ -300,7 +301,7 @@ def test_without_the_frontier_the_same_plan_is_chosen() -> None:
 def test_block_by_block_plans_are_near_exact_where_walks_are_thinned_hard(
     sequential: bool,
 ) -> None:
-    root = _gpt_like(12, sequential)
+    root = gpt_like(12, sequential)
     none_peak = solve(root, "none", None).predicted_peak_bytes
     names = ("EXACT_WORK", "THIN_POINTS", "SEGMENT_POINTS")
     for share in (0.4, 0.55, 0.7, 0.85):
@@ -433,76 +434,8 @@ def test_fixed_strategies_that_cannot_fit_suggest_optimal() -> None:
 # --------------------------------------------------------------------------- strategies
 
 
-def _gpt_like(n_blocks: int = 12, sequential: bool = False) -> UnitCost:
-    """embedding, n blocks (attention and MLP with leaves), final norm, head."""
-    mib = float(2**20)
-
-    def leaf(name: str, saved: float, seconds: float, matmul: bool = False) -> UnitCost:
-        return UnitCost(
-            name,
-            own_saved_bytes=saved * mib,
-            input_bytes=4 * mib,
-            fwd_seconds=seconds,
-            fwd_flops=seconds * 1e12,
-            matmul_saved_bytes=saved * mib if matmul else 0.0,
-            non_matmul_fwd_seconds=0.0,
-        )
-
-    def group(name: str, kids: list[UnitCost]) -> UnitCost:
-        return UnitCost(
-            name,
-            children=kids,
-            input_bytes=4 * mib,
-            fwd_seconds=sum(k.fwd_seconds for k in kids),
-            fwd_flops=sum(k.fwd_flops for k in kids),
-            matmul_saved_bytes=sum(k.matmul_saved_bytes for k in kids),
-            non_matmul_fwd_seconds=0.3 * sum(k.fwd_seconds for k in kids),
-        )
-
-    blocks = []
-    for i in range(n_blocks):
-        p = f"h.{i}"
-        attn = [
-            leaf(f"{p}.attn.{n}", s, t, m)
-            for n, s, t, m in [
-                ("q", 4, 1e-3, True),
-                ("k", 4, 1e-3, True),
-                ("v", 4, 1e-3, True),
-                ("rope", 8, 2e-4, False),
-                ("scores", 16, 2e-3, True),
-                ("softmax", 16, 5e-4, False),
-                ("drop", 8, 2e-4, False),
-                ("ctx", 4, 2e-3, True),
-                ("proj", 4, 1e-3, True),
-                ("resid_drop", 1, 1e-4, False),
-            ]
-        ]
-        mlp = [
-            leaf(f"{p}.mlp.{n}", s, t, m)
-            for n, s, t, m in [
-                ("fc", 4, 4e-3, True),
-                ("act", 16, 5e-4, False),
-                ("out", 16, 4e-3, True),
-                ("drop", 1, 1e-4, False),
-            ]
-        ]
-        blocks.append(
-            group(
-                p,
-                [
-                    leaf(f"{p}.ln_1", 4, 2e-4),
-                    group(f"{p}.attn", attn),
-                    leaf(f"{p}.ln_2", 4, 2e-4),
-                    group(f"{p}.mlp", mlp),
-                ],
-            )
-        )
-    kids = [leaf("wte", 4, 1e-4), *blocks, leaf("ln_f", 4, 2e-4), leaf("head", 48, 1e-2, True)]
-    return UnitCost("", children=kids, sequential=sequential)
-
-
 def test_full_recomputes_the_blocks_of_the_outermost_chain() -> None:
-    root = _gpt_like(4)
+    root = gpt_like(4)
     sol = solve(root, "full", None)
     recomputed = {n for n, d in sol.decisions.items() if d == "recompute"}
     assert recomputed == {"wte", "h.0", "h.1", "h.2", "h.3", "ln_f", "head"}
@@ -567,7 +500,7 @@ def test_fixed_strategies_with_a_budget_checkpoint_only_what_they_need() -> None
 
 
 def test_optimal_beats_or_matches_every_fixed_strategy() -> None:
-    root = _gpt_like(6, sequential=True)
+    root = gpt_like(6, sequential=True)
     for strategy in ("full", "uniform:2", "uniform:3", "sqrt"):
         fixed = solve(root, strategy, None)
         best = solve(root, "optimal", fixed.predicted_peak_bytes)
@@ -648,51 +581,29 @@ def test_root_is_never_recomputed_even_when_it_is_cheap() -> None:
         solve(root, "optimal", 50.0)
 
 
-# --------------------------------------------------------------------------- speed
-
-
-def _flat(n: int, sequential: bool, seed: int | None = None) -> UnitCost:
-    rng = random.Random(seed)
-
-    def jitter() -> float:
-        return rng.uniform(0.5, 2.0) if seed is not None else 1.0
-
-    kids = []
-    for i in range(n):
-        size = 2**20 * jitter()
-        kids.append(
-            UnitCost(
-                f"layers.{i}",
-                own_saved_bytes=3 * size,
-                input_bytes=size,
-                fwd_seconds=1e-3 * jitter(),
-                fwd_flops=1e9,
-            )
-        )
-    return UnitCost("", children=kids, sequential=sequential)
+# --------------------------------------------------------------------------- large trees
 
 
 @pytest.mark.parametrize(
     "name, make",
     [
-        ("48 blocks x 19 units", lambda: _gpt_like(48)),
-        ("48 blocks x 19 units, sequential", lambda: _gpt_like(48, sequential=True)),
-        ("flat sequential chain of 1000", lambda: _flat(1000, True)),
-        ("irregular sequential chain of 1000", lambda: _flat(1000, True, seed=1)),
-        ("flat chain of 1000", lambda: _flat(1000, False, seed=2)),
+        ("48 blocks x 19 units", lambda: gpt_like(48)),
+        ("48 blocks x 19 units, sequential", lambda: gpt_like(48, sequential=True)),
+        ("flat sequential chain of 1000", lambda: flat_chain(1000, True)),
+        ("irregular sequential chain of 1000", lambda: flat_chain(1000, True, seed=1)),
+        ("flat chain of 1000", lambda: flat_chain(1000, False, seed=2)),
     ],
 )
-def test_a_thousand_units_solve_in_well_under_a_second(name: str, make) -> None:  # noqa: ANN001
+def test_a_thousand_units_are_planned_within_budget_and_no_worse_than_uniform(
+    name: str, make
+) -> None:  # noqa: ANN001
+    # How fast: bench/solver.py (timed there, never here).
     root = make()
     units = sum(1 for _ in root.walk())
     assert units >= 900
     none_peak = solve(root, "none", None).predicted_peak_bytes
     for share in (0.4, 0.7):
-        start = time.perf_counter()
         sol = solve(root, "optimal", share * none_peak)
-        elapsed = time.perf_counter() - start
-        print(f"{name} ({units} units), budget {share:.0%}: {elapsed * 1e3:.0f} ms")
-        assert elapsed < 2.0  # generous for loaded CI machines; typical is 0.05-0.5 s
         assert sol.predicted_peak_bytes <= share * none_peak
         check = evaluate(root, sol.decisions, sol.segments)
         assert math.isclose(check.peak_bytes, sol.predicted_peak_bytes, rel_tol=1e-9)
