@@ -25,11 +25,14 @@ and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around forward):
 
 Every step runs after a warm-up step under the same plan; the optimizer state exists
 before the first measurement (one step is run first). A crash on a row is recorded with
-its error and the run goes on.
+its error and the run goes on. ``memfit.plan(precision="bf16-mixed")`` profiles the model
+with memfit's fp32 islands (normalization layers in fp32, as memfit's Engine trains);
+the step measured here is plain autocast unless ``--islands`` applies them too.
 
     python bench/zoo.py                         # the table in docs/benchmarks.md
     python bench/zoo.py --quick                 # smoke run: one budget, fp32
     python bench/zoo.py --models gpt2,t5 --budgets 5 --json zoo.json
+    python bench/zoo.py --precision bf16-mixed --islands   # bf16 as the Engine runs it
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ import argparse
 import copy
 import json
 import platform
+import subprocess
 import sys
 import time
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -215,9 +220,7 @@ ZOO: dict[str, ZooModel] = {
 def _dropout_keys(config: transformers.PretrainedConfig) -> list[str]:
     """The config's dropout probabilities (``*dropout*``, ``*pdrop*``, ``drop_path_rate``)."""
     return [
-        key
-        for key, value in config.to_dict().items()
-        if isinstance(value, float) and ("drop" in key) and not isinstance(value, bool)
+        key for key, value in config.to_dict().items() if isinstance(value, float) and "drop" in key
     ]
 
 
@@ -373,7 +376,16 @@ class Bench:
         make_step(model, opt, inputs, "fp32")()  # the optimizer state exists from here on
         precisions = ["fp32"] if self.args.quick else self.args.precision
         for precision in precisions:
-            self.precision_rows(name, spec, config, model, opt, inputs, precision)
+            # --islands: the step as memfit's Engine trains it (and as memfit.plan profiles
+            # it), normalization layers in fp32; by default plain autocast, no islands.
+            islands = self.args.islands and precision != "fp32"
+            if islands:
+                memfit.apply_precision(model, memfit.PrecisionPolicy(precision))
+            try:
+                self.precision_rows(name, spec, config, model, opt, inputs, precision)
+            finally:
+                if islands:
+                    memfit.remove_precision(model)
 
     def precision_rows(
         self,
@@ -634,6 +646,21 @@ def failures(rows: list[dict[str, Any]], limit_pct: float = 10.0) -> list[str]:
     return out
 
 
+def _commit() -> str | None:
+    """The repository's commit, "+dirty" when memfit/ differs from it (read only)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "memfit"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -650,6 +677,12 @@ def main() -> None:
         "--optimizer", default="adamw", choices=("adamw", "adamw-foreach", "adamw-fused")
     )
     parser.add_argument("--quick", action="store_true", help="one budget per model, fp32 only")
+    parser.add_argument(
+        "--islands",
+        action="store_true",
+        help="bf16-mixed steps with memfit's fp32 islands applied (memfit.apply_precision, as "
+        "memfit's Engine trains); default: plain torch.autocast",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write every row to this JSON file")
     args = parser.parse_args()
@@ -677,7 +710,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), "
-        f"optimizer {args.optimizer}, budgets {'1 (quick)' if args.quick else args.budgets}; "
+        f"optimizer {args.optimizer}, budgets {'1 (quick)' if args.quick else args.budgets}, "
+        f"bf16-mixed {'with memfit fp32 islands' if args.islands else 'plain autocast'}; "
         f"memfit keeps {RESERVE:.0%} of a budget free; wall time {wall:.0f} s\n"
     )
     print_tables(bench.rows)
@@ -690,6 +724,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "threads": torch.get_num_threads(),
+            "memfit_commit": _commit(),
             "args": vars(args),
             "wall_seconds": wall,
             "configs": {n: ZOO[n].config().to_dict() for n in names},

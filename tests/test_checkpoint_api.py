@@ -382,3 +382,19 @@ def test_probe_finds_a_counter_kept_between_calls_and_leaves_stateless_units_alo
     assert unstable_units(model, lambda: model(x), ["0", "2"]) == {}
     assert torch.equal(torch.get_rng_state(), rng)  # the probe leaves the random state alone
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+
+
+def test_plan_summary_agrees_with_itself_when_the_optimizer_step_is_the_peak() -> None:
+    # Wide layers, a tiny batch and no optimizer given: the step's peak is the parameters
+    # and gradients, above every activation-phase point; the frontier must say so too.
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU()) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(2, 512)
+    for strategy in ("none", "full", "optimal"):
+        plan = memfit.plan(model, x, strategy=strategy)
+        peaks = [p.peak_bytes for p in plan.frontier]
+        assert plan.predicted_peak_bytes in peaks, (strategy, plan.predicted_peak_bytes, peaks)
+        assert min(peaks) >= plan.static_bytes
+        starred = [line for line in plan.summary().splitlines() if line.lstrip().startswith("*")]
+        assert starred and format_bytes(plan.predicted_peak_bytes) in starred[0]

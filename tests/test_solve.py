@@ -390,13 +390,22 @@ def test_no_budget_means_nothing_is_recomputed() -> None:
 
 def test_budget_above_the_no_checkpoint_peak_says_so() -> None:
     root = _chain()
-    for strategy in ("optimal", "full", "uniform:2", "sqrt", "none"):
+    for strategy in ("optimal", "none"):
         sol = solve(root, strategy, 3 * 2**30, static_bytes=2**20)
         assert set(sol.decisions.values()) == {"keep"} and not sol.segments
         assert sol.note == (
             "budget 3.00 GiB is at or above the no-checkpoint peak 601.00 MiB: "
             "nothing is recomputed"
         )
+
+
+def test_full_recomputes_every_unit_whatever_the_budget() -> None:
+    # "full" means every unit recomputed, even where the budget would fit without it.
+    root = _chain()
+    generous = solve(root, "full", 3 * 2**30, static_bytes=2**20)
+    unlimited = solve(root, "full", None, static_bytes=2**20)
+    assert generous.recompute_seconds > 0
+    assert (generous.decisions, generous.segments) == (unlimited.decisions, unlimited.segments)
 
 
 def test_budget_below_the_smallest_peak_names_it() -> None:

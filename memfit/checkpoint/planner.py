@@ -39,7 +39,8 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import unstable_units
 from memfit.checkpoint.profiler import Profile, profile
-from memfit.checkpoint.solvers import evaluate, solve
+from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
+from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
@@ -190,6 +191,12 @@ def profile_step(
         return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
 
 
+def _with_floor(points: list[FrontierPoint], floor: float) -> list[FrontierPoint]:
+    """``points`` with each peak raised to at least ``floor``, the dominated ones dropped."""
+    raised = [(max(p.peak_bytes, floor), p.recompute_seconds, p.recompute_flops) for p in points]
+    return [FrontierPoint(peak, s, f) for peak, s, f in pareto(raised)]
+
+
 def _unstable_notes(unstable: dict[str, str]) -> list[str]:
     """One note per reason, naming the units it holds for (a decoder's layers share one)."""
     by_reason: dict[str, list[str]] = {}
@@ -249,6 +256,9 @@ def solve_profile(
     solution.kept_bytes = result.kept_bytes
     solution.transient_bytes = result.transient_bytes
     solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
+    # The solver's frontier is the activation phase's; the step's peak is never below the
+    # optimizer step's, so the plan's frontier says that too (and agrees with its peak).
+    solution.frontier = _with_floor(solution.frontier, optimizer_phase)
     if solution.note and budget_bytes is not None and solution.recompute_flops == 0:
         # The solver's note speaks of activations only; say it with the whole step's peak.
         solution.note = (

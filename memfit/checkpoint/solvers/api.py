@@ -30,7 +30,9 @@ def solve(
     it checkpointing cannot change; ``loss_bytes`` is held at the end of forward only (the
     model's output and what the loss saves, freed before backward reaches the model). With
     ``budget_bytes=None`` the optimal solver has nothing to fit and returns the plan without
-    recompute, and the other strategies apply their plan to every block.
+    recompute, and the other strategies apply their plan to every block. A budget above the
+    unplanned peak makes ``optimal`` recompute nothing; ``full`` still recomputes every
+    unit, and ``uniform``/``sqrt`` still apply their plan.
 
     ``reserve``: the share of the budget kept free (for allocator slack); plans fit
     ``budget_bytes * (1 - reserve)``, and errors say what budget would fit with it.
@@ -70,7 +72,9 @@ def solve(
     nodes = flatten(root)
     none_peak = static + nodes[0].saved_bytes + loss
 
-    if budget is not None and budget >= none_peak:
+    # A budget the unplanned step meets needs no plan, when the plan is the solver's choice;
+    # a strategy the user named ("full", "uniform:k", "sqrt") is applied all the same.
+    if name in ("optimal", "none") and budget is not None and budget >= none_peak:
         plan = NodePlan.keep_all(nodes)
         sol = solution(nodes, plan, label, budget, static, loss, [plan])
         sol.note = messages.nothing_recomputed(budget, reserve, none_peak)
