@@ -41,6 +41,7 @@ import argparse
 import copy
 import json
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -291,14 +292,14 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{last if where else ''}"
 
 
-def budgets_on(frontier: list, n: int, quick: bool) -> list[int]:
+def budgets_on(frontier: list, n: int, quick: bool) -> list[tuple[float, int]]:
     """``n`` budgets from the least frontier peak the planner can meet to ``TOP_SHARE`` of
-    the way to the greatest; ``quick``: the middle one."""
+    the way to the greatest, each with its share of the way; ``quick``: the middle one."""
     peaks = [p.peak_bytes for p in frontier]
     lo = int(min(peaks) / (1 - RESERVE)) + 1
     hi = max(peaks) / (1 - RESERVE)
     shares = [0.5] if quick else [TOP_SHARE * i / max(1, n - 1) for i in range(n)]
-    return [int(lo + s * (hi - lo)) for s in shares]
+    return [(s, int(lo + s * (hi - lo))) for s in shares]
 
 
 class Bench:
@@ -417,10 +418,11 @@ class Bench:
         self.add(base)
         budgets = budgets_on(whole.frontier, self.args.budgets, self.args.quick)
         plans = []
-        for i, budget in enumerate(budgets):
-            _, plan = self.plan_row(
+        for i, (share, budget) in enumerate(budgets):
+            row, plan = self.plan_row(
                 name, model, opt, inputs, precision, budget, f"budget {i + 1}", base_flops
             )
+            row["share"] = share  # 0: the frontier's least peak (plus the reserve)
             plans.append(plan)
         if precision == "fp32":
             self.gradient_row(name, spec, config, model, inputs, plans[len(plans) // 2])
@@ -462,6 +464,21 @@ class Bench:
             name, model, opt, inputs, precision, row["measured"], "memfit @ HF peak", base_flops
         )
         at["accepted"] = "error" not in at or not at["error"].startswith("BudgetError")
+        least = next(
+            (
+                r
+                for r in self.rows
+                if r["model"] == name
+                and r["precision"] == precision
+                and r.get("share") == 0.0
+                and "measured" in r
+            ),
+            None,
+        )
+        if least is not None:  # memfit's least plan, measured in its budget row
+            at["least_predicted"] = least["predicted"]
+            at["least_measured"] = least["measured"]
+            at["least_recompute_flops"] = least["recompute_flops_counted"]
         at["peer_recompute_flops"] = row["recompute_flops_counted"]
         if "recompute_flops_counted" in at:
             at["flops_le_peer"] = at["recompute_flops_counted"] <= row["recompute_flops_counted"]
@@ -559,7 +576,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         if r.get("error") and "measured" not in r:
             print(
                 f"| {r['model']} | {r['precision']} | {r['variant']} | {_b(r.get('budget'))} "
-                f"| {_b(r.get('predicted'))} | **error**: {r['error'][:200]} |"
+                f"| {_b(r.get('predicted'))} | **error**: {r['error'][:140]} |"
             )
             continue
         within = r.get("within_budget")
@@ -575,17 +592,30 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print("\nmemfit planned with Hugging Face checkpointing's measured peak as the budget:\n")
         print(
             "| model | precision | HF peak | HF recompute MFLOP | memfit accepts | memfit "
-            "measured | within | memfit recompute MFLOP (counted) | ≤ HF |"
+            "measured | within | memfit recompute MFLOP (counted) | ≤ HF "
+            "| memfit's least plan: predicted / measured / MFLOP |"
         )
-        print("|---|---|---:|---:|---|---:|---|---:|---|")
+        print("|---|---|---:|---:|---|---:|---|---:|---|---|")
         for r in peers:
-            refused = r.get("error", "") if not r.get("accepted", True) else ""
+            if r.get("accepted", True) and r.get("error"):
+                accepts = f"**error**: {r['error'][:120]}"
+            elif not r.get("accepted", True):
+                needs = re.search(r"at least ([\d.]+ [KMG]?i?B)", r.get("error", ""))
+                accepts = "**no**, BudgetError" + (f" (asks ≥ {needs.group(1)})" if needs else "")
+            else:
+                accepts = "yes"
+            least = (
+                f"{_b(r['least_predicted'])} / {_b(r['least_measured'])} / "
+                f"{_mflop(r['least_recompute_flops'])}"
+                if "least_measured" in r
+                else "–"
+            )
             print(
                 f"| {r['model']} | {r['precision']} | {_b(r['budget'])} "
-                f"| {_mflop(r.get('peer_recompute_flops'))} "
-                f"| {'**no**: ' + refused[:120] if refused else 'yes'} "
+                f"| {_mflop(r.get('peer_recompute_flops'))} | {accepts} "
                 f"| {_b(r.get('measured'))} | {_yes(r.get('within_budget'))} "
-                f"| {_mflop(r.get('recompute_flops_counted'))} | {_yes(r.get('flops_le_peer'))} |"
+                f"| {_mflop(r.get('recompute_flops_counted'))} | {_yes(r.get('flops_le_peer'))} "
+                f"| {least} |"
             )
     grads = [r for r in rows if r["variant"] == "gradients"]
     if grads:
@@ -614,7 +644,8 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
 
 def failures(rows: list[dict[str, Any]], limit_pct: float = 10.0) -> list[str]:
     """Every row that is over budget, mispredicted by more than ``limit_pct``, refused at
-    the peer's peak, more costly than the peer, unequal in gradients, or crashed."""
+    the peer's peak, more costly than the peer, recomputing other than it planned (counted
+    FLOPs 1% or more off the planned ones), unequal in gradients, or crashed."""
     out = []
     for r in rows:
         what = f"{r['model']} {r['precision']} {r['variant']}"
@@ -630,6 +661,12 @@ def failures(rows: list[dict[str, Any]], limit_pct: float = 10.0) -> list[str]:
             out.append(
                 f"{what}: prediction off by {r['error_pct']:+.1f}% (predicted "
                 f"{_b(r['predicted'])}, measured {_b(r['measured'])})"
+            )
+        planned, counted = r.get("recompute_flops_planned"), r.get("recompute_flops_counted")
+        if planned is not None and counted is not None and abs(counted - planned) > 0.01 * planned:
+            out.append(
+                f"{what}: the plan's recompute did not run as planned: counted "
+                f"{_mflop(counted)} MFLOP, planned {_mflop(planned)} (units {r['recomputed']})"
             )
         if r.get("flops_le_peer") is False:
             out.append(

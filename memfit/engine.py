@@ -214,6 +214,9 @@ class Engine:
         self._measuring = False
         self._checkpoint_request = checkpoint
         self.plan: Any = None
+        # The first step under a plan memfit made is measured against its prediction.
+        self._plan_to_check: Any = None
+        self.plan_check: Any = None  # a PlanCheck, once the first planned step was measured
         self.steps = 0  # optimizer steps attempted
         self.micro_steps = 0
         self._applied_steps = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -247,6 +250,11 @@ class Engine:
         under the precision's autocast. Returns the batch's mean loss as a detached device
         tensor (no sync).
         """
+        if self._checkpoint_request is not None:
+            # Planned before anything is measured: the profile's own step is not training.
+            self.prepare(split_batch(batch, self.settings.accumulation_steps)[0], loss_fn)
+        if self._plan_to_check is not None and not self._measuring:
+            return self._checked_step(batch, loss_fn)
         memory_step = self.monitor.config.measure_memory_step
         if (
             self.monitor.config.enabled
@@ -257,8 +265,6 @@ class Engine:
             return self._measured_step(batch, loss_fn)
         micro_batches = split_batch(batch, self.settings.accumulation_steps)
         total = batch_size(batch)
-        if self._checkpoint_request is not None:
-            self.prepare(micro_batches[0], loss_fn)
         try:
             loss_sum = self._accumulate(micro_batches, total, loss_fn)
         except BaseException:
@@ -312,20 +318,60 @@ class Engine:
             self._read_metrics(grad_metrics)
         return loss_sum
 
-    def _measured_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+    def _measure_step(self, batch: Batch, loss_fn: LossFn) -> Any:
         from memfit.memory import measure
-        from memfit.monitor.metrics import memory_metrics
 
         self._measuring = True
         try:
-            report = measure(
+            return measure(
                 lambda: self.train_step(batch, loss_fn), model=self.model, optimizer=self.optimizer
             )
         finally:
             self._measuring = False
+
+    def _measured_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        from memfit.monitor.metrics import memory_metrics
+
+        report = self._measure_step(batch, loss_fn)
         self.memory_report = report
         self.monitor.memory = memory_metrics(report)
         return report.result
+
+    def _checked_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        # Closed-loop planning: the first step under a plan memfit made is measured (on
+        # CUDA by the allocator, on CPU by memfit.measure's tracker), and the plan is made
+        # again once from the same profile when its prediction was off by more than the
+        # reserve (check_plan). The step itself trains as any other.
+        from memfit.checkpoint.apply import apply_plan, remove_plan
+        from memfit.checkpoint.planner import check_plan
+
+        result, self._plan_to_check = self._plan_to_check, None
+        report = self._measure_step(batch, loss_fn)
+        check = check_plan(result, report.peak_bytes, self.model, self.optimizer)
+        if check.replanned:
+            remove_plan(self.model)
+            apply_plan(self.model, check.plan)
+        self.plan = check.plan
+        self.plan_check = check
+        if self.steps % self.settings.log_every == 0:  # this step's metrics went out before
+            self.log_metrics(self._plan_check_metrics())
+            self.metrics.update(self._plan_check_metrics())
+        if self._session_steps == self.monitor.config.measure_memory_step:
+            from memfit.monitor.metrics import memory_metrics
+
+            self.memory_report = report  # the monitor's memory step was this one
+            self.monitor.memory = memory_metrics(report)
+        return report.result
+
+    def _plan_check_metrics(self) -> dict[str, float]:
+        check = self.plan_check
+        if check is None:
+            return {}
+        return {
+            "plan/predicted_peak_bytes": float(check.predicted_peak_bytes),
+            "plan/measured_peak_bytes": float(check.measured_peak_bytes),
+            "plan/replanned": float(check.replanned),
+        }
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step."""
@@ -412,7 +458,7 @@ class Engine:
             if budget is None and strategy == "optimal":
                 budget = int(0.9 * device_memory_bytes(self.device))
             # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
-            request = make_plan(
+            result = make_plan(
                 self.model,
                 batch,
                 loss_fn,
@@ -422,7 +468,9 @@ class Engine:
                 budget=budget,
                 accumulation_steps=self.settings.accumulation_steps,
                 frontier=False,
-            ).plan
+            )
+            self._plan_to_check = result
+            request = result.plan
         apply_plan(self.model, request)
         self.plan = request
         return request
@@ -498,6 +546,7 @@ class Engine:
                 metrics["recompute/overhead"] = (
                     self.plan.recompute_seconds / metrics["time/step_seconds"]
                 )
+        metrics.update(self._plan_check_metrics())
         metrics.update(extra or {})
         self.metrics = self.monitor.log(metrics)
         self._window_start = time.perf_counter()

@@ -100,3 +100,82 @@ def test_the_optimizer_steps_own_temporaries_are_counted(kind: str) -> None:
     assert measured <= result.plan.predicted_peak_bytes * (1 + RESERVE), (kind, measured)
     error = abs(result.plan.predicted_peak_bytes - measured) / measured
     assert error <= 0.03, (kind, result.plan.predicted_peak_bytes, measured)
+
+
+def _gpt_result(budget_share: float | None):
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=6, n_embd=64, n_head=4, block_size=128
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batch = batch_fn(16, generator=0)
+    policy = PrecisionPolicy.of("fp32")
+    profiled = profile_step(model, batch, loss_fn, policy)
+    profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
+    peaks = sorted(
+        p.peak_bytes
+        for p in solve_profile(model, profiled, policy, opt, "optimal", None).plan.frontier
+    )
+    budget = (
+        None
+        if budget_share is None
+        else int(peaks[int(budget_share * (len(peaks) - 1))] / (1 - RESERVE)) + 1
+    )
+    return model, opt, solve_profile(model, profiled, policy, opt, "optimal", budget)
+
+
+def test_a_step_that_peaks_above_its_prediction_is_replanned_from_the_same_profile() -> None:
+    from memfit.checkpoint.planner import check_plan
+
+    model, opt, result = _gpt_result(0.6)
+    predicted = result.plan.predicted_peak_bytes
+    # Within the reserve the plan stands.
+    same = check_plan(result, predicted * (1 + RESERVE / 2), model, opt)
+    assert not same.replanned and same.plan is result.plan and same.correction_bytes == 0
+    # 3% over: the step memory is corrected by the miss and the plan made again.
+    miss = 0.03 * predicted
+    check = check_plan(result, predicted + miss, model, opt)
+    assert check.correction_bytes == pytest.approx(miss) and check.error == pytest.approx(0.03)
+    assert check.plan.predicted_peak_bytes <= result.plan.budget_bytes * (1 - RESERVE)
+    assert check.plan.static_bytes == pytest.approx(result.plan.static_bytes + miss)
+    assert check.replanned and check.plan.recompute_seconds > result.plan.recompute_seconds
+    assert "re-planned" in check.plan.notes[-1] and "+3.0%" in check.plan.notes[-1]
+    # A miss no plan can absorb keeps the plan, and says so.
+    with pytest.warns(UserWarning, match="no plan fits the budget"):
+        kept = check_plan(result, 3 * predicted, model, opt)
+    assert not kept.replanned and kept.plan is result.plan
+    # Without a budget there is nothing to re-plan for.
+    model, opt, unbudgeted = _gpt_result(None)
+    assert not check_plan(
+        unbudgeted, 2 * unbudgeted.plan.predicted_peak_bytes, model, opt
+    ).replanned
+
+
+def test_the_engine_measures_its_first_planned_step_and_reports_it() -> None:
+    from memfit.checkpoint.apply import applied_plan
+
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    whole = memfit.checkpoint.plan_step(
+        model, batch_fn(8, generator=0), loss_fn, None, "optimal", "fp32", opt
+    )
+    peaks = sorted(p.peak_bytes for p in whole.frontier)
+    engine = memfit.Engine(
+        model,
+        opt,
+        precision="fp32",
+        checkpoint="auto",
+        memory_budget=int(peaks[len(peaks) // 2]),
+        log_every=1,
+    )
+    engine.train_step(batch_fn(8, generator=0), loss_fn)
+    check = engine.plan_check
+    assert check is not None and check.measured_peak_bytes > 0
+    assert applied_plan(model) is engine.plan is check.plan
+    assert engine.metrics["plan/measured_peak_bytes"] == check.measured_peak_bytes
+    assert engine.metrics["plan/replanned"] == float(check.replanned)
+    engine.train_step(batch_fn(8, generator=1), loss_fn)  # later steps are not measured again
+    assert engine.plan_check is check

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,36 @@ class PlanResult:
     """Stage 1: the model's measured costs."""
     memory: StepMemory
     """Stage 2: what the step holds whatever the plan."""
+    policy: PrecisionPolicy = dataclasses.field(default_factory=PrecisionPolicy)
+    """The precision it was planned under."""
+    strategy: str = "optimal"
+    """The strategy it was planned with."""
+    budget: Budget = None
+    """The budget it was planned under (None: no limit)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step it was planned for."""
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """A planned step measured against its prediction, and what was done about it."""
+
+    predicted_peak_bytes: float
+    """The peak the plan predicted for the step."""
+    measured_peak_bytes: float
+    """The peak the step reached."""
+    correction_bytes: float
+    """What the step memory was corrected by to re-plan (measured - predicted), or 0."""
+    replanned: bool
+    """True when the corrected model chose another plan."""
+    plan: Plan
+    """The plan to train with: the re-planned one, else the plan that was checked (with
+    its prediction corrected when a budget was given)."""
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted."""
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
 
 def profile_model(
@@ -214,11 +245,14 @@ def solve_profile(
     budget: Budget,
     accumulation_steps: int = 1,
     frontier: bool = True,
+    correction_bytes: float = 0.0,
 ) -> PlanResult:
     """Stages 2-4: the step's memory, the solve, the Plan with its predicted peak.
 
     ``frontier=False`` leaves out the plan's (peak, time) frontier, which takes most of
-    the solve's time on trees of hundreds of units."""
+    the solve's time on trees of hundreds of units. ``correction_bytes``: memory the step
+    was measured to hold beyond (or, negative, below) the model, counted as held all step
+    (:func:`check_plan`)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
     mem = step_memory(
@@ -231,6 +265,12 @@ def solve_profile(
         profiled.root,
         accumulation_steps=accumulation_steps,
     )
+    if correction_bytes:
+        mem = dataclasses.replace(
+            mem,
+            base_bytes=max(0.0, mem.base_bytes + correction_bytes),
+            correction_bytes=float(correction_bytes),
+        )
     optimizer_phase = mem.optimizer_phase_bytes
     if budget_bytes is not None and optimizer_phase > budget_bytes:
         raise BudgetError(
@@ -268,7 +308,70 @@ def solve_profile(
         )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
     plan_.notes.extend(_unstable_notes(profiled.unstable))
-    return PlanResult(plan=plan_, profile=profiled, memory=mem)
+    return PlanResult(
+        plan=plan_,
+        profile=profiled,
+        memory=mem,
+        policy=policy,
+        strategy=strategy,
+        budget=budget,
+        accumulation_steps=accumulation_steps,
+    )
+
+
+def check_plan(
+    result: PlanResult,
+    measured_peak_bytes: float,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> PlanCheck:
+    """Closed-loop planning: compare a planned step's measured peak with the prediction.
+
+    Within :data:`RESERVE` of it, or without a budget, the plan stands. Otherwise the step
+    memory is corrected by the difference (held all step: what the model did not explain)
+    and the plan is solved again from the same profile, once; the plan says so in its
+    notes. A correction under which no plan fits the budget keeps the plan, with a note
+    and a warning (training state is never touched here).
+
+    Example::
+
+        check = check_plan(result, memfit.measure(step).peak_bytes, model, optimizer)
+        if check.replanned:
+            memfit.remove_plan(model); memfit.apply_plan(model, check.plan)
+    """
+    predicted = float(result.plan.predicted_peak_bytes)
+    measured = float(measured_peak_bytes)
+    miss = measured - predicted
+    if abs(miss) <= RESERVE * predicted or result.budget is None:
+        return PlanCheck(predicted, measured, 0.0, False, result.plan)
+    said = (
+        f"the first planned step peaked at {format_bytes(measured)} against the "
+        f"{format_bytes(predicted)} predicted ({miss / predicted:+.1%})"
+    )
+    try:
+        again = solve_profile(
+            model,
+            result.profile,
+            result.policy,
+            optimizer,
+            result.strategy,
+            result.budget,
+            result.accumulation_steps,
+            frontier=False,
+            correction_bytes=miss,
+        ).plan
+    except BudgetError as exc:
+        note = f"{said}; corrected by that, no plan fits the budget, so this plan is kept: {exc}"
+        result.plan.notes.append(note)
+        warnings.warn(note, stacklevel=3)
+        return PlanCheck(predicted, measured, 0.0, False, result.plan)
+    replanned = (again.decisions, again.segments) != (result.plan.decisions, result.plan.segments)
+    outcome = "re-planned" if replanned else "the same plan still fits"
+    again.notes.append(
+        f"{said}; the step memory is corrected by "
+        f"{'+' if miss > 0 else '-'}{format_bytes(abs(miss))}: {outcome}"
+    )
+    return PlanCheck(predicted, measured, miss, replanned, again)
 
 
 def make_plan(
