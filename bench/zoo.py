@@ -348,6 +348,7 @@ class Bench:
                 predicted=float(plan.predicted_peak_bytes),
                 recompute_flops_planned=float(plan.recompute_flops),
                 units_recomputed=len(units),
+                selective=sum(d == "selective" for d in plan.decisions.values()),
                 recomputed=units,
                 exact=plan.exact,
                 notes=list(plan.notes),
@@ -500,6 +501,7 @@ class Bench:
             return
         row["budget"] = plan.budget_bytes
         row["units_recomputed"] = len(recomputed_units(plan))
+        row["selective"] = sum(d == "selective" for d in plan.decisions.values())
         try:
             twin = spec.cls(without_dropout(config))
             twin.load_state_dict(model.state_dict())
@@ -563,6 +565,13 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.1f}%"
 
 
+def _units(r: dict[str, Any]) -> str:
+    if "units_recomputed" not in r:
+        return "–"
+    sel = r.get("selective", 0)
+    return f"{r['units_recomputed']}" + (f" ({sel} selective)" if sel else "")
+
+
 def print_tables(rows: list[dict[str, Any]]) -> None:
     print(
         "| model | precision | variant | budget | predicted | measured (allocator) "
@@ -585,7 +594,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             f"| {_b(r.get('predicted'))} | {_b(r.get('measured'))} | {_b(r.get('tracked'))} "
             f"| {_pct(r.get('error_pct'))} | {_yes(within)} "
             f"| {_mflop(r.get('recompute_flops_planned'))} "
-            f"| {_mflop(r.get('recompute_flops_counted'))} | {r.get('units_recomputed', '–')} |"
+            f"| {_mflop(r.get('recompute_flops_counted'))} | {_units(r)} |"
         )
     peers = [r for r in rows if r["variant"] == "memfit @ HF peak"]
     if peers:
@@ -636,7 +645,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
                 if f"{tag}_equal" in r and not r[f"{tag}_equal"]
             ]
             print(
-                f"| {r['model']} | {_b(r['budget'])} | {r['units_recomputed']} "
+                f"| {r['model']} | {_b(r['budget'])} | {_units(r)} "
                 f"| {_yes(r.get('dropout0_equal'))} | {_yes(r.get('dropout_equal'))} "
                 f"| {'; '.join(differ) or '–'} |"
             )
@@ -735,6 +744,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     bench = Bench(args)
+    commit = _commit()  # the library as this run imports it
     start = time.perf_counter()
     for name in names:
         try:
@@ -761,7 +771,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "threads": torch.get_num_threads(),
-            "memfit_commit": _commit(),
+            "memfit_commit": commit,
             "args": vars(args),
             "wall_seconds": wall,
             "configs": {n: ZOO[n].config().to_dict() for n in names},

@@ -74,9 +74,12 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                             max(
                                 m,
                                 k
-                                + 2 * inp
+                                + inp
                                 + sum(_rebuilt(c) for c in members)
-                                + kids[j].grads_from_bytes,
+                                + max(
+                                    inp + kids[j].grads_from_bytes,
+                                    max(c.backward_hold_bytes for c in members),
+                                ),
                             ),
                             # A rebuild stops early: the last member's tail is skipped;
                             # the checkpoint machinery costs the piece once.
@@ -88,9 +91,15 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                             True,
                         )
                     )
-    result = {(k, m, s, f, False, ends) for k, m, s, f, ends in at.get(len(kids), set())}
+    # Kept: its own backward runs with all kept through it held, and holds its own bytes.
+    hold = unit.backward_hold_bytes if not kids else 0.0  # a kept leaf's backward
+    result = {
+        (k, max(m, k + hold) if hold else m, s, f, False, ends)
+        for k, m, s, f, ends in at.get(len(kids), set())
+    }
     if not is_root and unit.can_recompute:
-        rebuild = 2 * unit.input_bytes + _rebuilt(unit) + unit.grads_from_bytes
+        inp = unit.input_bytes
+        rebuild = inp + _rebuilt(unit) + max(inp + unit.grads_from_bytes, unit.backward_hold_bytes)
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
         result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
@@ -157,6 +166,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.grads_from_bytes = draw(small)
         if draw(st.booleans()):
             unit.piece_seconds = draw(small)
+        if draw(st.booleans()):
+            unit.backward_hold_bytes = draw(st.integers(0, 40).map(float))
     for unit in units:
         if draw(st.integers(0, 2)) == 0:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))

@@ -94,6 +94,17 @@ class UnitCost:
     """Parameter gradients that exist when backward rebuilds this unit: those of the unit
     and of everything after it in forward order (backward has made them by then), and of
     its ancestors' own parameters (where in their forward those are used is not known)."""
+    backward_peak_bytes: float = 0.0
+    """The most alive while the subtree ran backward, measured: what it saved that backward
+    had not reached yet, and what backward had made and still held (the gradient passed
+    in, the parameter gradients made by then, its own temporaries: a wide layer's input
+    gradient, attention scores' gradients)."""
+    backward_hold_bytes: float = 0.0
+    """What the subtree's backward holds beyond all it saves, above the step's static
+    bytes: ``backward_peak_bytes`` less the saved bytes and less what the static bytes
+    count already (the gradient in flight; with accumulation, the gradients). A rebuild
+    holds at least this above its input and what it rebuilds; a kept unit without children
+    this above what is kept through it. Set by the planner."""
     tail_flops: float = 0.0
     """Forward FLOPs of the subtree's trailing ops, those after the last op that saves a
     tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""

@@ -244,6 +244,8 @@ def with_backward_costs(
 
     * ``recompute_extra_bytes``: a rebuild runs under autocast again and casts the unit's
       weights again;
+    * ``backward_hold_bytes``: what the unit's backward was measured to hold beyond what it
+      saves, above the static bytes (``backward_peak_bytes`` less those);
     * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
@@ -268,13 +270,25 @@ def with_backward_costs(
         total += own[unit.name]
         after[unit.name] = total
 
+    in_flight = _in_flight_bytes(root)
+
     def fill(unit: UnitCost, above: float) -> UnitCost:
         children = [fill(c, above + own[unit.name]) for c in unit.children]
+        grads = after[unit.name] + above
+        # What the unit's own backward held, less what the static bytes count already: the
+        # gradient passed in, and with accumulation the parameter gradients (held all step).
+        hold = (
+            unit.backward_peak_bytes
+            - unit.total_saved_bytes()
+            - in_flight
+            - (grads if accumulating else 0.0)
+        )
         return dataclasses.replace(
             unit,
             children=children,
             recompute_extra_bytes=float(_cast_bytes(model.get_submodule(unit.name), policy)),
-            grads_from_bytes=0.0 if accumulating else after[unit.name] + above,
+            grads_from_bytes=0.0 if accumulating else grads,
+            backward_hold_bytes=max(0.0, hold),
         )
 
     return fill(root, 0.0)

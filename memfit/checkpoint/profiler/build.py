@@ -170,6 +170,7 @@ def build_costs(
         non_matmul_fwd_seconds=fwd_seconds * share + 2 * st.sel_overhead,
         tail_flops=min(st.tail_flops, total("flops_own")),
         tail_seconds=min(st.tail_timed, fwd_seconds) if timed_tails else fwd_seconds * tail_share,
+        backward_peak_bytes=float(st.bwd_peak),
         can_recompute=not st.reasons,
         can_select=not st.no_selective,
         sequential=bool(sequential),

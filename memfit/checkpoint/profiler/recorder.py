@@ -68,6 +68,10 @@ class Stats:
     sel_overhead: float = 0.0  # what selective checkpoint's caching mode adds to its forward
     input_bytes: int = 0
     output_bytes: int = 0
+    # The most alive while the unit's subtree ran backward: what its subtree saved that
+    # backward had not reached yet (by forward order), and what backward had made and still
+    # held (the gradient passed in, parameter gradients, the backward's own temporaries).
+    bwd_peak: int = 0
     input_keys: dict[Any, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     # Why selective recompute would fail here (a matmul output it caches is changed in place).
@@ -150,6 +154,18 @@ class Recorder:
         self.head_keys: set[Any] = set()
         self.head_live = [0]
         self.head_peak = 0
+        # Everything backward makes, live at once, attributed to the unit whose op runs.
+        self.bwd_keys: set[Any] = set()
+        self.bwd_live = [0]
+        self.bwd_seq = 0  # the sequence number of the autograd node running backward
+        self.probes_this_op = 0
+        # Per unit, what its subtree saved in forward: sequence numbers and running bytes.
+        self.save_seqs: dict[str, list[int]] = {u.name: [] for u in tree}
+        self.save_bytes: dict[str, list[int]] = {u.name: [] for u in tree}
+        self.parent_name: dict[str, str | None] = {tree.root.name: None}
+        for unit in tree:
+            for child in unit.children:
+                self.parent_name[child.name] = unit.name
         self.loss_saved = 0
         self.counter = 0
         self.iterated: dict[str, list[bool]] = {}
@@ -168,9 +184,8 @@ class Recorder:
     def now(self) -> float:
         return clock(self.sync)
 
-    def mark(self, owner: str | None) -> None:
-        # The sequence number of a fresh autograd node: every node created after this
-        # point belongs to ``owner`` until the next mark.
+    def sequence_now(self) -> int:
+        """The sequence number the next autograd node will get (a probe node's)."""
         self.quiet = True
         try:
             with torch.enable_grad():
@@ -179,9 +194,20 @@ class Recorder:
         finally:
             self.quiet = False
         # No node under inference mode: nothing there goes to backward anyway.
-        seq = node._sequence_nr() if node is not None else (self.markers or [0])[-1]
-        self.markers.append(seq)
+        return node._sequence_nr() if node is not None else (self.markers or [0])[-1]
+
+    def mark(self, owner: str | None) -> None:
+        # The sequence number of a fresh autograd node: every node created after this
+        # point belongs to ``owner`` until the next mark.
+        self.markers.append(self.sequence_now())
         self.owners.append(owner)
+
+    def saved_alive(self, name: str) -> int:
+        """What unit ``name``'s subtree saved that backward has not reached yet: backward
+        runs nodes in reverse forward order, freeing each one's saved tensors."""
+        seqs = self.save_seqs[name]
+        i = bisect_right(seqs, self.bwd_seq)
+        return self.save_bytes[name][i - 1] if i else 0
 
     def owner(self, seq: int) -> str | None:
         i = bisect_right(self.markers, seq) - 1
@@ -299,6 +325,15 @@ class Recorder:
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
         if self.stack:
             self.stats[self.stack[-1].name].saved_own += nbytes
+            if self.full:
+                # The probe node takes the next number; the saving op's node has the one
+                # before this op's first probe (on_op resets the count of its probes).
+                seq = self.sequence_now() - 1 - self.probes_this_op
+                self.probes_this_op += 1
+                for call in self.stack:
+                    seqs, running = self.save_seqs[call.name], self.save_bytes[call.name]
+                    seqs.append(seq)
+                    running.append((running[-1] if running else 0) + nbytes)
         else:
             self.loss_saved += nbytes
         return t
@@ -313,10 +348,13 @@ class Recorder:
     # ---- ops
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
+        self.probes_this_op = 0  # its saved tensors are packed after this, as its node is made
         if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
             self.check_mutation(func, args, kwargs)
-        if self.phase == "bwd" and self.in_head:
-            self.head_made(out)
+        if self.phase == "bwd":
+            self.backward_made(out)
+            if self.in_head:
+                self.head_made(out)
         if self.phase == "fwd":
             unit = self.stack[-1].name if self.stack else None
         elif self.phase == "bwd":
@@ -333,6 +371,12 @@ class Recorder:
         st = self.stats[unit]
         if self.phase == "bwd":
             st.est_bwd_own += estimate
+            if self.full:
+                name: str | None = unit
+                while name is not None:  # the unit and every unit around it
+                    up = self.stats[name]
+                    up.bwd_peak = max(up.bwd_peak, self.saved_alive(name) + self.bwd_live[0])
+                    name = self.parent_name.get(name)
             return
         st.flops_own += flops
         st.est_fwd_own += estimate
@@ -374,6 +418,21 @@ class Recorder:
                         f"({func.overloadpacket}), which selective recompute cannot replay"
                     )
 
+    def backward_made(self, out: Any) -> None:
+        """Follow the new tensors a backward op makes while they live (``bwd_live``)."""
+        if not self.full:
+            return
+        for t in tensors(out):
+            key, nbytes, ref = storage_of(t)
+            if key in self.bwd_keys or key in self.saved_seen or key in self.resident:
+                continue
+            try:
+                weakref.finalize(ref, _head_freed, self.bwd_keys, self.bwd_live, key, nbytes)
+            except TypeError:
+                continue
+            self.bwd_keys.add(key)
+            self.bwd_live[0] += nbytes
+
     def head_made(self, out: Any) -> None:
         """Count the new tensors an op of the head of backward makes (gradients, among them
         the top modules' weight gradients) while they live, and keep their peak."""
@@ -404,14 +463,15 @@ class Recorder:
             keep.append(node)
             seq = node._sequence_nr()
             if seq < 2**62:  # AccumulateGrad nodes carry UINT64_MAX
-                handles.append(node.register_prehook(self._node_hook(self.owner(seq))))
+                handles.append(node.register_prehook(self._node_hook(self.owner(seq), seq)))
             todo.extend(n for n, _ in node.next_functions if n is not None)
         return handles
 
-    def _node_hook(self, owner: str | None) -> Callable[[Any], None]:
+    def _node_hook(self, owner: str | None, seq: int) -> Callable[[Any], None]:
         def hook(grad_outputs: Any) -> None:
             if self.full:
                 self.bwd_owner = owner
+                self.bwd_seq = seq
                 if owner is not None and owner not in self.top:
                     self.in_head = False
             else:

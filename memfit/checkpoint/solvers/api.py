@@ -70,7 +70,7 @@ def solve(
     budget = None if budget_bytes is None else float(budget_bytes) * (1 - reserve)
     static, loss = float(static_bytes), float(loss_bytes)
     nodes = flatten(root)
-    none_peak = static + nodes[0].saved_bytes + loss
+    none_peak = static + NodePlan.keep_all(nodes).peak(nodes, loss)
 
     # A budget the unplanned step meets needs no plan, when the plan is the solver's choice;
     # a strategy the user named ("full", "uniform:k", "sqrt") is applied all the same.

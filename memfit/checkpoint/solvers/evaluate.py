@@ -154,6 +154,10 @@ def evaluate_nodes(
             k, h, s, f, after_piece = visit(c, k, credit)
             high, secs, flops = max(high, h), secs + s, flops + f
             pos += 1
+        # A kept unit without children runs backward while all it and the units before it
+        # keep are held (those after it are freed by then), with what that backward makes.
+        if node.backward_hold_bytes and not kids:
+            high = max(high, k + node.backward_hold_bytes)
         return k, high, secs, flops, after_piece
 
     return PlanCost(*visit(0, 0.0, 0.0)[:4])

@@ -23,6 +23,7 @@ _NUMBERS = (
     "input_saved_by_both_bytes",
     "recompute_extra_bytes",
     "grads_from_bytes",
+    "backward_hold_bytes",
     "tail_seconds",
     "tail_flops",
     "piece_seconds",
@@ -68,6 +69,8 @@ class FlatUnit:
         "child_input_bytes",
         "input_saved_by_previous_bytes",
         "input_saved_by_both_bytes",
+        "backward_hold_bytes",
+        "child_backward_hold_table",
     )
 
     def __init__(self, index: int, unit: UnitCost, is_root: bool) -> None:
@@ -113,6 +116,11 @@ class FlatUnit:
         self.rebuilt_bytes = float(unit.recompute_extra_bytes)
         # Parameter gradients that exist when backward reaches this unit.
         self.grads_from_bytes = float(unit.grads_from_bytes)
+        # What the subtree's backward holds beyond all it saves, above static (measured).
+        self.backward_hold_bytes = float(unit.backward_hold_bytes)
+        # For a chain: range maxima of the children's backward holds (a sparse table:
+        # row r holds the maxima of 2**r children from each position).
+        self.child_backward_hold_table: list[list[float]] = []
         # For a chain (a sequential unit with two or more children), per child position:
         # sums over the children before it (``*_before``, one entry more than children),
         # and what it and they cost as a rebuild ending with it (``*_through``). Segment
@@ -131,13 +139,18 @@ class FlatUnit:
 
     def segment_hold_bytes(self, i: int, j: int) -> float:
         """What a rebuild of children ``i..j`` as one segment holds above what is kept
-        before it: child ``i``'s input and its gradient, what they all rebuild, and the
-        gradients made when backward reaches child ``i``."""
+        before it: child ``i``'s input, what they all rebuild, and what their backward
+        makes: at least child ``i``'s input gradient and the gradients made when backward
+        reaches it, at most what one of them was measured to hold."""
+        inp = self.child_input_bytes[i]
+        table = self.child_backward_hold_table
+        row = (j - i + 1).bit_length() - 1
+        widest = max(table[row][i], table[row][j + 1 - (1 << row)])
         return (
-            2 * self.child_input_bytes[i]
+            inp
             + self.rebuilt_before[j + 1]
             - self.rebuilt_before[i]
-            + self.child_grads_from_bytes[i]
+            + max(inp + self.child_grads_from_bytes[i], widest)
         )
 
     def segment_seconds(self, i: int, j: int) -> float:
@@ -188,7 +201,14 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
     for node in reversed(nodes):
         node.saved_bytes = node.own_saved_bytes + sum(nodes[c].saved_bytes for c in node.children)
         node.rebuilt_bytes += node.saved_bytes
-        node.rebuild_hold_bytes = 2 * node.input_bytes + node.rebuilt_bytes + node.grads_from_bytes
+        # The rebuild holds its input and all it saves again; its backward makes at least
+        # the input's gradient beside the parameter gradients made by then, or what the
+        # profile measured the subtree's backward to hold beyond its saved bytes.
+        node.rebuild_hold_bytes = (
+            node.input_bytes
+            + node.rebuilt_bytes
+            + max(node.input_bytes + node.grads_from_bytes, node.backward_hold_bytes)
+        )
         if node.is_chain():
             kids = [nodes[c] for c in node.children]
             node.saved_before = _prefix(k.saved_bytes for k in kids)
@@ -203,12 +223,25 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
                 node.forward_flops_before[j] + k.rebuild_flops for j, k in enumerate(kids)
             ]
             node.child_input_bytes = [k.input_bytes for k in kids]
+            node.child_backward_hold_table = _range_max_table([k.backward_hold_bytes for k in kids])
             start = 0
             for j, kid in enumerate(kids):
                 if not kid.can_recompute:
                     start = j + 1
                 node.run_start.append(min(start, j))
     return nodes
+
+
+def _range_max_table(values: list[float]) -> list[list[float]]:
+    """Rows of maxima over 2**r consecutive values from each position (a sparse table):
+    the maximum of values[i..j] is that of two overlapping rows, in constant time."""
+    table = [list(values)]
+    width = 1
+    while 2 * width <= len(values):
+        last = table[-1]
+        table.append([max(last[i], last[i + width]) for i in range(len(values) - 2 * width + 1)])
+        width *= 2
+    return table
 
 
 def _prefix(values: Iterable[float]) -> list[float]:

@@ -216,15 +216,34 @@ class Pass:
         top = limit - self.keep_low[u]
         source = frontier if keep_in is None else keep_in
         kept = [(k + own, s, f, h, r) for k, s, f, h, r in source if k <= top]
+        inner_ended: list = []
         if kept and node.children:
             if node.is_chain():
                 inner_ended, kept = self.chain(node, kept, after)
             else:
                 inner_ended, kept = self.sequence(node, kept, after)
-            # A kept unit whose last child ended a piece ends with that piece too.
-            if inner_ended:
-                pieces = self.prune(pieces + inner_ended) if pieces else inner_ended
+        hold = node.backward_hold_bytes
+        if hold and not node.children:
+            # A kept leaf's backward runs with all kept through it still held: a rebuild of
+            # sorts, checked against the cap the same way.
+            kept = self.held_through(kept, hold)
+            inner_ended = self.held_through(inner_ended, hold)
+        # A kept unit whose last child ended a piece ends with that piece too.
+        if inner_ended:
+            pieces = self.prune(pieces + inner_ended) if pieces else inner_ended
         return pieces, kept
+
+    def held_through(self, frontier: list, hold: float) -> list:
+        """``frontier`` after a kept unit whose own backward holds ``hold`` bytes above
+        what is kept through it: points over the cap dropped, the highest rebuild raised."""
+        top = self.cap - hold
+        out = []
+        for k, s, f, h, ref in frontier:
+            if k > top:
+                continue
+            high = k + hold
+            out.append((k, s, f, h if h > high else high, ref))
+        return out
 
     def boundary(self, ended: list, kept: list, nxt: int | None) -> tuple[list, list]:
         """(all, keep_in) before sibling ``nxt``: when a piece ended just before it and
