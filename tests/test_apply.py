@@ -456,12 +456,17 @@ def test_apply_another_plan_replaces_the_previous() -> None:
     assert [type(b) for b in model.blocks] == [TBlock] * 3
 
 
-def test_sequential_segments_override_forward_not_class() -> None:
+def test_sequential_segments_override_forward_and_iteration() -> None:
+    # Called, a segmented Sequential walks its segments; iterated by its parent, it yields
+    # them (its class is a same-named subclass meanwhile); removing the plan restores both.
     model = MiniCNN()
     apply_plan(model, {"decisions": {"stages.0": "recompute"}, "segments": {"stages.0": [(0, 1)]}})
-    assert type(model.stages[0]) is nn.Sequential
-    assert "forward" in model.stages[0].__dict__
+    stage = model.stages[0]
+    assert isinstance(stage, nn.Sequential) and type(stage).__name__ == "Sequential"
+    assert "forward" in stage.__dict__
+    assert len(list(stage)) == len(stage) - 1  # children 0..1 are one segment
     remove_plan(model)
+    assert type(model.stages[0]) is nn.Sequential
     assert "forward" not in model.stages[0].__dict__
 
 
@@ -764,3 +769,38 @@ def test_cuda_dropout_replays_and_kwargs(autocast: bool) -> None:
         base, cp = copy.deepcopy(model), copy.deepcopy(model)
         apply_plan(cp, plan)
         _close(step(base, inputs), step(cp, inputs))
+
+
+def test_segments_of_a_sequential_its_parent_iterates_are_recomputed() -> None:
+    # Hugging Face's ResNet stages walk an nn.Sequential with `for layer in self.layers`
+    # instead of calling it: a segment there must run, not only a called Sequential's.
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(
+                *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Stage(), torch.randn(32, 64)
+    reference = copy.deepcopy(model)
+
+    def flops(m: nn.Module) -> int:
+        with flop_counter() as counter:
+            m(x).sum().backward()
+        return counter.get_total_flops()
+
+    names = ["", "layers", *[f"layers.{i}" for i in range(4)]]
+    apply_plan(model, {"decisions": dict.fromkeys(names, "keep"), "segments": {"layers": [(0, 3)]}})
+    # The four layers run again (the last ReLU saves its output: no tail to skip).
+    assert flops(model) - flops(reference) == 4 * 2 * 32 * 64 * 64
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert model.layers(x).shape == (32, 64)  # called, it still works, in segments too
+    remove_plan(model)
+    assert type(model.layers) is nn.Sequential

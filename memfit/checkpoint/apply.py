@@ -12,11 +12,11 @@ parent. Per unit it installs, on the module *instance*:
   times too.
 * segments ``{container: [(start, end), ...]}`` (inclusive) for a ``sequential`` unit:
   children ``start..end`` run as one checkpointed piece. An ``nn.Sequential`` with the
-  stock ``forward`` gets a ``forward`` that walks its children in segments. Any other
-  container (an ``nn.ModuleList`` its parent walks with ``for block in self.blocks``) has
-  its class swapped for a subclass of the same name whose ``__iter__`` yields one callable
-  per segment and the plain children elsewhere; indexing, ``len`` and ``state_dict`` are
-  unchanged.
+  stock ``forward`` gets a ``forward`` that walks its children in segments. Every
+  container (an ``nn.ModuleList`` or ``nn.Sequential`` its parent walks with ``for block in
+  self.blocks``) has its class swapped for a subclass of the same name whose ``__iter__``
+  yields one callable per segment and the plain children elsewhere; indexing, ``len`` and
+  ``state_dict`` are unchanged.
 
 :func:`remove_plan` restores the original ``forward`` attributes and classes exactly.
 
@@ -327,11 +327,12 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         patch.segments = list(ranges)
         patch.early_stop = early_stop
         if stock_sequential(module):
+            # Called, it walks its children in segments; iterated by its parent instead
+            # (Hugging Face's ResNet stages: ``for layer in self.layers``), it yields them.
             patch.sequential_forward = True
             _patch_forward(module, patch)
-        else:
-            patch.orig_class = type(module)
-            module.__class__ = iter_override_class(type(module), _segmented_iter)
+        patch.orig_class = type(module)
+        module.__class__ = iter_override_class(type(module), _segmented_iter)
     for name, decision in decisions.items():
         if decision == KEEP:
             continue
