@@ -25,14 +25,14 @@ and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around forward):
 
 Every step runs after a warm-up step under the same plan; the optimizer state exists
 before the first measurement (one step is run first). A crash on a row is recorded with
-its error and the run goes on. ``memfit.plan(precision="bf16-mixed")`` profiles the model
-with memfit's fp32 islands (normalization layers in fp32, as memfit's Engine trains);
-the step measured here is plain autocast unless ``--islands`` applies them too.
+its error and the run goes on. ``memfit.plan(precision="bf16-mixed")`` plans the step as memfit
+trains it, with memfit's fp32 islands (normalization layers in fp32), and so do the bf16
+steps measured here; ``--plain-autocast`` measures plain ``torch.autocast`` instead.
 
     python bench/zoo.py                         # the table in docs/benchmarks.md
     python bench/zoo.py --quick                 # smoke run: one budget, fp32
     python bench/zoo.py --models gpt2,t5 --budgets 5 --json zoo.json
-    python bench/zoo.py --precision bf16-mixed --islands   # bf16 as the Engine runs it
+    python bench/zoo.py --precision bf16-mixed --plain-autocast   # bf16 without islands
 """
 
 from __future__ import annotations
@@ -340,8 +340,16 @@ class Bench:
         }
         plan = None
         try:
+            # The step below keeps only the loss (loss = model(**inputs).loss), as
+            # Hugging Face's Trainer does: the model's output is gone before backward.
             plan = memfit.plan(
-                model, inputs, budget, loss_fn=loss_of, precision=precision, optimizer=opt
+                model,
+                inputs,
+                budget,
+                loss_fn=loss_of,
+                precision=precision,
+                optimizer=opt,
+                keep_output=False,
             )
             units = recomputed_units(plan)
             row.update(
@@ -378,8 +386,8 @@ class Bench:
         make_step(model, opt, inputs, "fp32")()  # the optimizer state exists from here on
         precisions = ["fp32"] if self.args.quick else self.args.precision
         for precision in precisions:
-            # --islands: the step as memfit's Engine trains it (and as memfit.plan profiles
-            # it), normalization layers in fp32; by default plain autocast, no islands.
+            # The step as memfit's Engine trains it (and as memfit.plan plans it),
+            # normalization layers in fp32; --plain-autocast: plain autocast, no islands.
             islands = self.args.islands and precision != "fp32"
             if islands:
                 memfit.apply_precision(model, memfit.PrecisionPolicy(precision))
@@ -401,7 +409,14 @@ class Bench:
     ) -> None:
         base: dict[str, Any] = {"model": name, "precision": precision, "variant": "no plan"}
         try:
-            whole = memfit.plan(model, inputs, loss_fn=loss_of, precision=precision, optimizer=opt)
+            whole = memfit.plan(
+                model,
+                inputs,
+                loss_fn=loss_of,
+                precision=precision,
+                optimizer=opt,
+                keep_output=False,
+            )
             step = make_step(model, opt, inputs, precision)
             base["measured"], base["tracked"] = measure_step(model, opt, inputs, step)
             base_flops = count_flops(step)
@@ -724,10 +739,11 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="one budget per model, fp32 only")
     parser.add_argument(
-        "--islands",
-        action="store_true",
-        help="bf16-mixed steps with memfit's fp32 islands applied (memfit.apply_precision, as "
-        "memfit's Engine trains); default: plain torch.autocast",
+        "--plain-autocast",
+        dest="islands",
+        action="store_false",
+        help="bf16-mixed steps under plain torch.autocast, without memfit's fp32 islands "
+        "(default: with them, as memfit's Engine trains and memfit.plan plans)",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write every row to this JSON file")

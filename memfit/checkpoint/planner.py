@@ -73,6 +73,9 @@ class ModelProfile:
     for a step, the loss module's)."""
     loss_saved_bytes: float
     """What the loss saves for backward outside the model."""
+    output_held: bool = True
+    """Whether the model's output is held through backward (``out = model(x)``), or freed
+    once the loss is computed (a step written ``loss_fn(model, batch)``)."""
     unstable: dict[str, str] = dataclasses.field(default_factory=dict)
     """Units left out of every plan because their forward does other work when run again
     (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
@@ -126,8 +129,10 @@ def profile_model(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     policy: PrecisionPolicy,
     units: Sequence[str] | None = None,
+    keep_output: bool = True,
 ) -> ModelProfile:
-    """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``."""
+    """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
+    ``keep_output``: the training loop holds the output through backward."""
     with precision_applied(model, policy):
         prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
         profiled = ModelProfile(
@@ -136,6 +141,7 @@ def profile_model(
             structure=prof.structure,
             output_bytes=float(prof.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes),
+            output_held=keep_output,
         )
         return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
 
@@ -217,6 +223,7 @@ def profile_step(
         structure=structure_fingerprint(model, names),
         output_bytes=float(prof.output_bytes + model_root.output_bytes),
         loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
+        output_held=False,  # loss_fn returns the loss: the output it made is its own
     )
     with precision_applied(model, policy):
         return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
@@ -264,6 +271,7 @@ def solve_profile(
         profiled.loss_saved_bytes,
         profiled.root,
         accumulation_steps=accumulation_steps,
+        output_held=profiled.output_held,
     )
     if correction_bytes:
         mem = dataclasses.replace(
@@ -419,6 +427,7 @@ def plan(
     optimizer: torch.optim.Optimizer | None = None,
     units: Sequence[str] | None = None,
     accumulation_steps: int = 1,
+    keep_output: bool = True,
 ) -> Plan:
     """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
 
@@ -427,7 +436,10 @@ def plan(
     ``loss_fn(output) -> scalar``; default: the sum of the first floating-point tensor in
     the output. ``budget`` is the peak of a whole training step ("2GiB", bytes, or a
     fraction of device memory); None plans without a limit (``optimal`` then recomputes
-    nothing). ``accumulation_steps``: micro-batches per optimizer step.
+    nothing). ``accumulation_steps``: micro-batches per optimizer step. ``keep_output``:
+    the training loop holds the model's output through backward (``out = model(x);
+    loss_fn(out).backward()``, the default); False for a loop that keeps only the loss
+    (``loss = model(**batch).loss``), whose output is freed before backward.
 
     Example::
 
@@ -437,7 +449,7 @@ def plan(
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     policy = PrecisionPolicy.of(precision)
-    profiled = profile_model(model, example_inputs, loss_fn, policy, units)
+    profiled = profile_model(model, example_inputs, loss_fn, policy, units, keep_output)
     return solve_profile(
         model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps)
     ).plan

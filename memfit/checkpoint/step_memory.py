@@ -133,6 +133,7 @@ def step_memory(
     loss_saved_bytes: float | None = None,
     root: UnitCost | None = None,
     accumulation_steps: int = 1,
+    output_held: bool = True,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
@@ -140,7 +141,10 @@ def step_memory(
     when they are not the profiled step's own (default: ``prof``'s). ``root``: the model's
     own unit tree, when ``prof`` profiled more than the model (default: ``prof.root``).
     ``accumulation_steps``: micro-batches per optimizer step; above 1 the gradients are
-    held through the activation phase (``accumulated_grad_bytes``)."""
+    held through the activation phase (``accumulated_grad_bytes``). ``output_held``: the
+    caller holds the model's output through backward (``out = model(x)``); False when only
+    the loss outlives the forward (``loss = loss_fn(model, batch)``, the Engine's form),
+    so the output is freed before backward, but for what the loss saves of it."""
     trained = _trained_widths(model, policy)
     param_bytes = sum(p.numel() * trained[id(p)] for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -172,10 +176,14 @@ def step_memory(
     # last block, which the in-flight term holds already. The larger of the two is taken.
     # It does not meet the cast copies: it runs after the autocast region has ended.
     in_flight = _in_flight_bytes(prof.root if root is None else root)
-    end_of_forward = max(cast_cache, loss_saved + output, prof.head_backward_bytes - in_flight)
+    head = max(loss_saved + output, prof.head_backward_bytes - in_flight)
+    if output_held:  # out = model(x); loss_fn(out).backward(): the output lives on
+        loss_bytes = output + loss_saved + max(cast_cache, head)
+    else:  # loss = loss_fn(model, batch): the output is gone when backward starts
+        loss_bytes = loss_saved + max(output + cast_cache, head)
     return StepMemory(
         base_bytes=float(base + prof.input_bytes),
-        loss_bytes=float(output + loss_saved + end_of_forward),
+        loss_bytes=float(loss_bytes),
         grad_bytes=float(grad_bytes),
         in_flight_bytes=in_flight,
         optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)),
