@@ -51,7 +51,9 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     options = [_configs(c, False) for c in kids]
     chain = unit.sequential and len(kids) >= 2
     # at[j]: the configurations of children 0..j-1 (the flag: the last one ended a piece).
-    at: dict[int, set] = {0: {(unit.own_saved_bytes, 0.0, 0.0, 0.0, False)}}
+    # Own saved bytes from the start, but for those after the last child (freed first).
+    tail = min(unit.own_saved_after_children_bytes, unit.own_saved_bytes) if kids else 0.0
+    at: dict[int, set] = {0: {(unit.own_saved_bytes - tail, 0.0, 0.0, 0.0, False)}}
     for j in range(len(kids)):
         shared = min(kids[j].input_saved_by_previous_bytes, kids[j].input_bytes)
         held = min(kids[j].input_saved_by_both_bytes, shared)
@@ -94,7 +96,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     # Kept: its own backward runs with all kept through it held, and holds its own bytes.
     hold = unit.backward_hold_bytes if not kids else 0.0  # a kept leaf's backward
     result = {
-        (k, max(m, k + hold) if hold else m, s, f, False, ends)
+        (k + tail, max(m, k + tail + hold) if hold else m, s, f, False, ends)
         for k, m, s, f, ends in at.get(len(kids), set())
     }
     if not is_root and unit.can_recompute:
@@ -168,6 +170,10 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.piece_seconds = draw(small)
         if draw(st.booleans()):
             unit.backward_hold_bytes = draw(st.integers(0, 40).map(float))
+        if draw(st.booleans()):
+            unit.own_saved_after_children_bytes = float(
+                draw(st.integers(0, int(unit.own_saved_bytes)))
+            )
     for unit in units:
         if draw(st.integers(0, 2)) == 0:
             unit.matmul_saved_bytes = float(draw(st.integers(1, max(1, int(_total(unit))))))

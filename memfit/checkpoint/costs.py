@@ -63,6 +63,10 @@ class UnitCost:
     """Time of the backward of the whole subtree."""
     own_saved_bytes: float = 0.0
     """Bytes saved for backward by ops of this unit that lie in no child unit (deduplicated)."""
+    own_saved_after_children_bytes: float = 0.0
+    """Of those, the bytes its ops saved after its last child unit began (an LM's head and
+    loss after its blocks): backward frees them before it reaches any child, so no child's
+    rebuild holds them."""
     input_bytes: float = 0.0
     """Bytes of the tensors the unit receives; a checkpoint keeps them."""
     output_bytes: float = 0.0

@@ -279,18 +279,17 @@ def with_backward_costs(
         after[unit.name] = total
 
     in_flight = _in_flight_bytes(root)
+    subtree_grads = {u.name: sum(own[v.name] for v in u.walk()) for u in order}
 
     def fill(unit: UnitCost, above: float) -> UnitCost:
         children = [fill(c, above + own[unit.name]) for c in unit.children]
         grads = after[unit.name] + above
         # What the unit's own backward held, less what the static bytes count already: the
         # gradient passed in, and with accumulation the parameter gradients (held all step).
-        hold = (
-            unit.backward_peak_bytes
-            - unit.total_saved_bytes()
-            - in_flight
-            - (grads if accumulating else 0.0)
-        )
+        # With accumulation the gradients of the units after it are held already; its own
+        # new gradients are made beside the accumulated ones before they are added in.
+        held_grads = grads - subtree_grads[unit.name] if accumulating else 0.0
+        hold = unit.backward_peak_bytes - unit.total_saved_bytes() - in_flight - held_grads
         return dataclasses.replace(
             unit,
             children=children,

@@ -162,6 +162,11 @@ def build_costs(
         fwd_seconds=fwd_seconds,
         bwd_seconds=bwd_seconds,
         own_saved_bytes=float(st.saved_own),
+        # Only a unit with child units has a tail of its own after them (an LM's head and
+        # loss after its blocks); a leaf's saved bytes are all its own either way.
+        own_saved_after_children_bytes=float(
+            min(st.saved_after_children, st.saved_own) if children else 0
+        ),
         input_bytes=input_bytes,
         output_bytes=output_bytes,
         matmul_saved_bytes=total("mm_out_own"),

@@ -72,6 +72,7 @@ class Stats:
     # backward had not reached yet (by forward order), and what backward had made and still
     # held (the gradient passed in, parameter gradients, the backward's own temporaries).
     bwd_peak: int = 0
+    saved_after_children: int = 0  # of saved_own, what was saved after its last child began
     input_keys: dict[Any, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     # Why selective recompute would fail here (a matmul output it caches is changed in place).
@@ -91,6 +92,9 @@ class _Call:
     tail_flops: float = 0.0
     tail_time: float = 0.0
     last_pack: float | None = None  # in the timed step: when it last saved a tensor
+    # Bytes its own ops saved since its last child unit began (all of them, for a call
+    # with no child units): backward frees them before it reaches any child.
+    saved_after_children: int = 0
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
@@ -239,6 +243,8 @@ class Recorder:
                 if (buf := m._buffers.get(bname)) is not None
             ]
             self.chain_enter(name, args, kwargs)
+        if self.stack:
+            self.stack[-1].saved_after_children = 0  # a child begins: what came before it
         self.stack.append(call)
         self.mark(name)
         call.t0 = self.now()
@@ -266,6 +272,7 @@ class Recorder:
                     "would see the updated value"
                 )
         st.output_bytes += self.nonresident_bytes(tensors(output))
+        st.saved_after_children += call.saved_after_children
         st.tail_flops += call.tail_flops
         st.tail_time += call.tail_time
         self.chain_exit(name, output)
@@ -325,6 +332,7 @@ class Recorder:
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
         if self.stack:
             self.stats[self.stack[-1].name].saved_own += nbytes
+            self.stack[-1].saved_after_children += nbytes
             if self.full:
                 # The probe node takes the next number; the saving op's node has the one
                 # before this op's first probe (on_op resets the count of its probes).

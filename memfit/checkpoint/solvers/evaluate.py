@@ -117,7 +117,9 @@ def evaluate_nodes(
                     True,
                 )
             return k, high, node.rebuild_seconds, node.rebuild_flops, True
-        k += node.own_saved_bytes
+        # Its own saved bytes from its start, but for those saved after its last child:
+        # backward frees them before it reaches any child (added after the children).
+        k += node.own_saved_bytes - node.own_saved_after_children_bytes
         high, secs, flops = 0.0, 0.0, 0.0
         ends = dict(segs.get(u, ()))
         kids = node.children
@@ -154,6 +156,7 @@ def evaluate_nodes(
             k, h, s, f, after_piece = visit(c, k, credit)
             high, secs, flops = max(high, h), secs + s, flops + f
             pos += 1
+        k += node.own_saved_after_children_bytes
         # A kept unit without children runs backward while all it and the units before it
         # keep are held (those after it are freed by then), with what that backward makes.
         if node.backward_hold_bytes and not kids:

@@ -24,6 +24,7 @@ _NUMBERS = (
     "recompute_extra_bytes",
     "grads_from_bytes",
     "backward_hold_bytes",
+    "own_saved_after_children_bytes",
     "tail_seconds",
     "tail_flops",
     "piece_seconds",
@@ -71,6 +72,7 @@ class FlatUnit:
         "input_saved_by_both_bytes",
         "backward_hold_bytes",
         "child_backward_hold_table",
+        "own_saved_after_children_bytes",
     )
 
     def __init__(self, index: int, unit: UnitCost, is_root: bool) -> None:
@@ -78,6 +80,12 @@ class FlatUnit:
         self.name = unit.name
         self.children: list[int] = []  # their indices, in forward order
         self.own_saved_bytes = float(unit.own_saved_bytes)
+        # Of those, what it saved after its last child (freed before backward reaches one).
+        self.own_saved_after_children_bytes = (
+            min(float(unit.own_saved_after_children_bytes), self.own_saved_bytes)
+            if unit.children
+            else 0.0
+        )
         self.saved_bytes = 0.0  # what the whole subtree saves (set in flatten)
         self.input_bytes = float(unit.input_bytes)
         # What a piece ending with this unit costs to rebuild: its forward less its tail,

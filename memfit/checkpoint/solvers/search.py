@@ -211,17 +211,24 @@ class Pass:
         if len(pieces) > 1 and node.offers_selective:
             pieces = self.prune(pieces)
         # Keep: the unit's own saved bytes are counted from its start (a bound: some of its
-        # ops may run after a child, whose rebuild would then not see them).
-        own = node.own_saved_bytes
+        # ops may run between children, whose rebuilds would then not see them), but for
+        # those saved after its last child, which backward frees before reaching any child.
+        tail = node.own_saved_after_children_bytes
+        own = node.own_saved_bytes - tail
         top = limit - self.keep_low[u]
         source = frontier if keep_in is None else keep_in
         kept = [(k + own, s, f, h, r) for k, s, f, h, r in source if k <= top]
         inner_ended: list = []
         if kept and node.children:
             if node.is_chain():
-                inner_ended, kept = self.chain(node, kept, after)
+                inner_ended, kept = self.chain(node, kept, after + tail)
             else:
-                inner_ended, kept = self.sequence(node, kept, after)
+                inner_ended, kept = self.sequence(node, kept, after + tail)
+            if tail:
+                kept = [(k + tail, s, f, h, r) for k, s, f, h, r in kept if k + tail <= limit]
+                inner_ended = [
+                    (k + tail, s, f, h, r) for k, s, f, h, r in inner_ended if k + tail <= limit
+                ]
         hold = node.backward_hold_bytes
         if hold and not node.children:
             # A kept leaf's backward runs with all kept through it still held: a rebuild of
