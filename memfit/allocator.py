@@ -21,7 +21,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import bisect
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,10 @@ class AllocatorPeak:
     """What was allocated when the work started (CPU: the ``live`` tensors' storages)."""
     result: Any = None
     """What the work returned."""
+    op_workspace_bytes: int = 0
+    """The most any one op allocated and freed again inside itself, above what was
+    allocated when it began and when it ended: a kernel's own workspace (CPU only; 0 on
+    CUDA, where the allocator's statistics do not say which op allocated what)."""
 
 
 def _storage_bytes(objects: Iterable[Any]) -> int:
@@ -51,6 +59,21 @@ def _storage_bytes(objects: Iterable[Any]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null for a moment (only around the profiler's own
+    start and stop, never around the work, whose warnings and errors stay visible)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -82,16 +105,40 @@ def allocator_peak(
         return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
     start = _storage_bytes(live)
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+    prof = torch.profiler.profile(activities=activities, profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side announces its start and stop there
+        prof.__enter__()
+    try:
         result = fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+    everything = list(prof.profiler.kineto_results.events())
     events = [
         e
-        for e in prof.profiler.kineto_results.events()
+        for e in everything
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
+    times: list[int] = []
+    levels: list[int] = []
     running = highest = 0
     for event in events:
         running += event.nbytes()
         highest = max(highest, running)
-    return AllocatorPeak(start + highest, start, result)
+        times.append(event.start_ns())
+        levels.append(running)
+    ops = [(e.start_ns(), e.end_ns()) for e in everything if e.name().startswith("aten::")]
+    return AllocatorPeak(start + highest, start, result, _op_workspace(times, levels, ops))
+
+
+def _op_workspace(times: list[int], levels: list[int], ops: list[tuple[int, int]]) -> int:
+    """The most memory one op held inside itself above both its ends' levels."""
+    most = 0
+    for begin, end in ops:
+        i, j = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
+        if j <= i:
+            continue
+        ends = max(levels[i - 1] if i else 0, levels[j - 1])
+        most = max(most, max(levels[i:j]) - ends)
+    return most

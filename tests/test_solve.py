@@ -78,6 +78,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                 k
                                 + inp
                                 + sum(_rebuilt(c) for c in members)
+                                + max(c.forward_workspace_bytes for c in members)
                                 + max(
                                     inp + kids[j].grads_from_bytes,
                                     max(c.backward_hold_bytes for c in members),
@@ -101,7 +102,12 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     }
     if not is_root and unit.can_recompute:
         inp = unit.input_bytes
-        rebuild = inp + _rebuilt(unit) + max(inp + unit.grads_from_bytes, unit.backward_hold_bytes)
+        rebuild = (
+            inp
+            + _rebuilt(unit)
+            + unit.forward_workspace_bytes
+            + max(inp + unit.grads_from_bytes, unit.backward_hold_bytes)
+        )
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
         result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
@@ -170,6 +176,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.piece_seconds = draw(small)
         if draw(st.booleans()):
             unit.backward_hold_bytes = draw(st.integers(0, 40).map(float))
+        if draw(st.booleans()):
+            unit.forward_workspace_bytes = draw(small)
         if draw(st.booleans()):
             unit.own_saved_after_children_bytes = float(
                 draw(st.integers(0, int(unit.own_saved_bytes)))

@@ -109,6 +109,10 @@ class UnitCost:
     count already (the gradient in flight; with accumulation, the gradients). A rebuild
     holds at least this above its input and what it rebuilds; a kept unit without children
     this above what is kept through it. Set by the planner."""
+    forward_workspace_bytes: float = 0.0
+    """The most one op of the unit's forward holds for itself beyond every tensor (an
+    LSTM layer's scratch), measured by the allocator on a rerun: a rebuild holds it on
+    top of what it has rebuilt."""
     tail_flops: float = 0.0
     """Forward FLOPs of the subtree's trailing ops, those after the last op that saves a
     tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""

@@ -35,17 +35,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.probe import unstable_units
+from memfit.checkpoint.probe import probe_units, restored_buffers
 from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
-from memfit.nested import call_model
+from memfit.memory import measure
+from memfit.nested import call_model, first_floating
 from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
@@ -76,6 +78,10 @@ class ModelProfile:
     output_held: bool = True
     """Whether the model's output is held through backward (``out = model(x)``), or freed
     once the loss is computed (a step written ``loss_fn(model, batch)``)."""
+    workspace_bytes: float = 0.0
+    """What kernels allocate for themselves at the step's peak, which no dispatch-level
+    count sees (a CPU convolution's unfold buffers): the allocator's peak of one step less
+    the storage tracker's (:func:`kernel_workspace_bytes`)."""
     unstable: dict[str, str] = dataclasses.field(default_factory=dict)
     """Units left out of every plan because their forward does other work when run again
     (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
@@ -143,7 +149,67 @@ def profile_model(
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
         )
-        return _without_unstable(model, profiled, lambda: call_model(model, example_inputs), policy)
+        profiled = _without_unstable(
+            model, profiled, lambda: call_model(model, example_inputs), policy
+        )
+        loss_of = loss_fn or _first_floating_sum
+        workspace = kernel_workspace_bytes(
+            model, lambda: loss_of(call_model(model, example_inputs)), policy, example_inputs
+        )
+        return dataclasses.replace(profiled, workspace_bytes=float(workspace))
+
+
+def _first_floating_sum(output: Any) -> torch.Tensor:
+    first = first_floating(output)
+    if first is None:
+        raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
+    return first.float().sum()
+
+
+def kernel_workspace_bytes(
+    model: nn.Module,
+    loss: Callable[[], torch.Tensor],
+    policy: PrecisionPolicy,
+    inputs: Any = None,
+) -> int:
+    """Bytes kernels allocate for themselves, beyond every tensor: one forward and
+    backward of ``loss()`` measured by the allocator and by the storage tracker at once
+    (:mod:`memfit.allocator`, :mod:`memfit.memory`); the larger of their difference at the
+    peak and the most one op held inside itself. A CPU depthwise convolution's backward,
+    for one, allocates unfold buffers the size of its input times its kernel; an LSTM
+    layer, scratch for its gates. Gradients, buffers and the random state are as before.
+
+    Example::
+
+        kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
+    """
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "meta":
+        return 0
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+
+    def step() -> None:
+        with policy.autocast(device.type):
+            value = loss()
+        value.backward()
+
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda), restored_buffers(model):
+            peak = allocator_peak(
+                lambda: measure(step, model=model),
+                live=[*params, *model.buffers(), inputs],
+                device=device,
+            )
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    # The difference at the step's own peak, or what one op needs for itself at most:
+    # under a plan the peak may fall where a kernel's workspace is (a rebuilt LSTM layer).
+    return max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes))
 
 
 def _without_unstable(
@@ -154,22 +220,31 @@ def _without_unstable(
 ) -> ModelProfile:
     """``profiled`` with the units whose forward does other work when run again (state
     kept between calls, e.g. a key/value cache) marked as not recomputable, with the
-    reason in ``profile.reasons`` (:mod:`memfit.checkpoint.probe`)."""
+    reason in ``profile.reasons``, and each other unit's forward workspace (what a kernel
+    of its rebuild holds for itself; :mod:`memfit.checkpoint.probe`)."""
     names = [u.name for u in profiled.root.walk() if u.name and u.can_recompute]
     device = next((p.device.type for p in model.parameters()), "cpu")
     with suspended(model):
-        found = unstable_units(
-            model, run_forward, names, autocast=(device, policy.compute_dtype, policy.mixed)
+        probed = probe_units(
+            model,
+            run_forward,
+            names,
+            autocast=(device, policy.compute_dtype, policy.mixed),
+            workspace=True,
         )
-    if not found:
-        return profiled
+    found = probed.unstable
     for name, why in found.items():
         profiled.profile.reasons.setdefault(name, []).append(why)
 
     def mark(unit: UnitCost) -> UnitCost:
         children = [mark(c) for c in unit.children]
         stable = unit.can_recompute and unit.name not in found
-        return dataclasses.replace(unit, children=children, can_recompute=stable)
+        return dataclasses.replace(
+            unit,
+            children=children,
+            can_recompute=stable,
+            forward_workspace_bytes=float(probed.forward_workspace.get(unit.name, 0)),
+        )
 
     return dataclasses.replace(profiled, root=mark(profiled.root), unstable=found)
 
@@ -226,7 +301,9 @@ def profile_step(
         output_held=False,  # loss_fn returns the loss: the output it made is its own
     )
     with precision_applied(model, policy):
-        return _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
+        profiled = _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
+        workspace = kernel_workspace_bytes(model, lambda: loss_fn(model, batch), policy, batch)
+        return dataclasses.replace(profiled, workspace_bytes=float(workspace))
 
 
 def _with_floor(points: list[FrontierPoint], floor: float) -> list[FrontierPoint]:
@@ -273,6 +350,13 @@ def solve_profile(
         accumulation_steps=accumulation_steps,
         output_held=profiled.output_held,
     )
+    if profiled.workspace_bytes:
+        # Kernels' own workspace: where in the step is not known, so all of it counts.
+        mem = dataclasses.replace(
+            mem,
+            base_bytes=mem.base_bytes + profiled.workspace_bytes,
+            workspace_bytes=profiled.workspace_bytes,
+        )
     if correction_bytes:
         mem = dataclasses.replace(
             mem,

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.allocator import allocator_peak
 from memfit.nested import map_tensors, tensors
 
 OpRecord = tuple[str, tuple[tuple[tuple[int, ...], str], ...]]
@@ -108,7 +110,8 @@ def _difference(first: list[OpRecord], again: list[OpRecord]) -> str:
 
 
 @contextlib.contextmanager
-def _restored_buffers(model: nn.Module) -> Iterator[None]:
+def restored_buffers(model: nn.Module) -> Iterator[None]:
+    """Inside the block, buffers may change; afterwards they hold their values again."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         yield
@@ -119,12 +122,35 @@ def _restored_buffers(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(value)
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe found, per unit."""
+
+    unstable: dict[str, str]
+    """Units whose forward does other work when run again, each with the reason."""
+    forward_workspace: dict[str, int]
+    """For the others (on CPU): the most one op of the unit's forward, run again with
+    autograd on as a rebuild runs it, held inside itself beyond every tensor (a kernel's
+    own workspace, :attr:`memfit.allocator.AllocatorPeak.op_workspace_bytes`)."""
+
+
 def unstable_units(
     model: nn.Module,
     run_forward: Callable[[], Any],
     names: Sequence[str],
     autocast: tuple[str, torch.dtype, bool] = ("cpu", torch.bfloat16, False),
 ) -> dict[str, str]:
+    """The units of :func:`probe_units` whose forward does other work when run again."""
+    return probe_units(model, run_forward, names, autocast).unstable
+
+
+def probe_units(
+    model: nn.Module,
+    run_forward: Callable[[], Any],
+    names: Sequence[str],
+    autocast: tuple[str, torch.dtype, bool] = ("cpu", torch.bfloat16, False),
+    workspace: bool = False,
+) -> ProbeResult:
     """Units among ``names`` (qualified names in ``model``, not ``""``) whose forward does
     not do the same when run again on the same inputs, each with the reason.
 
@@ -139,7 +165,7 @@ def unstable_units(
     """
     modules = {n: model.get_submodule(n) for n in names if n}
     if not modules or any(p.device.type == "meta" for p in model.parameters()):
-        return {}
+        return ProbeResult({}, {})
     rec = _Recording()
     log = _OpLog(rec.ops)
 
@@ -181,9 +207,10 @@ def unstable_units(
         handles.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
     reasons: dict[str, str] = {}
+    workspaces: dict[str, int] = {}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), restored_buffers(model), torch.no_grad():
             with _autocast(*autocast), log:
                 run_forward()
             rec.active = False
@@ -209,7 +236,52 @@ def unstable_units(
                         f"({_difference(first, again)}): it keeps state between calls, so a "
                         f"recompute would not rebuild what forward saved{_cache_hint(call.kwargs, call.args)}"
                     )
+            if workspace:  # buffers and the random state are restored after these too
+                workspaces = _forward_workspaces(model, rec.calls, reasons)
     finally:
         for handle in handles:
             handle.remove()
-    return reasons
+    return ProbeResult(reasons, workspaces)
+
+
+def _rerun_with_grad(
+    module: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype, enabled: bool
+) -> None:
+    with torch.enable_grad(), _autocast("cpu", dtype, enabled):  # as a rebuild runs it
+        module(*args, **kwargs)
+
+
+def _forward_workspaces(
+    model: nn.Module, calls: list[_Call], unstable: dict[str, str]
+) -> dict[str, int]:
+    """Each stable CPU unit's forward run again with autograd on, under the allocator."""
+
+    out: dict[str, int] = {}
+    params = list(model.parameters())
+    grads = [p.grad for p in params]  # kept as they were, whatever a rerun does
+    try:
+        _workspaces_of(calls, unstable, out)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    return out
+
+
+def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, int]) -> None:
+    for call in calls:
+        device = call.autocast[0]
+        if call.name in unstable or call.end < 0 or device != "cpu":
+            continue
+        torch.set_rng_state(call.rng)
+        _, enabled, dtype = call.autocast
+        args, kwargs = map_tensors(
+            (call.args, call.kwargs),
+            lambda t: t.requires_grad_(True) if t.is_floating_point() else t,
+        )
+
+        try:
+            rerun = functools.partial(_rerun_with_grad, call.module, args, kwargs, dtype, enabled)
+            peak = allocator_peak(rerun, device="cpu")
+        except Exception:  # the stability pass ran it; a failure here only loses the term
+            continue
+        out[call.name] = max(out.get(call.name, 0), peak.op_workspace_bytes)

@@ -102,6 +102,9 @@ class StepMemory:
     in_flight_bytes: float
     """The activation gradient passed between units in backward (the largest output of a
     unit inside the model; the model's own output's gradient is in ``loss_bytes``)."""
+    workspace_bytes: float = 0.0
+    """What kernels allocate for themselves beyond every tensor, measured on one step by
+    the allocator against the tracker (in ``base_bytes`` already)."""
     correction_bytes: float = 0.0
     """Memory a measured step held beyond the model's prediction (in ``base_bytes``
     already); set when the Engine re-plans after measuring its first planned step."""

@@ -25,6 +25,7 @@ _NUMBERS = (
     "grads_from_bytes",
     "backward_hold_bytes",
     "own_saved_after_children_bytes",
+    "forward_workspace_bytes",
     "tail_seconds",
     "tail_flops",
     "piece_seconds",
@@ -73,6 +74,8 @@ class FlatUnit:
         "backward_hold_bytes",
         "child_backward_hold_table",
         "own_saved_after_children_bytes",
+        "forward_workspace_bytes",
+        "child_forward_workspace_table",
     )
 
     def __init__(self, index: int, unit: UnitCost, is_root: bool) -> None:
@@ -129,6 +132,10 @@ class FlatUnit:
         # For a chain: range maxima of the children's backward holds (a sparse table:
         # row r holds the maxima of 2**r children from each position).
         self.child_backward_hold_table: list[list[float]] = []
+        # What a kernel of its forward holds for itself (a rebuild holds it too), and the
+        # children's, for segments.
+        self.forward_workspace_bytes = float(unit.forward_workspace_bytes)
+        self.child_forward_workspace_table: list[list[float]] = []
         # For a chain (a sequential unit with two or more children), per child position:
         # sums over the children before it (``*_before``, one entry more than children),
         # and what it and they cost as a rebuild ending with it (``*_through``). Segment
@@ -147,17 +154,21 @@ class FlatUnit:
 
     def segment_hold_bytes(self, i: int, j: int) -> float:
         """What a rebuild of children ``i..j`` as one segment holds above what is kept
-        before it: child ``i``'s input, what they all rebuild, and what their backward
-        makes: at least child ``i``'s input gradient and the gradients made when backward
-        reaches it, at most what one of them was measured to hold."""
+        before it: child ``i``'s input, what they all rebuild, the most a kernel of theirs
+        holds for itself, and what their backward makes: at least child ``i``'s input
+        gradient and the gradients made when backward reaches it, at most what one of
+        them was measured to hold."""
         inp = self.child_input_bytes[i]
-        table = self.child_backward_hold_table
         row = (j - i + 1).bit_length() - 1
-        widest = max(table[row][i], table[row][j + 1 - (1 << row)])
+        last = j + 1 - (1 << row)
+        holds, spaces = self.child_backward_hold_table, self.child_forward_workspace_table
+        widest = max(holds[row][i], holds[row][last])
+        workspace = max(spaces[row][i], spaces[row][last])
         return (
             inp
             + self.rebuilt_before[j + 1]
             - self.rebuilt_before[i]
+            + workspace
             + max(inp + self.child_grads_from_bytes[i], widest)
         )
 
@@ -215,6 +226,7 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
         node.rebuild_hold_bytes = (
             node.input_bytes
             + node.rebuilt_bytes
+            + node.forward_workspace_bytes
             + max(node.input_bytes + node.grads_from_bytes, node.backward_hold_bytes)
         )
         if node.is_chain():
@@ -232,6 +244,9 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
             ]
             node.child_input_bytes = [k.input_bytes for k in kids]
             node.child_backward_hold_table = _range_max_table([k.backward_hold_bytes for k in kids])
+            node.child_forward_workspace_table = _range_max_table(
+                [k.forward_workspace_bytes for k in kids]
+            )
             start = 0
             for j, kid in enumerate(kids):
                 if not kid.can_recompute:
