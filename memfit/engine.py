@@ -43,7 +43,7 @@ from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.savefile import atomic_save, safe_load
-from memfit.units import device_memory_bytes, parse_bytes
+from memfit.units import device_memory_bytes, format_bytes, parse_bytes
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -216,6 +216,7 @@ class Engine:
         self.plan: Any = None
         # The first step under a plan memfit made is measured against its prediction.
         self._plan_to_check: Any = None
+        self._budget_to_verify: int | None = None  # set where only a measurement can tell
         self.plan_check: Any = None  # a PlanCheck, once the first planned step was measured
         self.steps = 0  # optimizer steps attempted
         self.micro_steps = 0
@@ -337,17 +338,64 @@ class Engine:
         self.monitor.memory = memory_metrics(report)
         return report.result
 
+    def _make_plan(self, batch: Batch, loss_fn: LossFn, strategy: str, budget: Any) -> Any:
+        """The plan under ``budget``; where the model predicts none fits, the ``full``
+        plan, whose first step the closed loop then measures against the budget: a budget
+        the measured ``full`` plan meets is not refused on a prediction."""
+        from memfit.checkpoint.planner import profile_step, solve_profile
+        from memfit.errors import BudgetError
+
+        profiled = profile_step(self.model, batch, loss_fn, self.policy)
+        steps = self.settings.accumulation_steps
+        # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
+        try:
+            return solve_profile(
+                self.model, profiled, self.policy, self.optimizer, strategy, budget, steps, False
+            )
+        except BudgetError as exc:
+            if strategy != "optimal" or budget is None:
+                raise
+            full = solve_profile(
+                self.model, profiled, self.policy, self.optimizer, "full", None, steps, False
+            )
+            if full.memory.optimizer_phase_bytes > budget:
+                raise  # the optimizer step alone holds more: no plan can help
+            full.plan.notes.append(
+                f"the planner predicts no plan fits ({exc}); training with 'full', whose "
+                "first step is measured against the budget"
+            )
+            self._budget_to_verify = int(budget)
+            return full
+
     def _checked_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        # Closed-loop planning: the first step under a plan memfit made is measured (on
-        # CUDA by the allocator, on CPU by memfit.measure's tracker), and the plan is made
-        # again once from the same profile when its prediction was off by more than the
-        # reserve (check_plan). The step itself trains as any other.
+        # Closed-loop planning: the first step under a plan memfit made is measured by the
+        # allocator, and the plan is made again once from the same profile when its
+        # prediction was off by more than the reserve (check_plan). The step itself trains
+        # as any other.
+        from memfit.allocator import allocator_peak, optimizer_tensors
         from memfit.checkpoint.apply import apply_plan, remove_plan
         from memfit.checkpoint.planner import check_plan
+        from memfit.errors import BudgetError
 
         result, self._plan_to_check = self._plan_to_check, None
-        report = self._measure_step(batch, loss_fn)
-        check = check_plan(result, report.peak_bytes, self.model, self.optimizer)
+        # The allocator judges (kernels' workspaces included, as the prediction counts
+        # them); memfit.measure's tracker, running inside it, gives the monitor its kinds.
+        live = [*self.model.parameters(), *self.model.buffers()]
+        live += [*optimizer_tensors(self.optimizer), batch]
+        measured = allocator_peak(
+            lambda: self._measure_step(batch, loss_fn), live=live, device=self.device
+        )
+        report = measured.result
+        budget, self._budget_to_verify = self._budget_to_verify, None
+        if budget is not None and measured.peak_bytes > budget:
+            raise BudgetError(
+                f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
+                f"reaches: the first step under 'full' (every unit recomputed) peaked at "
+                f"{format_bytes(measured.peak_bytes)}. The step was applied and nothing is "
+                "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
+                "or a '*-master' precision."
+            )
+        check = check_plan(result, measured.peak_bytes, self.model, self.optimizer)
         if check.replanned:
             remove_plan(self.model)
             apply_plan(self.model, check.plan)
@@ -451,24 +499,11 @@ class Engine:
         from memfit.checkpoint.apply import apply_plan
 
         if isinstance(request, str):
-            from memfit.checkpoint.planner import make_plan
-
             strategy = "optimal" if request == "auto" else request
             budget = self.settings.memory_budget
             if budget is None and strategy == "optimal":
                 budget = int(0.9 * device_memory_bytes(self.device))
-            # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
-            result = make_plan(
-                self.model,
-                batch,
-                loss_fn,
-                optimizer=self.optimizer,
-                precision=self.policy,
-                strategy=strategy,
-                budget=budget,
-                accumulation_steps=self.settings.accumulation_steps,
-                frontier=False,
-            )
+            result = self._make_plan(batch, loss_fn, strategy, budget)
             self._plan_to_check = result
             request = result.plan
         apply_plan(self.model, request)

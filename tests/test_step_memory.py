@@ -221,3 +221,39 @@ def test_blocks_of_different_widths_hold_their_budgets_across_the_frontier(preci
         assert measured <= budget, (precision, budget, measured, plan.decisions)
         error = abs(plan.predicted_peak_bytes - measured) / measured
         assert error <= (0.03 if i == 0 else 0.10), (precision, plan.predicted_peak_bytes, measured)
+
+
+def test_a_budget_the_measured_full_plan_meets_is_not_refused() -> None:
+    # The budget is what the full plan measures: whatever the model predicts, the Engine
+    # trains (with 'full' where the prediction says nothing fits) and the first measured
+    # step decides; far below it, the measured step says so with a BudgetError.
+    import copy
+
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
+    )
+    batch = batch_fn(8, generator=0)
+    probe_model = copy.deepcopy(model)
+    probe_opt = torch.optim.AdamW(probe_model.parameters(), lr=1e-3, fused=True)
+    probe = memfit.Engine(probe_model, probe_opt, precision="fp32", checkpoint="full")
+    probe.train_step(batch, loss_fn)
+    full_peak = _allocator_step_peak(probe, batch, loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    engine = memfit.Engine(
+        model, opt, precision="fp32", checkpoint="auto", memory_budget=full_peak, log_every=1
+    )
+    engine.train_step(batch, loss_fn)  # no BudgetError
+    assert engine.plan_check is not None
+    assert engine.plan_check.measured_peak_bytes <= full_peak * (1 + RESERVE)
+    tight_model = copy.deepcopy(probe_model)
+    memfit.remove_plan(tight_model)
+    tight = memfit.Engine(
+        tight_model,
+        torch.optim.AdamW(tight_model.parameters(), lr=1e-3, fused=True),
+        precision="fp32",
+        checkpoint="auto",
+        memory_budget=int(0.5 * full_peak),
+    )
+    with pytest.raises(memfit.BudgetError, match="peaked at|below"):
+        tight.train_step(batch, loss_fn)
