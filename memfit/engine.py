@@ -493,8 +493,8 @@ class Engine:
         request = self._checkpoint_request
         if request is None:
             return self.plan
-        self._checkpoint_request = None
         if isinstance(request, str) and request == "none":
+            self._checkpoint_request = None
             return None
         from memfit.checkpoint.apply import apply_plan
 
@@ -506,8 +506,13 @@ class Engine:
             result = self._make_plan(batch, loss_fn, strategy, budget)
             self._plan_to_check = result
             request = result.plan
+            # Planning ran backward passes; in the *-master modes their gradients went
+            # into the fp32 masters' buffers, which the first step must not add to.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
         apply_plan(self.model, request)
         self.plan = request
+        self._checkpoint_request = None  # only now: a failed planning is tried again
         return request
 
     def _check_skips(self) -> NonFiniteError | None:

@@ -597,3 +597,26 @@ def test_cuda_profile_and_meta_default_device() -> None:
     prof_meta = profile(meta, x.to("meta"), precision="bf16-mixed")  # fakes stand in for cuda
     assert prof_meta.device.startswith("cuda") and not prof_meta.measured
     _same_bytes(prof, prof_meta)
+
+
+def test_a_chain_whose_outputs_the_parent_collects_is_not_sequential() -> None:
+    # Segments yield one output per segment: a parent that keeps every block's output
+    # (hidden states, skip connections) would read other tensors, so no segments there.
+    class Stack(nn.Module):
+        def __init__(self, collect: bool) -> None:
+            super().__init__()
+            self.collect = collect
+            self.layers = nn.ModuleList(
+                [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = []
+            for layer in self.layers:
+                x = layer(x)
+                hidden.append(x)
+            return x + hidden[2] if self.collect else x
+
+    x = torch.randn(8, 16)
+    assert profile(Stack(collect=False), x)["layers"].sequential
+    assert not profile(Stack(collect=True), x)["layers"].sequential

@@ -132,11 +132,16 @@ class Recorder:
         self.unit_of: dict[int, str] = {id(u.module): u.name for u in tree}
         self.parent_of: dict[str, tuple[str, int]] = {}
         self.chains: dict[str, ChainState] = {}
+        self.chain_children: dict[str, list[str]] = {}
         for unit in tree:
             if unit.is_chain:
                 self.chains[unit.name] = ChainState(len(unit.children))
+                self.chain_children[unit.name] = [c.name for c in unit.children]
                 for k, child in enumerate(unit.children):
                     self.parent_of[child.name] = (unit.name, k)
+        # A chain child's output (but the last's), by storage: segments are sound only if
+        # nothing but the next child uses it (not a parent collecting hidden states).
+        self.chain_outputs: dict[Any, tuple[str, int]] = {}
         self.stack: list[_Call] = []
         self.phase: str | None = None
         self.bwd_owner: str | None = None
@@ -276,6 +281,7 @@ class Recorder:
         st.tail_flops += call.tail_flops
         st.tail_time += call.tail_time
         self.chain_exit(name, output)
+        self.check_chain_use(output, inside=name)
 
     def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         where = self.parent_of.get(name)
@@ -298,6 +304,8 @@ class Recorder:
         if not isinstance(output, torch.Tensor):
             state.ok = False
         state.last_out = output if isinstance(output, torch.Tensor) else None
+        if isinstance(output, torch.Tensor) and k < state.n - 1:
+            self.chain_outputs[storage_of(output)[0]] = (where[0], k)
         state.expected = (k + 1) % state.n
         if k == state.n - 1:
             state.passes += 1
@@ -355,8 +363,28 @@ class Recorder:
 
     # ---- ops
 
+    def check_chain_use(self, values: Any, inside: str | None = None) -> None:
+        """A chain child's output used anywhere but inside the next child (an op of the
+        parent's, or a unit's output holding it): the chain cannot run in segments, which
+        yield one output per segment."""
+        if not self.chain_outputs:
+            return
+        for t in tensors(values):
+            where = self.chain_outputs.get(storage_of(t)[0])
+            if where is None:
+                continue
+            chain, k = where
+            allowed = self.chain_children[chain][k + 1]
+            if inside == allowed or any(call.name == allowed for call in self.stack):
+                continue
+            if inside == self.chain_children[chain][k]:
+                continue  # the child returning its own output
+            self.chains[chain].ok = False
+
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
         self.probes_this_op = 0  # its saved tensors are packed after this, as its node is made
+        if self.phase == "fwd" and self.full:
+            self.check_chain_use((args, kwargs))
         if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
             self.check_mutation(func, args, kwargs)
         if self.phase == "bwd":
