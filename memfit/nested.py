@@ -29,6 +29,8 @@ def _children(leaf: Any) -> list[Any] | None:
     """The values inside a container pytree treats as a leaf, or None for a true leaf."""
     if isinstance(leaf, Mapping):
         return list(leaf.values())
+    if isinstance(leaf, (list, tuple)):  # a subclass pytree does not know
+        return list(leaf)
     if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
         return [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
     return None
@@ -75,6 +77,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
             return fn(value)
         if isinstance(value, Mapping):
             return {k: map_tensors(v, fn) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):  # a subclass pytree does not know
+            items = [map_tensors(v, fn) for v in value]
+            try:
+                return type(value)(items)
+            except TypeError:
+                return items
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             changes = {
                 f.name: map_tensors(getattr(value, f.name), fn)

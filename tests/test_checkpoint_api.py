@@ -405,3 +405,14 @@ def test_plan_summary_agrees_with_itself_when_the_optimizer_step_is_the_peak() -
         assert min(peaks) >= plan.static_bytes
         starred = [line for line in plan.summary().splitlines() if line.lstrip().startswith("*")]
         assert starred and format_bytes(plan.predicted_peak_bytes) in starred[0]
+
+
+def test_probe_does_not_take_another_pre_hooks_work_for_state() -> None:
+    # weight_norm-style pre-hooks run ops before forward; a recompute re-runs forward only,
+    # so those ops are not the unit's, and the unit is not reported as keeping state.
+    from memfit.checkpoint.probe import unstable_units
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))
+    x = torch.randn(3, 4)
+    assert unstable_units(model, lambda: model(x), ["0", "1"]) == {}

@@ -817,3 +817,15 @@ def test_a_failed_planning_is_tried_again_not_skipped() -> None:
         with pytest.raises(BudgetError):
             engine.train_step(batch_fn(4, generator=0), loss_fn)
     assert engine.plan is None and engine.steps == 0
+
+
+def test_split_batch_opens_list_and_tuple_subclasses() -> None:
+    from memfit.engine import split_batch
+
+    class Pairs(list):  # a list subclass nobody registered with pytree
+        pass
+
+    x = torch.arange(8).reshape(4, 2)
+    parts = split_batch(Pairs([x, x * 2]), 2)
+    assert [type(p) for p in parts] == [Pairs, Pairs]
+    assert torch.equal(parts[1][1], (x * 2)[2:])

@@ -172,12 +172,13 @@ def kernel_workspace_bytes(
     policy: PrecisionPolicy,
     inputs: Any = None,
 ) -> int:
-    """Bytes kernels allocate for themselves, beyond every tensor: one forward and
-    backward of ``loss()`` measured by the allocator and by the storage tracker at once
-    (:mod:`memfit.allocator`, :mod:`memfit.memory`); the larger of their difference at the
-    peak and the most one op held inside itself. A CPU depthwise convolution's backward,
-    for one, allocates unfold buffers the size of its input times its kernel; an LSTM
-    layer, scratch for its gates. Gradients, buffers and the random state are as before.
+    """Bytes kernels allocate for themselves at a step's peak, beyond every tensor: one
+    forward and backward of ``loss()`` on CPU measured by the allocator and by the
+    storage tracker at once (:mod:`memfit.allocator`, :mod:`memfit.memory`); their
+    difference at the peak. A CPU depthwise convolution's backward, for one, allocates
+    unfold buffers the size of its input times its kernel. (What a unit's forward kernels
+    hold in a rebuild is measured per unit by the probe.) Gradients, buffers and the
+    random state are as before; on other devices 0.
 
     Example::
 
@@ -185,7 +186,10 @@ def kernel_workspace_bytes(
     """
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
-    if device.type == "meta":
+    if device.type != "cpu":
+        # On CUDA the caching allocator counts every tensor on the device, the tracker
+        # only the model's: their difference is not the kernels'. The Engine's closed loop
+        # measures the allocator there and corrects the plan instead.
         return 0
     grads = [p.grad for p in params]
     for p in params:

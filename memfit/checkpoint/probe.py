@@ -204,7 +204,10 @@ def probe_units(
 
     handles = []
     for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
+        # First of its pre-hooks: others' ops (weight_norm's) belong to no rerun of forward.
+        handles.append(
+            module.register_forward_pre_hook(before(name), with_kwargs=True, prepend=True)
+        )
         handles.append(module.register_forward_hook(after, with_kwargs=True))
     reasons: dict[str, str] = {}
     workspaces: dict[str, int] = {}

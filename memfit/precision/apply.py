@@ -94,6 +94,7 @@ def precision_applied(model: nn.Module, policy: PrecisionPolicy) -> Iterator[lis
     """
     had_islands = {id(m) for m in model.modules() if _ORIGINAL in m.__dict__}
     originals = [(p, p.data) for p in model.parameters()]
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()]
     islands = apply_precision(model, policy)
     try:
         yield islands
@@ -105,3 +106,6 @@ def precision_applied(model: nn.Module, policy: PrecisionPolicy) -> Iterator[lis
         for param, data in originals:
             if param.data is not data:
                 param.data = data
+        for module, name, buffer in buffers:  # islands' .float() replaced them
+            if module._buffers.get(name) is not buffer:
+                module._buffers[name] = buffer
