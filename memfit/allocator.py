@@ -11,7 +11,9 @@ kind (parameters, gradients, activations); it misses what kernels allocate for t
 
 Both count from what was allocated when the work started. On CPU the profiler cannot see
 that, so the caller names the tensors alive at the start (``live``: parameters, optimizer
-state, the batch) and their storages are added once each.
+state, the batch) and their storages are added once each. Inside a profiler that is
+already running (the user's own ``torch.profiler.profile()``), starting another would end
+it: there the storage tracker measures instead.
 
 Example::
 
@@ -104,6 +106,14 @@ def allocator_peak(
         torch.cuda.synchronize(device)
         return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
     start = _storage_bytes(live)
+    if torch.autograd.profiler._is_profiler_enabled:
+        # A profiler is running already (the user's, or an outer measurement): starting
+        # another would end it. The storage tracker measures instead (kernels' own
+        # workspaces unseen), and the caller's profile is left alone.
+        from memfit.memory import measure
+
+        report = measure(fn, device=device)
+        return AllocatorPeak(int(report.peak_bytes), int(report.start_bytes), report.result)
     activities = [torch.profiler.ProfilerActivity.CPU]
     prof = torch.profiler.profile(activities=activities, profile_memory=True)
     with _quiet_stderr():  # the profiler's C++ side announces its start and stop there

@@ -594,3 +594,16 @@ def test_cuda_step_agrees_with_memtracker(autocast) -> None:
     assert ours.tracked_peak_bytes == pytest.approx(theirs, rel=0.02)
     assert ours.peak_bytes >= ours.tracked_peak_bytes * 0.98
     check_sums(ours)
+
+
+def test_allocator_peak_inside_a_running_profiler_leaves_it_running() -> None:
+    # The Engine measures its first planned step with the allocator; a user profiling
+    # their loop must keep their trace.
+    from memfit.allocator import allocator_peak
+
+    x = torch.randn(256, 256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        inner = allocator_peak(lambda: x @ x)
+        y = x + 1
+    assert inner.peak_bytes >= 256 * 256 * 4
+    assert any(e.name == "aten::add" for e in prof.events()) and y.shape == x.shape
