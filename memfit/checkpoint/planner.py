@@ -39,15 +39,16 @@ from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.probe import probe_units, restored_buffers
+from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
+from memfit.checkpoint.profiler.runner import default_loss, preserved
 from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.memory import measure
-from memfit.nested import call_model, first_floating
+from memfit.nested import call_model
 from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
@@ -149,21 +150,32 @@ def profile_model(
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
         )
-        profiled = _without_unstable(
-            model, profiled, lambda: call_model(model, example_inputs), policy
+        loss_of = loss_fn or default_loss
+        return _probed(
+            model,
+            profiled,
+            policy,
+            forward=lambda: call_model(model, example_inputs),
+            loss=lambda: loss_of(call_model(model, example_inputs)),
+            inputs=example_inputs,
         )
-        loss_of = loss_fn or _first_floating_sum
-        workspace = kernel_workspace_bytes(
-            model, lambda: loss_of(call_model(model, example_inputs)), policy, example_inputs
-        )
-        return dataclasses.replace(profiled, workspace_bytes=float(workspace))
 
 
-def _first_floating_sum(output: Any) -> torch.Tensor:
-    first = first_floating(output)
-    if first is None:
-        raise PlanError("the model's output holds no floating-point tensor; pass loss_fn")
-    return first.float().sum()
+def _probed(
+    model: nn.Module,
+    profiled: ModelProfile,
+    policy: PrecisionPolicy,
+    forward: Callable[[], Any],
+    loss: Callable[[], torch.Tensor],
+    inputs: Any,
+) -> ModelProfile:
+    """``profiled`` with what the profile's own step cannot tell: the units that do other
+    work when run again and each unit's forward workspace (:func:`_without_unstable`),
+    and the kernels' workspace of a whole step (:func:`kernel_workspace_bytes`). Runs
+    under the precision the profile ran under."""
+    profiled = _without_unstable(model, profiled, forward, policy)
+    workspace = kernel_workspace_bytes(model, loss, policy, inputs)
+    return dataclasses.replace(profiled, workspace_bytes=float(workspace))
 
 
 def kernel_workspace_bytes(
@@ -191,28 +203,18 @@ def kernel_workspace_bytes(
         # only the model's: their difference is not the kernels'. The Engine's closed loop
         # measures the allocator there and corrects the plan instead.
         return 0
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
 
     def step() -> None:
         with policy.autocast(device.type):
             value = loss()
         value.backward()
 
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=cuda), restored_buffers(model):
-            peak = allocator_peak(
-                lambda: measure(step, model=model),
-                live=[*params, *model.buffers(), inputs],
-                device=device,
-            )
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-    # The difference at the step's own peak, or what one op needs for itself at most:
-    # under a plan the peak may fall where a kernel's workspace is (a rebuilt LSTM layer).
+    with preserved(model, train=None, rng_devices=[]):
+        peak = allocator_peak(
+            lambda: measure(step, model=model),
+            live=[*params, *model.buffers(), inputs],
+            device=device,
+        )
     return max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes))
 
 
@@ -291,23 +293,24 @@ def profile_step(
             precision=policy,
             units=["", *prefixed],
         )
-    model_root = next((c for c in prof.root.children if c.name == "model"), None)
-    if model_root is None:
-        raise PlanError("profiling did not see the model run; loss_fn must call the model")
-    # The loss outside the model saves its own tensors (e.g. fp32 logits), and the model's
-    # output lives until the loss's backward: neither can be recomputed by a plan.
-    profiled = ModelProfile(
-        profile=prof,
-        root=_strip_prefix(model_root, "model."),
-        structure=structure_fingerprint(model, names),
-        output_bytes=float(prof.output_bytes + model_root.output_bytes),
-        loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
-        output_held=False,  # loss_fn returns the loss: the output it made is its own
-    )
-    with precision_applied(model, policy):
-        profiled = _without_unstable(model, profiled, lambda: loss_fn(model, batch), policy)
-        workspace = kernel_workspace_bytes(model, lambda: loss_fn(model, batch), policy, batch)
-        return dataclasses.replace(profiled, workspace_bytes=float(workspace))
+        model_root = next((c for c in prof.root.children if c.name == "model"), None)
+        if model_root is None:
+            raise PlanError("profiling did not see the model run; loss_fn must call the model")
+        # The loss outside the model saves its own tensors (e.g. fp32 logits), and the
+        # model's output lives until the loss's backward: neither can be recomputed.
+        profiled = ModelProfile(
+            profile=prof,
+            root=_strip_prefix(model_root, "model."),
+            structure=structure_fingerprint(model, names),
+            output_bytes=float(prof.output_bytes + model_root.output_bytes),
+            loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
+            output_held=False,  # loss_fn returns the loss: the output it made is its own
+        )
+
+        def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it
+            return loss_fn(model, batch)
+
+        return _probed(model, profiled, policy, forward=step, loss=step, inputs=batch)
 
 
 def _with_floor(points: list[FrontierPoint], floor: float) -> list[FrontierPoint]:

@@ -110,7 +110,7 @@ def _difference(first: list[OpRecord], again: list[OpRecord]) -> str:
 
 
 @contextlib.contextmanager
-def restored_buffers(model: nn.Module) -> Iterator[None]:
+def _restored_buffers(model: nn.Module) -> Iterator[None]:
     """Inside the block, buffers may change; afterwards they hold their values again."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
@@ -213,7 +213,7 @@ def probe_units(
     workspaces: dict[str, int] = {}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=cuda), restored_buffers(model), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
             with _autocast(*autocast), log:
                 run_forward()
             rec.active = False
