@@ -331,12 +331,16 @@ class Engine:
             self._measuring = False
 
     def _measured_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        report = self._measure_step(batch, loss_fn)
+        self._keep_memory_report(report)
+        return report.result
+
+    def _keep_memory_report(self, report: Any) -> None:
+        """The measured step's memory, for the monitor's memory metrics and the report."""
         from memfit.monitor.metrics import memory_metrics
 
-        report = self._measure_step(batch, loss_fn)
         self.memory_report = report
         self.monitor.memory = memory_metrics(report)
-        return report.result
 
     def _make_plan(self, batch: Batch, loss_fn: LossFn, strategy: str, budget: Any) -> Any:
         """The plan under ``budget``; where the model predicts none fits, the ``full``
@@ -402,13 +406,11 @@ class Engine:
         self.plan = check.plan
         self.plan_check = check
         if self.steps % self.settings.log_every == 0:  # this step's metrics went out before
-            self.log_metrics(self._plan_check_metrics())
-            self.metrics.update(self._plan_check_metrics())
+            plan_metrics = self._plan_check_metrics()
+            self.log_metrics(plan_metrics)
+            self.metrics.update(plan_metrics)
         if self._session_steps == self.monitor.config.measure_memory_step:
-            from memfit.monitor.metrics import memory_metrics
-
-            self.memory_report = report  # the monitor's memory step was this one
-            self.monitor.memory = memory_metrics(report)
+            self._keep_memory_report(report)  # the monitor's memory step was this one
         return report.result
 
     def _plan_check_metrics(self) -> dict[str, float]:
