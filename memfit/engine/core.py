@@ -22,101 +22,31 @@ Example::
 from __future__ import annotations
 
 import math
-import random
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.engine.batches import Batch, batch_size, split_batch
+from memfit.engine.diagnose import diagnose_skips
+from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
+from memfit.engine.settings import EngineSettings, check_arguments
+from memfit.engine.state import engine_state, load_engine_state, saved_plan
 from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
-from memfit.nested import map_tensors, tensors
 from memfit.precision.apply import apply_precision
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.savefile import atomic_save, safe_load
-from memfit.units import device_memory_bytes, format_bytes, parse_bytes
+from memfit.units import device_memory_bytes, parse_bytes
 
-Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-
-
-@dataclass
-class EngineSettings:
-    """The settings an Engine was made with; saved in every checkpoint."""
-
-    precision: str = "bf16-mixed"
-    """Precision mode (resolved name)."""
-    checkpoint: str = "none"
-    """Checkpoint spec: "none", "auto", "full", "uniform:k", "sqrt", or "plan" for a given Plan."""
-    memory_budget: int | None = None
-    """Peak memory budget of a whole step in bytes, for planning; None = no budget."""
-    accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
-    clip_grad_norm: float | None = None
-    """Clip the unscaled gradients' total norm to this value; None = no clipping."""
-    log_every: int = 10
-    """Read metrics from the device every this many steps."""
-    max_consecutive_skips: int = 50
-    """Raise NonFiniteError after this many skipped steps in a row."""
-
-
-def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Split a tensor, or a nested tuple/list/dict of tensors, into ``parts`` along dim 0;
-    values that are not tensors are given to every part as they are.
-
-    Example::
-
-        first, second = split_batch({"x": torch.zeros(4, 3), "lr": 0.1}, 2)
-    """
-    size = batch_size(batch)
-    if size < parts:
-        raise ConfigError(
-            f"batch of {size} samples cannot be split into accumulation_steps={parts} "
-            "micro-batches; use a larger batch or fewer accumulation steps"
-        )
-    if parts == 1:
-        return [batch]
-    chunks = {id(t): torch.tensor_split(t, parts, dim=0) for t in tensors(batch)}
-    return [map_tensors(batch, lambda t, i=i: chunks[id(t)][i]) for i in range(parts)]
-
-
-def batch_size(batch: Batch) -> int:
-    """Size of dim 0 shared by every tensor of the batch."""
-    found = tensors(batch)
-    if not found:
-        raise ConfigError(
-            f"the batch ({type(batch).__name__}) holds no tensor; give a tensor or a "
-            "tuple/list/dict of them"
-        )
-    if any(t.dim() == 0 for t in found):
-        raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
-    sizes = {t.shape[0] for t in found}
-    if len(sizes) > 1:
-        raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
-    return sizes.pop()
-
-
-def _check_checkpoint_request(checkpoint: Any) -> None:
-    # A misspelt strategy should fail when the Engine is made, not at the first step.
-    if isinstance(checkpoint, str):
-        if checkpoint not in ("none", "auto"):
-            from memfit.checkpoint.solvers import parse_strategy
-
-            parse_strategy(checkpoint)
-    elif not (hasattr(checkpoint, "decisions") and hasattr(checkpoint, "segments")):
-        raise ConfigError(
-            "checkpoint= takes a Plan or one of 'none', 'auto', 'optimal', 'full', "
-            f"'uniform:k', 'sqrt'; got {type(checkpoint).__name__}"
-        )
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -162,19 +92,13 @@ class Engine:
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
     ) -> None:
-        if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
-            raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
-        if clip_grad_norm is not None and not (
-            clip_grad_norm > 0 and math.isfinite(clip_grad_norm)
-        ):
-            raise ConfigError(
-                f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}"
-            )
-        if int(log_every) != log_every or log_every < 1:
-            raise ConfigError(f"log_every must be an int >= 1, got {log_every}")
-        if max_consecutive_skips < 1:
-            raise ConfigError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
-        _check_checkpoint_request(checkpoint)
+        check_arguments(
+            accumulation_steps=accumulation_steps,
+            clip_grad_norm=clip_grad_norm,
+            log_every=log_every,
+            max_consecutive_skips=max_consecutive_skips,
+            checkpoint=checkpoint,
+        )
         self.policy = PrecisionPolicy.of(precision)
         self.model = model
         self.optimizer = optimizer
@@ -215,8 +139,7 @@ class Engine:
         self._checkpoint_request = checkpoint
         self.plan: Any = None
         # The first step under a plan memfit made is measured against its prediction.
-        self._plan_to_check: Any = None
-        self._budget_to_verify: int | None = None  # set where only a measurement can tell
+        self._plan_to_check: EnginePlan | None = None
         self.plan_check: Any = None  # a PlanCheck, once the first planned step was measured
         self.steps = 0  # optimizer steps attempted
         self.micro_steps = 0
@@ -342,76 +265,27 @@ class Engine:
         self.memory_report = report
         self.monitor.memory = memory_metrics(report)
 
-    def _make_plan(self, batch: Batch, loss_fn: LossFn, strategy: str, budget: Any) -> Any:
-        """The plan under ``budget``; where the model predicts none fits, the ``full``
-        plan, whose first step the closed loop then measures against the budget: a budget
-        the measured ``full`` plan meets is not refused on a prediction."""
-        from memfit.checkpoint.planner import profile_step, solve_profile
-        from memfit.errors import BudgetError
-
-        profiled = profile_step(self.model, batch, loss_fn, self.policy)
-        steps = self.settings.accumulation_steps
-        # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
-        try:
-            return solve_profile(
-                self.model, profiled, self.policy, self.optimizer, strategy, budget, steps, False
-            )
-        except BudgetError as exc:
-            if strategy != "optimal" or budget is None:
-                raise
-            full = solve_profile(
-                self.model, profiled, self.policy, self.optimizer, "full", None, steps, False
-            )
-            if full.memory.optimizer_phase_bytes > budget:
-                raise  # the optimizer step alone holds more: no plan can help
-            full.plan.notes.append(
-                f"the planner predicts no plan fits ({exc}); training with 'full', whose "
-                "first step is measured against the budget"
-            )
-            self._budget_to_verify = int(budget)
-            return full
-
     def _checked_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        # Closed-loop planning: the first step under a plan memfit made is measured by the
-        # allocator, and the plan is made again once from the same profile when its
-        # prediction was off by more than the reserve (check_plan). The step itself trains
-        # as any other.
-        from memfit.allocator import allocator_peak, optimizer_tensors
-        from memfit.checkpoint.apply import apply_plan, remove_plan
-        from memfit.checkpoint.planner import check_plan
-        from memfit.errors import BudgetError
-
-        result, self._plan_to_check = self._plan_to_check, None
-        # The allocator judges (kernels' workspaces included, as the prediction counts
-        # them); memfit.measure's tracker, running inside it, gives the monitor its kinds.
-        live = [*self.model.parameters(), *self.model.buffers()]
-        live += [*optimizer_tensors(self.optimizer), batch]
-        measured = allocator_peak(
-            lambda: self._measure_step(batch, loss_fn), live=live, device=self.device
+        # Closed-loop planning (memfit.engine.planning): the first step under a plan memfit
+        # made is measured by the allocator and the plan made again once if it was off.
+        planned, self._plan_to_check = self._plan_to_check, None
+        checked = check_first_step(
+            planned,
+            lambda: self._measure_step(batch, loss_fn),
+            self.model,
+            self.optimizer,
+            batch,
+            self.device,
         )
-        report = measured.result
-        budget, self._budget_to_verify = self._budget_to_verify, None
-        if budget is not None and measured.peak_bytes > budget:
-            raise BudgetError(
-                f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
-                f"reaches: the first step under 'full' (every unit recomputed) peaked at "
-                f"{format_bytes(measured.peak_bytes)}. The step was applied and nothing is "
-                "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
-                "or a '*-master' precision."
-            )
-        check = check_plan(result, measured.peak_bytes, self.model, self.optimizer)
-        if check.replanned:
-            remove_plan(self.model)
-            apply_plan(self.model, check.plan)
-        self.plan = check.plan
-        self.plan_check = check
+        self.plan = checked.check.plan
+        self.plan_check = checked.check
         if self.steps % self.settings.log_every == 0:  # this step's metrics went out before
             plan_metrics = self._plan_check_metrics()
             self.log_metrics(plan_metrics)
             self.metrics.update(plan_metrics)
         if self._session_steps == self.monitor.config.measure_memory_step:
-            self._keep_memory_report(report)  # the monitor's memory step was this one
-        return report.result
+            self._keep_memory_report(checked.report)  # the monitor's memory step was this one
+        return checked.report.result
 
     def _plan_check_metrics(self) -> dict[str, float]:
         check = self.plan_check
@@ -505,9 +379,18 @@ class Engine:
             budget = self.settings.memory_budget
             if budget is None and strategy == "optimal":
                 budget = int(0.9 * device_memory_bytes(self.device))
-            result = self._make_plan(batch, loss_fn, strategy, budget)
-            self._plan_to_check = result
-            request = result.plan
+            planned = make_engine_plan(
+                self.model,
+                batch,
+                loss_fn,
+                self.policy,
+                self.optimizer,
+                strategy,
+                budget,
+                self.settings.accumulation_steps,
+            )
+            self._plan_to_check = planned
+            request = planned.result.plan
             # Planning ran backward passes; in the *-master modes their gradients went
             # into the fp32 masters' buffers, which the first step must not add to.
             self.optimizer.zero_grad(set_to_none=True)
@@ -524,29 +407,15 @@ class Engine:
         skips = int(consecutive.item())
         if skips < self.settings.max_consecutive_skips:
             return None
-        return NonFiniteError(self._diagnose(skips))
-
-    def _diagnose(self, skips: int) -> str:
-        head = f"{skips} optimizer steps in a row were skipped because of non-finite values"
-        if self._last_loss is not None and not torch.isfinite(self._last_loss).all():
-            return (
-                f"{head}: the loss itself is {self._last_loss.item()} (the forward pass "
-                "overflowed or the data holds inf/nan). Check the inputs, lower the learning "
-                "rate, or use precision='bf16-mixed' (fp16's range ends at 65504)."
+        return NonFiniteError(
+            diagnose_skips(
+                skips,
+                self._last_loss,
+                self._named_grad_params(),
+                self.policy,
+                self.scaler.get_scale(),
             )
-        for name, param in self._named_grad_params():
-            if param.grad is not None and not torch.isfinite(param.grad).all():
-                remedy = (
-                    "lower the learning rate, set clip_grad_norm, or keep that module in fp32 "
-                    "(PrecisionPolicy(fp32_islands=...))"
-                )
-                if self.policy.loss_scaling:
-                    remedy = (
-                        f"lower LossScaler(init_scale=...) (now {self.scaler.get_scale():g}), "
-                        + remedy
-                    )
-                return f"{head}: the first parameter with a non-finite gradient is {name!r}. Remedy: {remedy}."
-        return f"{head}. Lower the learning rate or set clip_grad_norm."
+        )
 
     def _named_grad_params(self) -> list[tuple[str, torch.Tensor]]:
         """Each model parameter by name, as its fp32 master where the mode keeps one: the
@@ -600,32 +469,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: weights, masters, optimizer, scaler, RNG, counters."""
-        rng: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "python": _python_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        plan = (
-            self.plan.to_json() if self.plan is not None and hasattr(self.plan, "to_json") else None
-        )
-        return {
-            "settings": asdict(self.settings),
-            "model": self.model.state_dict(),
-            "master": self.master.state_dict() if self.master is not None else None,
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict()
-            if self.lr_scheduler is not None
-            else None,
-            "rng": rng,
-            "counters": {
-                "steps": self.steps,
-                "micro_steps": self.micro_steps,
-                "applied_steps": self.applied_steps,
-            },
-            "plan": plan,
-        }
+        return engine_state(self)
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint atomically (temp file, fsync, rename). ``extra`` is saved as is."""
@@ -650,51 +494,10 @@ class Engine:
         """
         state = safe_load(path)
         settings = dict(state["settings"])
-        plan = state.get("plan")
-        checkpoint: Any = settings.pop("checkpoint")
-        if plan is not None:
-            from memfit.checkpoint.plan import Plan
-
-            checkpoint = Plan.from_json(plan)
+        settings.pop("checkpoint")
         settings.update(overrides)
-        engine = cls(model, optimizer, checkpoint=checkpoint, lr_scheduler=lr_scheduler, **settings)
-        try:
-            model.load_state_dict(state["model"])
-            if engine.master is not None:
-                engine.master.load_state_dict(state["master"])
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise ConfigError(
-                f"checkpoint {path} does not fit this model/optimizer ({exc}); build them the "
-                "same way as for the saved run"
-            ) from exc
-        engine.scaler.load_state_dict(state["scaler"])
-        if lr_scheduler is not None and state["lr_scheduler"] is not None:
-            lr_scheduler.load_state_dict(state["lr_scheduler"])
-        elif state["lr_scheduler"] is not None:
-            warnings.warn(
-                f"checkpoint {path} holds LR scheduler state but no lr_scheduler was given; "
-                "pass lr_scheduler= to continue the schedule",
-                stacklevel=2,
-            )
-        counters = state["counters"]
-        engine.steps = int(counters["steps"])
-        engine.micro_steps = int(counters["micro_steps"])
-        engine._applied_steps.fill_(int(counters["applied_steps"]))
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(_to_tuple(rng["python"]))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        engine.extra = state.get("extra", {})
+        engine = cls(
+            model, optimizer, checkpoint=saved_plan(state), lr_scheduler=lr_scheduler, **settings
+        )
+        load_engine_state(engine, state, path)
         return engine
-
-
-def _python_rng_state() -> list[Any]:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _to_tuple(state: list[Any]) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

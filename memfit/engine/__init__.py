@@ -1,0 +1,15 @@
+"""The training engine (:class:`Engine`) and its parts.
+
+- :mod:`~memfit.engine.core`: the Engine: the step, accumulation, clipping, skipping, logging;
+- :mod:`~memfit.engine.planning`: stage two of its order, the plan and the closed loop;
+- :mod:`~memfit.engine.state`: its checkpoint and loading it back;
+- :mod:`~memfit.engine.settings`: its settings and their checks;
+- :mod:`~memfit.engine.batches`: batch sizes and micro-batch splitting;
+- :mod:`~memfit.engine.diagnose`: what to say when steps keep being skipped.
+"""
+
+from memfit.engine.batches import batch_size, split_batch
+from memfit.engine.core import Engine
+from memfit.engine.settings import EngineSettings
+
+__all__ = ["Engine", "EngineSettings", "batch_size", "split_batch"]

@@ -1,0 +1,53 @@
+"""Batches as the Engine sees them: their size along dim 0, and their split into micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfit.errors import ConfigError
+from memfit.nested import map_tensors, tensors
+
+Batch = Any
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Split a tensor, or a nested tuple/list/dict of tensors, into ``parts`` along dim 0;
+    values that are not tensors are given to every part as they are.
+
+    Example::
+
+        first, second = split_batch({"x": torch.zeros(4, 3), "lr": 0.1}, 2)
+    """
+    size = batch_size(batch)
+    if size < parts:
+        raise ConfigError(
+            f"batch of {size} samples cannot be split into accumulation_steps={parts} "
+            "micro-batches; use a larger batch or fewer accumulation steps"
+        )
+    if parts == 1:
+        return [batch]
+    chunks = {id(t): torch.tensor_split(t, parts, dim=0) for t in tensors(batch)}
+    return [map_tensors(batch, lambda t, i=i: chunks[id(t)][i]) for i in range(parts)]
+
+
+def batch_size(batch: Batch) -> int:
+    """Size of dim 0 shared by every tensor of the batch.
+
+    Example::
+
+        batch_size((torch.zeros(8, 3), torch.zeros(8)))  # 8
+    """
+    found = tensors(batch)
+    if not found:
+        raise ConfigError(
+            f"the batch ({type(batch).__name__}) holds no tensor; give a tensor or a "
+            "tuple/list/dict of them"
+        )
+    if any(t.dim() == 0 for t in found):
+        raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
+    sizes = {t.shape[0] for t in found}
+    if len(sizes) > 1:
+        raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
+    return sizes.pop()

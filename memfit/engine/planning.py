@@ -1,0 +1,120 @@
+"""The Engine's planning, stage two of its order: the plan under the budget, and the
+closed loop that measures the first planned step against the plan's prediction.
+
+Nothing here takes the Engine: it is given the model, the optimizer, the precision and a
+function that runs one measured step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from memfit.errors import BudgetError
+from memfit.precision.policy import PrecisionPolicy
+from memfit.units import format_bytes
+
+
+class EnginePlan(NamedTuple):
+    """A plan the Engine made, and what its first step must be checked against."""
+
+    result: Any
+    """The planner's PlanResult (plan, profile, step memory)."""
+    budget_to_verify: int | None
+    """A budget only the measured first step can judge (the ``full`` fallback), or None."""
+
+
+class CheckedStep(NamedTuple):
+    """The first planned step, measured."""
+
+    check: Any
+    """The PlanCheck: predicted against measured peak, and the plan to keep."""
+    report: Any
+    """memfit.measure's MemoryReport of the step (its ``result`` is the step's loss)."""
+
+
+def make_engine_plan(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer,
+    strategy: str,
+    budget: int | None,
+    accumulation_steps: int,
+) -> EnginePlan:
+    """The plan under ``budget``; where the model predicts none fits, the ``full`` plan,
+    whose first step the closed loop then measures against the budget: a budget the
+    measured ``full`` plan meets is not refused on a prediction.
+
+    Example::
+
+        planned = make_engine_plan(model, micro, loss_fn, policy, opt, "optimal", 2**28, 1)
+        apply_plan(model, planned.result.plan)
+    """
+    from memfit.checkpoint.planner import profile_step, solve_profile
+
+    profiled = profile_step(model, batch, loss_fn, policy)
+    # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
+    try:
+        result = solve_profile(
+            model, profiled, policy, optimizer, strategy, budget, accumulation_steps, False
+        )
+        return EnginePlan(result, None)
+    except BudgetError as exc:
+        if strategy != "optimal" or budget is None:
+            raise
+        full = solve_profile(
+            model, profiled, policy, optimizer, "full", None, accumulation_steps, False
+        )
+        if full.memory.optimizer_phase_bytes > budget:
+            raise  # the optimizer step alone holds more: no plan can help
+        full.plan.notes.append(
+            f"the planner predicts no plan fits ({exc}); training with 'full', whose "
+            "first step is measured against the budget"
+        )
+        return EnginePlan(full, int(budget))
+
+
+def check_first_step(
+    planned: EnginePlan,
+    run_measured_step: Callable[[], Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    device: torch.device,
+) -> CheckedStep:
+    """Run the first step under a plan memfit made, measured by the allocator, and make the
+    plan again once from the same profile when its prediction was off by more than the
+    reserve (``check_plan``). The step itself trains as any other; a re-made plan is
+    applied in place of the old one.
+
+    ``run_measured_step()`` runs one training step under ``memfit.measure`` and returns its
+    MemoryReport. Raises BudgetError when the ``full`` fallback's measured step is over
+    the budget it had to verify (the step was applied; nothing is lost).
+    """
+    from memfit.allocator import allocator_peak, optimizer_tensors
+    from memfit.checkpoint.apply import apply_plan, remove_plan
+    from memfit.checkpoint.planner import check_plan
+
+    # The allocator judges (kernels' workspaces included, as the prediction counts them);
+    # memfit.measure's tracker, running inside it, gives the monitor its kinds.
+    live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), batch]
+    measured = allocator_peak(run_measured_step, live=live, device=device)
+    budget = planned.budget_to_verify
+    if budget is not None and measured.peak_bytes > budget:
+        raise BudgetError(
+            f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
+            f"reaches: the first step under 'full' (every unit recomputed) peaked at "
+            f"{format_bytes(measured.peak_bytes)}. The step was applied and nothing is "
+            "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
+            "or a '*-master' precision."
+        )
+    check = check_plan(planned.result, measured.peak_bytes, model, optimizer)
+    if check.replanned:
+        remove_plan(model)
+        apply_plan(model, check.plan)
+    return CheckedStep(check, measured.result)
