@@ -11,7 +11,8 @@ kind (parameters, gradients, activations); it misses what kernels allocate for t
 
 Both count from what was allocated when the work started. On CPU the profiler cannot see
 that, so the caller names the tensors alive at the start (``live``: parameters, optimizer
-state, the batch) and their storages are added once each. Inside a profiler that is
+state, the batch) and their storages are added once each; storages the work frees without
+having allocated them were alive at the start too, and are added as well. Inside a profiler that is
 already running (the user's own ``torch.profiler.profile()``), starting another would end
 it: there the storage tracker measures instead.
 
@@ -132,13 +133,18 @@ def allocator_peak(
     events.sort(key=lambda e: e.start_ns())
     times: list[int] = []
     levels: list[int] = []
-    running = highest = 0
+    running = highest = lowest = 0
     for event in events:
         running += event.nbytes()
         highest = max(highest, running)
+        lowest = min(lowest, running)
         times.append(event.start_ns())
         levels.append(running)
     ops = [(e.start_ns(), e.end_ns()) for e in everything if e.name().startswith("aten::")]
+    # Bytes freed that the work never allocated were alive when it started, named in
+    # ``live`` or not (last step's gradients that ``zero_grad`` frees): the start was at
+    # least that much higher, and so was every level after it.
+    start += -lowest
     return AllocatorPeak(start + highest, start, result, _op_workspace(times, levels, ops))
 
 

@@ -18,6 +18,7 @@ import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
+from memfit.checkpoint.measured_fit import MEASURE_MARGIN
 from memfit.checkpoint.planner import RESERVE, plan_step, profile_step, solve_profile
 from memfit.checkpoint.profiler import flop_counter
 from memfit.checkpoint.step_memory import optimizer_state_bytes
@@ -171,8 +172,18 @@ def test_budget_too_small_names_smallest_feasible() -> None:
     needed = int(re.search(r"at least [\d.]+ \w+ \((\d+) bytes\)", message).group(1))
     plan = plan_step(model, batch, loss_fn, needed, "optimal", "fp32", engine.optimizer)
     assert plan.predicted_peak_bytes <= needed
+    assert not any("reserve" in note for note in plan.notes)
+    # Between the least predicted peak and that plus the reserve: planned without the
+    # reserve, and said so.
+    least = int(re.search(r"plan reaches, [\d.]+ \w+ \((\d+) bytes\)", message).group(1))
+    assert least < needed - 64
+    plan = plan_step(model, batch, loss_fn, needed - 64, "optimal", "fp32", engine.optimizer)
+    assert plan.predicted_peak_bytes <= needed - 64
+    assert any("within the 2% reserve" in note for note in plan.notes)
+    # Far below the least predicted peak no measurement is tried: refused.
+    far = int(least / (1 + MEASURE_MARGIN)) - 1024
     with pytest.raises(BudgetError):
-        plan_step(model, batch, loss_fn, needed - 64, "optimal", "fp32", engine.optimizer)
+        plan_step(model, batch, loss_fn, far, "optimal", "fp32", engine.optimizer)
 
 
 def test_budget_below_optimizer_step_says_what_dominates() -> None:

@@ -39,6 +39,17 @@ def _rebuilt(unit: UnitCost) -> float:
     return _total(unit) + unit.recompute_extra_bytes
 
 
+def _rebuild(first: UnitCost, rebuilt: float, workspace: float, hold: float) -> float:
+    """A rebuild starting with ``first`` above what is kept: its input, what it rebuilds
+    less the part of the input ``first`` saves, then the larger of its forward's moment
+    (gradients made by then, and a kernel's workspace or the input's gradient) and its
+    backward's measured hold."""
+    inp = first.input_bytes
+    again = min(first.input_saved_bytes, inp)
+    moment = max(first.grads_from_bytes + max(workspace, inp), hold)
+    return inp + max(0.0, rebuilt - again) + moment
+
+
 # kept, highest rebuild, seconds, flops, the unit is a piece, the unit ends with a piece
 Config = tuple[float, float, float, float, bool, bool]
 
@@ -76,11 +87,10 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                             max(
                                 m,
                                 k
-                                + inp
-                                + sum(_rebuilt(c) for c in members)
-                                + max(c.forward_workspace_bytes for c in members)
-                                + max(
-                                    inp + kids[j].grads_from_bytes,
+                                + _rebuild(
+                                    kids[j],
+                                    sum(_rebuilt(c) for c in members),
+                                    max(c.forward_workspace_bytes for c in members),
                                     max(c.backward_hold_bytes for c in members),
                                 ),
                             ),
@@ -101,12 +111,8 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
         for k, m, s, f, ends in at.get(len(kids), set())
     }
     if not is_root and unit.can_recompute:
-        inp = unit.input_bytes
-        rebuild = (
-            inp
-            + _rebuilt(unit)
-            + unit.forward_workspace_bytes
-            + max(inp + unit.grads_from_bytes, unit.backward_hold_bytes)
+        rebuild = _rebuild(
+            unit, _rebuilt(unit), unit.forward_workspace_bytes, unit.backward_hold_bytes
         )
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
@@ -168,6 +174,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
         if draw(st.booleans()):
             unit.input_saved_by_previous_bytes = draw(small)
             unit.input_saved_by_both_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.input_saved_bytes = draw(small)
         if draw(st.booleans()):
             unit.recompute_extra_bytes = draw(small)
         if draw(st.booleans()):

@@ -118,6 +118,10 @@ class UnitCost:
     tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""
     tail_seconds: float = 0.0
     """Forward time of those trailing ops."""
+    input_saved_bytes: float = 0.0
+    """Bytes of the unit's inputs that its own subtree saves for backward (a LayerNorm or a
+    Linear at its start saves the tensor it receives). A rebuild of the unit saves them
+    again without allocating: the checkpoint holds the input already."""
     input_saved_by_both_bytes: float = 0.0
     """Of those, the bytes this unit saves too. When the sibling before is recomputed and
     this unit kept, they stay held although the sibling's saved bytes counted them."""

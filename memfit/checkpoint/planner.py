@@ -38,11 +38,12 @@ from torch import nn
 from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.measured_fit import MeasuredFit, measured_least_plan
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.profiler.runner import default_loss, preserved
-from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
+from memfit.checkpoint.solvers import FrontierPoint, evaluate, parse_strategy, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
 from memfit.checkpoint.tree import find_units, structure_fingerprint
@@ -86,6 +87,12 @@ class ModelProfile:
     unstable: dict[str, str] = dataclasses.field(default_factory=dict)
     """Units left out of every plan because their forward does other work when run again
     (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
+    run_loss: Callable[[], torch.Tensor] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    """Computes the profiled step's loss again (the example batch it holds): the planner
+    measures a plan with it when the prediction cannot decide a budget
+    (:mod:`memfit.checkpoint.measured_fit`)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +182,7 @@ def _probed(
     under the precision the profile ran under."""
     profiled = _without_unstable(model, profiled, forward, policy)
     workspace = kernel_workspace_bytes(model, loss, policy, inputs)
-    return dataclasses.replace(profiled, workspace_bytes=float(workspace))
+    return dataclasses.replace(profiled, workspace_bytes=float(workspace), run_loss=loss)
 
 
 def kernel_workspace_bytes(
@@ -382,9 +389,30 @@ def solve_profile(
     root = with_backward_costs(profiled.root, model, policy, accumulating=accumulation_steps > 1)
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
-    solution = solve(
-        root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
-    )
+    within_reserve = False
+    measured_fit: MeasuredFit | None = None
+    try:
+        solution = solve(
+            root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
+        )
+    except BudgetError as exc:
+        if budget_bytes is None or parse_strategy(strategy)[0] != "optimal":
+            raise
+        # A budget between the least predicted peak and that peak plus the reserve is
+        # planned without the reserve, and said so: refusing it would refuse a memory the
+        # least plan is predicted to meet (the Engine measures its first step).
+        try:
+            solution = solve(
+                root, strategy, budget_bytes, held, mem.loss_bytes, reserve=0.0, frontier=frontier
+            )
+            within_reserve = True
+        except BudgetError:
+            fit = _measured_fit(
+                model, profiled, root, mem, policy, strategy, budget_bytes, frontier
+            )
+            if fit is None:
+                raise exc from None
+            solution, measured_fit = fit.solution, fit
     solution.budget_bytes = budget_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
@@ -406,6 +434,20 @@ def solve_profile(
             f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
         )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
+    if measured_fit is not None:
+        plan_.notes.append(
+            f"the least plan's peak is predicted at {format_bytes(solution.predicted_peak_bytes)}, "
+            f"above the budget {format_bytes(budget_bytes)}; its step measured "
+            f"{format_bytes(measured_fit.measured_peak_bytes)} (the allocator's count of one "
+            "forward and backward on the example batch), within it: planned with it"
+        )
+    if within_reserve:
+        plan_.notes.append(
+            f"budget {format_bytes(budget_bytes)} lies within the {RESERVE:.0%} reserve "
+            f"memfit keeps for allocator slack above the least predicted peak, "
+            f"{format_bytes(solution.predicted_peak_bytes)}: planned without the reserve; "
+            "measure the first step (the Engine does)"
+        )
     plan_.notes.extend(_unstable_notes(profiled.unstable))
     return PlanResult(
         plan=plan_,
@@ -415,6 +457,33 @@ def solve_profile(
         strategy=strategy,
         budget=budget,
         accumulation_steps=accumulation_steps,
+    )
+
+
+def _measured_fit(
+    model: nn.Module,
+    profiled: ModelProfile,
+    root: UnitCost,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    strategy: str,
+    budget_bytes: float,
+    frontier: bool,
+) -> MeasuredFit | None:
+    """The least plan, when the prediction refuses the budget but its measured step fits."""
+    if profiled.run_loss is None:
+        return None
+    return measured_least_plan(
+        model,
+        root,
+        mem,
+        policy,
+        strategy,
+        budget_bytes,
+        profiled.run_loss,
+        profiled.structure,
+        held_output_bytes=profiled.output_bytes if profiled.output_held else 0.0,
+        frontier=frontier,
     )
 
 

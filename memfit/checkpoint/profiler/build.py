@@ -69,8 +69,10 @@ def mark_shared_inputs(
 ) -> None:
     """Set each unit's ``input_saved_by_previous_bytes``: bytes of its inputs that the
     sibling before it already saves for backward (e.g. a block whose last ReLU saves the
-    output the next block receives; for a first child, its parent's own ops), and ``input_saved_by_both_bytes``: those it saves too
-    (a convolution saves its input; under autocast it saves a 16-bit copy instead)."""
+    output the next block receives; for a first child, its parent's own ops),
+    ``input_saved_by_both_bytes``: those it saves too (a convolution saves its input;
+    under autocast it saves a 16-bit copy instead), and ``input_saved_bytes``: the bytes
+    of its inputs its own subtree is the first to save."""
 
     def inside(owner: str | None, name: str) -> bool:
         return owner is not None and (owner == name or owner.startswith(name + "."))
@@ -99,6 +101,14 @@ def mark_shared_inputs(
         )
         cur.input_saved_by_previous_bytes = float(sum(shared.values()))
         cur.input_saved_by_both_bytes = float(both)
+    for child in cost.children:
+        child.input_saved_bytes = float(
+            sum(
+                n
+                for key, n in stats[child.name].input_keys.items()
+                if inside(saved_owner.get(key), child.name)
+            )
+        )
     for name, child in by_name.items():
         mark_shared_inputs(units[name], child, stats, saved_owner, saved_by)
 

@@ -21,6 +21,7 @@ _NUMBERS = (
     "bwd_seconds",
     "input_saved_by_previous_bytes",
     "input_saved_by_both_bytes",
+    "input_saved_bytes",
     "recompute_extra_bytes",
     "grads_from_bytes",
     "backward_hold_bytes",
@@ -71,6 +72,8 @@ class FlatUnit:
         "child_input_bytes",
         "input_saved_by_previous_bytes",
         "input_saved_by_both_bytes",
+        "input_saved_bytes",
+        "child_input_saved_bytes",
         "backward_hold_bytes",
         "child_backward_hold_table",
         "own_saved_after_children_bytes",
@@ -109,6 +112,8 @@ class FlatUnit:
         self.input_saved_by_both_bytes = min(
             float(unit.input_saved_by_both_bytes), self.input_saved_by_previous_bytes
         )
+        # Of its input, what its own subtree saves: a rebuild saves that without allocating.
+        self.input_saved_bytes = min(float(unit.input_saved_bytes), self.input_bytes)
         # The root is the whole model: there is nothing outside it to hold its inputs.
         self.can_recompute = bool(unit.can_recompute) and not is_root
         # Selective recompute fails where a matmul output it caches is changed in place.
@@ -149,27 +154,29 @@ class FlatUnit:
         self.rebuild_flops_through: list[float] = []
         self.child_grads_from_bytes: list[float] = []
         self.child_input_bytes: list[float] = []
+        self.child_input_saved_bytes: list[float] = []
         # run_start[j]: the first child of the run of recomputable children ending at j.
         self.run_start: list[int] = []
 
     def segment_hold_bytes(self, i: int, j: int) -> float:
         """What a rebuild of children ``i..j`` as one segment holds above what is kept
-        before it: child ``i``'s input, what they all rebuild, the most a kernel of theirs
-        holds for itself, and what their backward makes: at least child ``i``'s input
-        gradient and the gradients made when backward reaches it, at most what one of
-        them was measured to hold."""
+        before it: child ``i``'s input (held by the checkpoint, so what child ``i`` saves of
+        it is not allocated again), what they all rebuild, and the larger of what the
+        rebuild's forward and what their backward hold besides: the gradients made when
+        backward reaches child ``i`` with the most a kernel of theirs holds for itself or
+        child ``i``'s input gradient, or the most one of them was measured to hold in
+        backward (see :func:`rebuild_hold`)."""
         inp = self.child_input_bytes[i]
         row = (j - i + 1).bit_length() - 1
         last = j + 1 - (1 << row)
         holds, spaces = self.child_backward_hold_table, self.child_forward_workspace_table
-        widest = max(holds[row][i], holds[row][last])
-        workspace = max(spaces[row][i], spaces[row][last])
-        return (
-            inp
-            + self.rebuilt_before[j + 1]
-            - self.rebuilt_before[i]
-            + workspace
-            + max(inp + self.child_grads_from_bytes[i], widest)
+        return rebuild_hold(
+            inp,
+            self.rebuilt_before[j + 1] - self.rebuilt_before[i],
+            self.child_input_saved_bytes[i],
+            max(spaces[row][i], spaces[row][last]),
+            self.child_grads_from_bytes[i],
+            max(holds[row][i], holds[row][last]),
         )
 
     def segment_seconds(self, i: int, j: int) -> float:
@@ -183,6 +190,29 @@ class FlatUnit:
     def is_chain(self) -> bool:
         """Sequential with two or more children: segments of them are allowed."""
         return self.sequential and len(self.children) >= 2
+
+
+def rebuild_hold(
+    input_bytes: float,
+    rebuilt_bytes: float,
+    input_saved_bytes: float,
+    workspace_bytes: float,
+    grads_from_bytes: float,
+    backward_hold_bytes: float,
+) -> float:
+    """What a rebuild holds above what is kept before it, the cost model's one formula for
+    a unit and a segment: the input (the checkpoint keeps it, so the part the rebuild
+    saves of it is not new), all it rebuilds, then the larger of two moments. During the
+    rebuild's forward, the parameter gradients made by then and the most one kernel holds
+    for itself; during its backward, those gradients and at least the input's gradient,
+    or what the backward was measured to hold beyond what it saves (which counts the
+    gradients made by then).
+
+    >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0)
+    130.0
+    """
+    held = max(grads_from_bytes + max(workspace_bytes, input_bytes), backward_hold_bytes)
+    return input_bytes + max(0.0, rebuilt_bytes - input_saved_bytes) + held
 
 
 def tick(seconds: float) -> float:
@@ -220,14 +250,13 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
     for node in reversed(nodes):
         node.saved_bytes = node.own_saved_bytes + sum(nodes[c].saved_bytes for c in node.children)
         node.rebuilt_bytes += node.saved_bytes
-        # The rebuild holds its input and all it saves again; its backward makes at least
-        # the input's gradient beside the parameter gradients made by then, or what the
-        # profile measured the subtree's backward to hold beyond its saved bytes.
-        node.rebuild_hold_bytes = (
-            node.input_bytes
-            + node.rebuilt_bytes
-            + node.forward_workspace_bytes
-            + max(node.input_bytes + node.grads_from_bytes, node.backward_hold_bytes)
+        node.rebuild_hold_bytes = rebuild_hold(
+            node.input_bytes,
+            node.rebuilt_bytes,
+            node.input_saved_bytes,
+            node.forward_workspace_bytes,
+            node.grads_from_bytes,
+            node.backward_hold_bytes,
         )
         if node.is_chain():
             kids = [nodes[c] for c in node.children]
@@ -243,6 +272,7 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
                 node.forward_flops_before[j] + k.rebuild_flops for j, k in enumerate(kids)
             ]
             node.child_input_bytes = [k.input_bytes for k in kids]
+            node.child_input_saved_bytes = [k.input_saved_bytes for k in kids]
             node.child_backward_hold_table = _range_max_table([k.backward_hold_bytes for k in kids])
             node.child_forward_workspace_table = _range_max_table(
                 [k.forward_workspace_bytes for k in kids]

@@ -1,0 +1,118 @@
+"""A budget the prediction cannot decide, decided by a measurement.
+
+The cost model is an upper bound: on some models it predicts the least peak any plan
+reaches a few percent above what that plan measures (the zoo benchmark's table shows by
+how much). A budget between the two would be refused on the prediction although the
+least plan meets it. When the predicted least peak lies within :data:`MEASURE_MARGIN`
+above the budget, the planner runs that plan's forward and backward once on the example
+batch, measured by the allocator (:mod:`memfit.allocator`), and accepts the plan when
+the measured step fits: the same judgement the Engine's closed loop makes on its first
+planned step, made before training. No reserve is kept above a measurement: it is the
+allocator's count of the step itself (a training loop's own scalars, a few bytes, come on
+top; the Engine's closed loop checks its first step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.allocator import allocator_peak
+from memfit.checkpoint.apply import apply_plan, remove_plan
+from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.profiler.runner import preserved
+from memfit.checkpoint.solvers import Solution, solve
+from memfit.checkpoint.step_memory import StepMemory
+from memfit.precision.apply import precision_applied
+from memfit.precision.policy import PrecisionPolicy
+
+#: How far above the budget a predicted least peak may lie for the planner to measure the
+#: least plan instead of refusing: the largest over-prediction of a least peak the zoo
+#: benchmark has shown (about 15%).
+MEASURE_MARGIN = 0.15
+
+
+@dataclass(frozen=True)
+class MeasuredFit:
+    """The least plan, with its step measured."""
+
+    solution: Solution
+    """The solver's least-peak plan (its prediction is the cost model's)."""
+    measured_peak_bytes: float
+    """The step's peak as measured: what the step holds whatever the plan (its static
+    bytes as counted) plus the highest rise the allocator saw in forward and backward,
+    and never below the optimizer step's."""
+
+
+def measured_least_plan(
+    model: nn.Module,
+    root: UnitCost,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    strategy: str,
+    budget_bytes: float,
+    run_loss: Callable[[], torch.Tensor],
+    structure: list[tuple[str, str]],
+    held_output_bytes: float = 0.0,
+    frontier: bool = True,
+    reserve: float = 0.0,
+) -> MeasuredFit | None:
+    """The least plan when its measured step fits ``budget_bytes`` less the ``reserve``
+    share (what a training loop's own tensors and the allocator's slack may add to the
+    measured forward and backward), else None (also when
+    its predicted peak lies more than :data:`MEASURE_MARGIN` above the budget: no
+    measurement is spent on a budget the prediction is far from).
+
+    ``run_loss()`` computes the profiled step's loss; it runs once, under the precision's
+    autocast, with the plan applied, and is differentiated. Gradients, buffers, modes,
+    the random state and the model's own plan are left as they were.
+    ``held_output_bytes``: the model's output when the training loop holds it through
+    backward (``run_loss`` lets it go once the loss is made), counted on top.
+
+    Example::
+
+        fit = measured_least_plan(model, root, mem, policy, "optimal", budget, loss, structure)
+        if fit is not None and fit.measured_peak_bytes <= budget: ...
+    """
+    held, loss = mem.held_bytes, mem.loss_bytes
+    walked = solve(root, strategy, None, held, loss, reserve=0.0, frontier=True)
+    least = min(p.peak_bytes for p in walked.frontier)
+    if max(least, mem.optimizer_phase_bytes) > budget_bytes * (1 + MEASURE_MARGIN):
+        return None
+    # The least point's plan: the cheapest under a budget just at its peak.
+    chosen = solve(
+        root, strategy, least * (1 + 1e-9) + 1, held, loss, reserve=0.0, frontier=frontier
+    )
+    plan = Plan.from_solution(chosen, precision=policy.mode, structure=structure)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+
+    def step() -> None:
+        with policy.autocast(device.type):
+            value = run_loss()
+        value.backward()
+
+    with precision_applied(model, policy), preserved(model, train=None, rng_devices=[]):
+        apply_plan(model, plan)
+        try:
+            step()  # a first run allocates what later runs reuse (caches, lazy state)
+            for p in params:
+                p.grad = None
+            peak = allocator_peak(step, live=[*params, *model.buffers()], device=device)
+        finally:
+            remove_plan(model)
+    # The measured step started from the live tensors; the step's static bytes as counted
+    # (the optimizer state may not exist yet) stand for them, less the kernels' workspace,
+    # which the measured rise holds itself (a closed loop's correction stays: the rise of
+    # forward and backward cannot have seen what the whole step held beyond them).
+    rise = peak.peak_bytes - peak.start_bytes
+    static = mem.base_bytes - mem.workspace_bytes
+    activations = static + mem.accumulated_grad_bytes + held_output_bytes + rise
+    measured = max(activations, mem.optimizer_phase_bytes)
+    if measured > budget_bytes * (1 - reserve):
+        return None
+    return MeasuredFit(chosen, float(measured))
