@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from memfit.cli import plan as plan_cli
+from memfit.cli import start
 from memfit.cli.common import UsageError, pick_device, to_device
 from memfit.cli.main import main
+from memfit.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,6 +129,45 @@ def test_a_failed_start_with_no_runs_folder_leaves_the_cwd_empty(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failure_while_making_the_run_directory_removes_what_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    opened = []
+
+    def open_then_fail(self: start.RunSinks) -> None:
+        opened.append(self.run_dir)
+        real_open(self)  # metrics.jsonl and tensorboard/ now exist
+        raise ConfigError("disk full")
+
+    real_open = start.RunSinks.open
+    monkeypatch.setattr(start.RunSinks, "open", open_then_fail)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    for out in ("a/b", "kept"):
+        assert main(["train", *TINY, "--out", out]) == 2
+        assert "disk full" in capsys.readouterr().err
+        assert snapshot(tmp_path) == before
+    assert opened == [Path("a/b"), Path("kept")]
+
+
+def test_undone_on_failure_keeps_what_was_there(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "old").mkdir(parents=True)
+    (run_dir / "old" / "a.txt").write_text("a")
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError), start.undone_on_failure(run_dir):
+        (run_dir / "old" / "b.txt").write_text("b")
+        (run_dir / "new" / "deep").mkdir(parents=True)
+        (run_dir / "new" / "deep" / "c.txt").write_text("c")
+        raise ConfigError("stop")
+    assert snapshot(tmp_path) == before
+    with start.undone_on_failure(run_dir):  # no failure: everything stays
+        (run_dir / "d.txt").write_text("d")
+    assert (run_dir / "d.txt").read_text() == "d"
+
+
 def test_a_good_start_after_a_failed_one_uses_the_same_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -157,8 +198,22 @@ def test_resume_with_conflicting_flags_names_each_and_changes_nothing(
     assert main([*resume, "--out", str(finished_run.parent / "elsewhere")]) == 2
     assert "continues the run in its own directory" in capsys.readouterr().err
     assert main([*resume, "--steps", "1"]) == 2
-    assert "already at step 2" in capsys.readouterr().err
+    assert "already at step 2 of --steps 1; pass --steps N with N > 2" in capsys.readouterr().err
+    assert main(resume) == 2  # a finished run: its summary and report are kept
+    assert "already at step 2 of --steps 2" in capsys.readouterr().err
     assert snapshot(finished_run) == before
+
+
+def test_resume_of_a_checkpoint_that_does_not_fit_changes_nothing(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = json.loads((run_copy / "config.json").read_text())
+    config["overrides"] = ["n_layer=2", "n_embd=32", "block_size=16"]  # not the saved model
+    (run_copy / "config.json").write_text(json.dumps(config))
+    before = snapshot(run_copy)
+    assert main(["train", "--resume", str(run_copy)]) == 2
+    assert "does not fit this model/optimizer" in capsys.readouterr().err
+    assert snapshot(run_copy) == before  # no new event file, no metrics line
 
 
 def test_resume_accepts_the_saved_values_and_their_aliases(

@@ -17,7 +17,8 @@ applied, said in one line and written to ``config.json``. ``--device`` is not a 
 setting: a resumed run runs where ``--device`` (or the default) says. Any other flag given
 with a value that differs from the saved one is an error naming the flag, the saved and
 the given value; the same value (or an alias of it, e.g. ``--precision bf16`` for
-``bf16-mixed``) is accepted.
+``bf16-mixed``) is accepted. Resuming a run that has reached its ``--steps`` is refused, so
+its summary and report are kept.
 """
 
 from __future__ import annotations
@@ -260,10 +261,11 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
         sinks=[sinks], tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
     )
     engine = _engine(start, model, monitoring)
-    if start.resuming and engine.steps > s["steps"]:
+    if start.resuming and engine.steps >= s["steps"]:
+        # Nothing to train: the summary and report of the finished run are kept as they are.
         raise UsageError(
-            f"--steps {s['steps']}: the run in {run_dir} is already at step {engine.steps}; "
-            "give more steps to train longer"
+            f"the run in {run_dir} is already at step {engine.steps} of --steps {s['steps']}; "
+            f"pass --steps N with N > {engine.steps} to train longer"
         )
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
