@@ -1,8 +1,9 @@
 """What the ``memfit`` subcommands share: the usage error, the model flags, ``--set``
-parsing, the device choice and building a built-in model.
+parsing, the device choice (checked), moving a batch there and building a built-in model.
 
-``memfit.cli.main`` imports the subcommands; each subcommand imports only this module, never
-``main`` or another subcommand.
+``memfit.cli.main`` imports the subcommands; a subcommand imports this module (and
+``train`` its start-up helpers, :mod:`memfit.cli.start`), never ``main`` or another
+subcommand.
 
 Example::
 
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memfit.nested import map_tensors
+
 if TYPE_CHECKING:
     from memfit.models import BuiltModel
 
@@ -29,13 +32,31 @@ class UsageError(Exception):
     """A flag's value is wrong: reported with the usage line and exit code 2."""
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+#: The defaults of the model flags (``--set`` lands in ``overrides``).
+MODEL_DEFAULTS: dict[str, Any] = {"model": "gpt", "precision": "bf16-mixed", "overrides": []}
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
     """The flags every subcommand that builds a model takes: ``--model``, ``--precision``,
-    ``--set KEY=VALUE`` (into ``args.overrides``) and ``--device``."""
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    ``--set KEY=VALUE`` (into ``args.overrides``) and ``--device``.
+
+    With ``defaults=False`` the first three are left out of the parsed namespace unless
+    given, so a caller can tell a given flag from a default (it fills in
+    :data:`MODEL_DEFAULTS` itself); ``--device`` is None unless given either way.
+
+    Example::
+
+        add_model_arguments(parser, defaults=False)
+        given = vars(parser.parse_args(["--precision", "fp32"]))   # no "model" key
+    """
+
+    def default(name: str) -> Any:
+        return MODEL_DEFAULTS[name] if defaults else argparse.SUPPRESS
+
+    p.add_argument("--model", default=default("model"), help="gpt | resnet | lstm (default: gpt)")
     p.add_argument(
         "--precision",
-        default="bf16-mixed",
+        default=default("precision"),
         help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias; "
         "default: bf16-mixed)",
     )
@@ -43,7 +64,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--set",
         dest="overrides",
         action="append",
-        default=[],
+        default=default("overrides"),
         metavar="KEY=VALUE",
         help="built-in model config field, e.g. --set n_layer=6 (repeatable)",
     )
@@ -51,8 +72,51 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pick_device(name: str | None) -> torch.device:
-    """``--device``'s value, or cuda when it is available and cpu otherwise."""
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """``--device``'s value, checked to be a device this machine has; without one, cuda
+    when it is available and cpu otherwise. A usage error names what is wrong.
+
+    Example::
+
+        pick_device("cpu")    # device(type='cpu')
+        pick_device("meta")   # UsageError: meta tensors hold no data ...
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device name; use cpu or cuda") from None
+    if device.type == "meta":
+        raise UsageError(
+            "--device meta: meta tensors hold no data, so nothing can be trained or "
+            "measured there; use cpu or cuda"
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {name}: no CUDA device is available here; use cpu")
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {name}: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
+        return device
+    try:  # any other kind (mps, xpu, ...): usable when a tensor can be made there
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise UsageError(f"--device {name}: not usable here ({exc}); use cpu or cuda") from None
+    return device
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor or a nested structure of them) with every tensor moved to
+    ``device``; other values are kept as they are.
+
+    Example::
+
+        batch = to_device({"x": torch.zeros(4, 3), "note": "a"}, torch.device("cpu"))
+    """
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def model_config_cls(name: str) -> type:

@@ -3,7 +3,9 @@
 The model is a built-in one (``--model gpt``) or yours, given as ``module:factory``: a
 function of no arguments returning ``(model, batch, loss_fn)`` with
 ``loss_fn(model, batch) -> scalar`` (the Engine's form), or ``(model, example_inputs)``
-where ``model(example_inputs)``'s first floating-point output is summed as the loss.
+where ``model(example_inputs)``'s first floating-point output is summed as the loss. The
+model and every tensor of the batch are moved to ``--device`` (default: cuda when it is
+available), so a factory may build them on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from memfit.cli.common import (
     model_config_cls,
     parse_overrides,
     pick_device,
+    to_device,
 )
 
 
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(model, example_inputs), got {type(made).__name__}"
             )
         model = made[0].to(device)
+        made = (model, to_device(made[1], device), *made[2:])
     else:
         overrides = parse_overrides(args.overrides, model_config_cls(args.model))
         model, loss_fn, batch_fn = builtin_model(

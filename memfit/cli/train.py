@@ -4,15 +4,28 @@ With no arguments: the built-in GPT on the standard-library byte corpus, ``bf16-
 A run directory holds ``config.json`` (what was asked), ``checkpoint.pt`` (the latest state,
 written atomically; the one before it is kept as ``checkpoint.prev.pt``), ``metrics.jsonl``
 and ``summary.json``. ``--resume DIR`` continues a run exactly where it stopped.
+
+A start that fails (a bad value, an unknown ``--set`` key, a budget or checkpoint spec
+that does not parse, more micro-batches than samples, a device this machine lacks, a
+checkpoint that does not fit) leaves the disk as it was: the model, the Engine and the
+checkpoint plan are built in memory first, and the run directory and ``config.json`` are
+made only after that (:mod:`memfit.cli.start`).
+
+On ``--resume`` the saved settings are kept. ``--steps`` (train longer), ``--log-every``,
+``--eval-every``, ``--eval-batches`` and ``--save-every`` may change: each change is
+applied, said in one line and written to ``config.json``. ``--device`` is not a saved
+setting: a resumed run runs where ``--device`` (or the default) says. Any other flag given
+with a value that differs from the saved one is an error naming the flag, the saved and
+the given value; the same value (or an alias of it, e.g. ``--precision bf16`` for
+``bf16-mixed``) is accepted. Resuming a run that has reached its ``--steps`` is refused, so
+its summary and report are kept.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +34,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.cli.common import (
+    MODEL_DEFAULTS,
     UsageError,
     add_model_arguments,
     builtin_model,
     model_config_cls,
     parse_overrides,
     pick_device,
+)
+from memfit.cli.start import (
+    CHECKPOINT,
+    CONFIG,
+    PREVIOUS,
+    RESUMABLE,
+    RunSinks,
+    RunStart,
+    flag,
+    new_run,
+    resume_settings,
+    undone_on_failure,
+    write_json,
 )
 from memfit.errors import CheckpointError
 
@@ -38,10 +65,28 @@ if TYPE_CHECKING:
     from memfit.engine import Engine
     from memfit.precision.scaler import ScalerStats
 
-CONFIG = "config.json"
-CHECKPOINT = "checkpoint.pt"
-PREVIOUS = "checkpoint.prev.pt"
 EVAL_SEED = 1_000_003
+
+
+#: Every setting of a run (what ``config.json`` holds) and its default. The flags are parsed
+#: without defaults, so a flag given on the command line can be told from one left out.
+TRAIN_DEFAULTS: dict[str, Any] = {
+    **MODEL_DEFAULTS,
+    "data": None,
+    "steps": 300,
+    "batch_size": 16,
+    "accumulation": 1,
+    "lr": 1e-3,
+    "warmup": 20,
+    "clip": 1.0,
+    "checkpoint": "none",
+    "budget": None,
+    "eval_every": 100,
+    "eval_batches": 8,
+    "save_every": 100,
+    "log_every": 10,
+    "seed": 0,
+}
 
 
 def add_parser(sub: Any) -> None:
@@ -50,43 +95,29 @@ def add_parser(sub: Any) -> None:
         help="train a built-in model (default: GPT on a byte corpus, bf16-mixed)",
         description="Train a built-in model and report loss, memory, throughput and skipped steps.",
     )
-    add_model_arguments(p)
-    p.add_argument("--data", default=None, help="corpus | synthetic (default: the model's first)")
-    p.add_argument(
-        "--steps", type=_positive_int, default=300, help="optimizer steps in all (default: 300)"
+    add_model_arguments(p, defaults=False)
+
+    def setting(name: str, text: str, **kwargs: Any) -> None:
+        default = TRAIN_DEFAULTS[name.removeprefix("--").replace("-", "_")]
+        shown = "" if default is None else f" (default: {default})"
+        p.add_argument(name, default=argparse.SUPPRESS, help=text + shown, **kwargs)
+
+    setting("--data", "corpus | synthetic (default: the model's first)")
+    setting("--steps", "optimizer steps in all", type=_positive_int)
+    setting("--batch-size", "samples per optimizer step", type=_positive_int)
+    setting("--accumulation", "micro-batches per optimizer step", type=_positive_int)
+    setting("--lr", "peak learning rate", type=_positive_float)
+    setting("--warmup", "linear warmup steps", type=_nonneg_int)
+    setting("--clip", "clip the gradient norm to this", type=_positive_float)
+    setting(
+        "--checkpoint", "activation checkpointing: none | auto | full | uniform:K | sqrt | optimal"
     )
-    p.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=16,
-        help="samples per optimizer step (default: 16)",
-    )
-    p.add_argument(
-        "--accumulation",
-        type=_positive_int,
-        default=1,
-        help="micro-batches per optimizer step (default: 1)",
-    )
-    p.add_argument(
-        "--lr", type=_positive_float, default=1e-3, help="peak learning rate (default: 1e-3)"
-    )
-    p.add_argument(
-        "--warmup", type=_nonneg_int, default=20, help="linear warmup steps (default: 20)"
-    )
-    p.add_argument(
-        "--clip",
-        type=_positive_float,
-        default=1.0,
-        help="clip the gradient norm to this (default: 1.0)",
-    )
-    p.add_argument(
-        "--checkpoint",
-        default="none",
-        help="activation checkpointing: none | auto | full | uniform:K | sqrt | optimal",
-    )
-    p.add_argument(
-        "--budget", default=None, help="peak memory budget of a step for planning, e.g. 2GiB"
-    )
+    setting("--budget", "peak memory budget of a step for planning, e.g. 2GiB")
+    setting("--eval-every", "validation loss every N steps", type=_positive_int)
+    setting("--eval-batches", "validation batches", type=_positive_int)
+    setting("--save-every", "checkpoint every N steps", type=_positive_int)
+    setting("--log-every", "read metrics every N steps", type=_positive_int)
+    setting("--seed", "random seed", type=int)
     p.add_argument(
         "--out", default=None, help="run directory (default: runs/<model>-<precision>-<time>)"
     )
@@ -94,30 +125,10 @@ def add_parser(sub: Any) -> None:
         "--resume",
         default=None,
         metavar="DIR",
-        help="continue the run in DIR (its settings are reused; --steps may extend it)",
+        help="continue the run in DIR with its saved settings; only "
+        + ", ".join(flag(k) for k in RESUMABLE)
+        + " and --device may change",
     )
-    p.add_argument(
-        "--eval-every",
-        type=_positive_int,
-        default=100,
-        help="validation loss every N steps (default: 100)",
-    )
-    p.add_argument(
-        "--eval-batches", type=_positive_int, default=8, help="validation batches (default: 8)"
-    )
-    p.add_argument(
-        "--save-every",
-        type=_positive_int,
-        default=100,
-        help="checkpoint every N steps (default: 100)",
-    )
-    p.add_argument(
-        "--log-every",
-        type=_positive_int,
-        default=10,
-        help="read metrics every N steps (default: 10)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.set_defaults(run=run)
 
 
@@ -142,67 +153,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    # Written to a temp file and renamed, so a crash never leaves half a file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _prepare_run_dir(args: argparse.Namespace) -> tuple[Path, dict[str, Any], bool]:
-    """The run directory and its settings; refuses to overwrite another run."""
-    if args.resume:
-        run_dir = Path(args.resume)
-        if run_dir.is_file():
-            run_dir = run_dir.parent
-        config_path = run_dir / CONFIG
-        if not config_path.is_file():
-            raise UsageError(
-                f"--resume {args.resume}: no {CONFIG} there; is it a memfit run directory?"
-            )
-        settings = json.loads(config_path.read_text())
-        if args.steps != 300:
-            settings["steps"] = args.steps
-        return run_dir, settings, True
-    settings = {
-        key: getattr(args, key)
-        for key in (
-            "model",
-            "data",
-            "precision",
-            "steps",
-            "batch_size",
-            "accumulation",
-            "lr",
-            "warmup",
-            "clip",
-            "overrides",
-            "checkpoint",
-            "budget",
-            "eval_every",
-            "eval_batches",
-            "save_every",
-            "log_every",
-            "seed",
-        )
-    }
-    name = args.out or f"runs/{args.model}-{args.precision}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(name)
-    if (run_dir / CHECKPOINT).exists() or (run_dir / CONFIG).exists():
-        raise UsageError(
-            f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
-            "or --out to start a new one"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"cannot write to run directory {run_dir}: {exc}") from None
-    return run_dir, settings, False
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line (the flags left out are not in it)."""
+    return {key: value for key, value in vars(args).items() if key in TRAIN_DEFAULTS}
 
 
 def _lr_lambda(warmup: int, total: int) -> Any:
@@ -269,18 +222,33 @@ class _Outcome:
 
 
 def _build(args: argparse.Namespace, console: Console) -> _Job:
-    """Settings, run directory, model and Engine (new or resumed); prints the run's header."""
+    """Settings, model, Engine (new or resumed) and checkpoint plan, all in memory; then
+    the run directory and its files. A failure before the directory is made leaves
+    nothing; one while making it removes what it made. Prints the run's header."""
     import memfit
+    from memfit.checkpoint.solvers import parse_strategy
+    from memfit.engine import split_batch
+    from memfit.units import parse_bytes
 
-    run_dir, s, resuming = _prepare_run_dir(args)
-    config_cls = model_config_cls(s["model"])
-    memfit.PrecisionPolicy(s["precision"])  # a bad name fails here, before any work
-    overrides = parse_overrides(s["overrides"], config_cls)
     device = pick_device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here")
-    if not resuming:
-        _write_json(run_dir / CONFIG, s)
+    given = given_settings(args)
+    if args.resume:
+        start = resume_settings(args.resume, given, TRAIN_DEFAULTS, args.out, device)
+    else:
+        start = new_run(given, TRAIN_DEFAULTS, args.out)
+    s, run_dir = start.settings, start.run_dir
+    overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
+    memfit.PrecisionPolicy(s["precision"]).check_device(device)
+    # The Engine checks these too, but only once the model is built: fail fast.
+    if s["checkpoint"] not in ("none", "auto"):
+        parse_strategy(s["checkpoint"])
+    if s["budget"] is not None:
+        parse_bytes(s["budget"], device)
+    if s["accumulation"] > s["batch_size"]:
+        raise UsageError(
+            f"--accumulation {s['accumulation']} is more micro-batches than --batch-size "
+            f"{s['batch_size']} has samples; use at most {s['batch_size']} micro-batches"
+        )
 
     model, loss_fn, batch_fn = builtin_model(
         s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
@@ -288,32 +256,52 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
     tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
     flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
+    sinks = RunSinks(run_dir)
     monitoring = dict(
-        log_dir=run_dir, tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
+        sinks=[sinks], tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
     )
-    engine = _engine(s, run_dir, resuming, model, monitoring)
-    if resuming:
-        console.print(f"resumed {run_dir} at step {engine.steps}")
+    engine = _engine(start, model, monitoring)
+    if start.resuming and engine.steps >= s["steps"]:
+        # Nothing to train: the summary and report of the finished run are kept as they are.
+        raise UsageError(
+            f"the run in {run_dir} is already at step {engine.steps} of --steps {s['steps']}; "
+            f"pass --steps N with N > {engine.steps} to train longer"
+        )
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
         f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
     )
+    # Planned now, on the first step's first micro-batch (what train_step would plan on),
+    # so a budget no plan meets fails before the run directory exists.
+    first = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
+    engine.prepare(split_batch(first, s["accumulation"])[0], loss_fn)
+
+    with undone_on_failure(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        sinks.open()
+        if start.config_changed:
+            write_json(run_dir / CONFIG, s)
+    if start.resuming:
+        console.print(f"resumed {run_dir} at step {engine.steps}")
+    if start.applied:
+        console.print(f"applied on resume: {', '.join(start.applied)}")
     return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
 
 
-def _engine(
-    s: dict[str, Any], run_dir: Path, resuming: bool, model: Any, monitoring: dict[str, Any]
-) -> Engine:
-    """The optimizer, its schedule and the Engine: a new one, or the one saved in ``run_dir``."""
+def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
+    """The optimizer, its schedule and the Engine: a new one, or the one saved in the run
+    directory (with the run's ``log_every``, which may have changed on resume)."""
     import memfit
 
+    s = start.settings
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
-    if resuming:
-        return _resume(run_dir, model, optimizer, scheduler, monitoring)
+    if start.resuming:
+        monitoring = {**monitoring, "log_every": s["log_every"]}
+        return _resume(start.run_dir, model, optimizer, scheduler, monitoring)
     return memfit.Engine(
         model,
         optimizer,
@@ -429,9 +417,9 @@ def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
     engine, run_dir = job.engine, job.run_dir
     stats = engine.scaler.stats
     summary = _summary(job, outcome, stats)
-    _write_json(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     checks = engine.health()
-    _write_json(run_dir / "health.json", health_to_dict(checks))
+    write_json(run_dir / "health.json", health_to_dict(checks))
     if engine.plan is not None and hasattr(engine.plan, "to_json"):
         (run_dir / "plan.json").write_text(engine.plan.to_json())
     engine.close()
