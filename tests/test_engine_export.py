@@ -369,6 +369,18 @@ def test_evaluate_runs_under_the_training_precision() -> None:
     assert seen == [(True, torch.bfloat16)]
 
 
+def test_evaluation_forwards_are_not_in_the_activation_ranges() -> None:
+    engine = _engine("fp32", monitor=memfit.MonitorConfig(activation_every=1))
+    ranges = engine.monitor.ranges
+    assert ranges is not None
+    engine.train_step(_batch(0), _loss)
+    calls, recorded = ranges.calls, ranges.read(reset=False)
+    big = (_batch(1)[0] * 1000, _batch(1)[1])  # would raise every maximum if recorded
+    memfit.evaluate(engine, [big], _loss)
+    assert ranges.calls == calls
+    assert ranges.read(reset=False) == recorded
+
+
 def test_evaluate_errors() -> None:
     engine = _engine("fp32")
     with pytest.raises(ConfigError, match="no batches"):

@@ -33,7 +33,9 @@ def model_state_dict(
 
     ``dtype`` casts every floating-point tensor to it; ``None`` keeps each tensor's dtype
     (a master's is fp32). Integer and bool tensors keep theirs. A weight tied under two
-    keys (an embedding and an output layer) appears under both, as two equal tensors.
+    keys (an embedding and an output layer) appears under both, as two equal tensors. A
+    frozen parameter (not in the optimizer) has no master: the ``*-master`` modes hold it in
+    16 bits, and that rounded value is what it gives.
 
     Example::
 

@@ -89,10 +89,11 @@ class _InputCast:
         self._came_in.append(came_in)
         if came_in is None:
             return None
-        cast = functools.partial(
-            map_tensors, fn=lambda t: t.to(self.dtype) if t.is_floating_point() else t
-        )
-        return cast(args), cast(kwargs)
+
+        def to_weights(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.dtype) if t.is_floating_point() else t
+
+        return map_tensors(args, to_weights), map_tensors(kwargs, to_weights)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> Any:
         came_in = self._came_in.pop() if self._came_in else None
