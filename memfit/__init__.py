@@ -1,7 +1,7 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
 from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
-from memfit.engine import Engine
+from memfit.engine import Engine, evaluate
 from memfit.errors import (
     BudgetError,
     CheckpointError,
@@ -34,6 +34,7 @@ __all__ = [
     "ScalerStateError",
     "apply_plan",
     "apply_precision",
+    "evaluate",
     "format_bytes",
     "measure",
     "plan",

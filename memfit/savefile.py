@@ -72,18 +72,24 @@ def _file_mode(path: Path) -> int:
     return 0o644
 
 
-def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``payload`` to ``path`` atomically with an integrity digest; return the path."""
+def atomic_write(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)`` atomically (temp file, fsync, rename), with no header or
+    digest: for files other tools read with ``torch.load``, such as an exported state dict.
+
+    Example::
+
+        atomic_write(model.state_dict(), "run/model.pt")
+        model.load_state_dict(torch.load("run/model.pt", weights_only=True))
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": FORMAT, "version": VERSION, "sha256": digest(payload), "payload": payload}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp creates the file private (0600); give it the mode a plain open() would.
         if hasattr(os, "fchmod"):
             os.fchmod(fd, _file_mode(path))
         with os.fdopen(fd, "wb") as f:
-            torch.save(record, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -97,6 +103,12 @@ def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``payload`` to ``path`` atomically with an integrity digest; return the path."""
+    record = {"format": FORMAT, "version": VERSION, "sha256": digest(payload), "payload": payload}
+    return atomic_write(record, path)
 
 
 def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memfit.errors import CheckpointError
-from memfit.savefile import FORMAT, VERSION, atomic_save, digest, safe_load
+from memfit.savefile import FORMAT, VERSION, atomic_save, atomic_write, digest, safe_load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -232,3 +232,25 @@ def test_new_files_get_the_usual_permissions(tmp_path: Path) -> None:
     path.chmod(0o640)
     atomic_save({"x": 2}, path)
     assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_atomic_write_writes_a_plain_file_and_fails_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "model.pt"
+    state = {"w": torch.arange(4.0)}
+    assert atomic_write(state, path) == path
+    loaded = torch.load(path, weights_only=True)
+    assert list(loaded) == ["w"] and torch.equal(loaded["w"], state["w"])  # no header
+    before = path.read_bytes()
+
+    def failing_save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        f.write(b"partial")
+        raise _Boom("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(_Boom):
+        atomic_write({"w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]

@@ -172,21 +172,12 @@ def _batch(batch_fn: Any, size: int, seed: int, split: str = "train") -> Any:
     return batch_fn(size, generator=seed, split=split)
 
 
-@torch.no_grad()
 def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches: int) -> float:
     """Mean validation loss over fixed batches, under the training precision."""
-    model = engine.model
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    try:
-        for i in range(batches):
-            batch = _batch(batch_fn, batch_size, EVAL_SEED + i, split="val")
-            with engine.policy.autocast(engine.device.type):
-                total += float(loss_fn(model, batch).float())
-    finally:
-        model.train(was_training)
-    return total / batches
+    import memfit
+
+    fixed = (_batch(batch_fn, batch_size, EVAL_SEED + i, split="val") for i in range(batches))
+    return memfit.evaluate(engine, fixed, loss_fn)
 
 
 def run(args: argparse.Namespace) -> int:

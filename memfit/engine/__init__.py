@@ -2,7 +2,9 @@
 
 - :mod:`~memfit.engine.core`: the Engine: the step, accumulation, clipping, skipping, logging;
 - :mod:`~memfit.engine.planning`: stage two of its order, the plan and the closed loop;
-- :mod:`~memfit.engine.state`: its checkpoint and loading it back;
+- :mod:`~memfit.engine.state`: its checkpoint and loading it back (``resume``, ``load``);
+- :mod:`~memfit.engine.evaluation`: evaluating under the training precision;
+- :mod:`~memfit.engine.export`: the trained weights (fp32 masters) as a plain state dict;
 - :mod:`~memfit.engine.settings`: its settings and their checks;
 - :mod:`~memfit.engine.batches`: batch sizes and micro-batch splitting;
 - :mod:`~memfit.engine.diagnose`: what to say when steps keep being skipped.
@@ -10,6 +12,7 @@
 
 from memfit.engine.batches import batch_size, split_batch
 from memfit.engine.core import Engine
+from memfit.engine.evaluation import evaluate
 from memfit.engine.settings import EngineSettings
 
-__all__ = ["Engine", "EngineSettings", "batch_size", "split_batch"]
+__all__ = ["Engine", "EngineSettings", "batch_size", "evaluate", "split_batch"]

@@ -32,9 +32,17 @@ from torch import nn
 
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.engine.diagnose import diagnose_skips
+from memfit.engine.evaluation import eval_context
+from memfit.engine.export import export_model, model_state_dict
 from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
 from memfit.engine.settings import EngineSettings, check_arguments
-from memfit.engine.state import engine_state, load_engine_state, saved_plan
+from memfit.engine.state import (
+    check_fresh_optimizer,
+    engine_state,
+    load_checkpoint,
+    load_engine_state,
+    saved_plan,
+)
 from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
 from memfit.monitor.monitor import Monitor, MonitorConfig
@@ -66,6 +74,11 @@ class Engine:
     2. **checkpoint plan**, on the first micro-batch (:meth:`prepare`, which the first
        :meth:`train_step` calls): planned under the precision of step 1 by
        :func:`~memfit.checkpoint.planner.make_plan`, then applied with ``apply_plan``.
+
+    After (or between) training: :meth:`eval_context` evaluates under the training
+    precision, :meth:`model_state_dict` and :meth:`export` give the weights (the fp32
+    masters in the ``*-master`` modes) for a fresh model, :meth:`save` and :meth:`load`
+    go back to a step exactly.
 
     Example::
 
@@ -477,6 +490,63 @@ class Engine:
         state["extra"] = extra or {}
         return atomic_save(state, path)
 
+    def load(self, path: str | Path) -> None:
+        """Load a checkpoint written by :meth:`save` into this Engine: weights, masters,
+        optimizer, scaler, LR scheduler, random generators, counters and ``extra``. Training
+        on continues exactly as the saved run did (bitwise, as with :meth:`resume`).
+
+        The checkpoint's ``precision`` and ``accumulation_steps`` must be this Engine's
+        (ConfigError names the one that differs); the other settings and this Engine's
+        checkpoint plan are kept (a plan changes what is recomputed, never a value).
+
+        Example::
+
+            engine.save("run/good.pt")
+            ...                          # the loss diverges
+            engine.load("run/good.pt")   # back to the saved step, same objects
+        """
+        load_checkpoint(self, path)
+
+    # ------------------------------------------------------------------ evaluation / export
+
+    def eval_context(self) -> Any:
+        """A ``with`` block that evaluates as training computes: the precision's autocast,
+        ``model.eval()`` and ``torch.no_grad()``; each module's train/eval flag is restored
+        after. Use it for validation and generation in every mode.
+
+        Example::
+
+            with engine.eval_context():
+                out = engine.model.generate(ids, max_new_tokens=20)
+        """
+        return eval_context(self.model, self.policy, self.device)
+
+    def model_state_dict(
+        self, dtype: torch.dtype | None = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """The model's state dict with the fp32 master values in the ``*-master`` modes,
+        under ``model.state_dict()``'s keys, as new tensors that share no storage with
+        training; it loads with ``strict=True`` into a freshly built model. ``dtype`` casts
+        the floating-point tensors (``None``: each keeps its dtype, a master's being fp32).
+
+        Example::
+
+            fresh = build_model()
+            fresh.load_state_dict(engine.model_state_dict())   # fp32, plain calls work
+        """
+        return model_state_dict(self.model, self.master, dtype)
+
+    def export(self, path: str | Path, dtype: torch.dtype | None = torch.float32) -> Path:
+        """Write :meth:`model_state_dict` atomically to ``path`` as a plain state dict for
+        ``torch.load(path, weights_only=True)``; return the path.
+
+        Example::
+
+            engine.export("run/model.pt")
+            fresh.load_state_dict(torch.load("run/model.pt", weights_only=True))
+        """
+        return export_model(self.model, self.master, path, dtype)
+
     @classmethod
     def resume(
         cls,
@@ -488,16 +558,21 @@ class Engine:
     ) -> Engine:
         """Rebuild an Engine from a checkpoint with its saved settings and every state.
 
-        ``model`` and ``optimizer`` are freshly built the same way as for the saved run.
-        ``overrides`` replace saved settings (e.g. ``log_every``). The saved ``extra`` dict
-        is available as ``engine.extra``.
+        ``model`` and ``optimizer`` are freshly built the same way as for the saved run (to
+        continue an Engine that exists, use :meth:`load`). ``overrides`` replace saved
+        settings (e.g. ``log_every``, ``accumulation_steps``); ``checkpoint=`` replaces the
+        saved plan. The saved ``extra`` dict is available as ``engine.extra``.
+
+        Example::
+
+            engine = memfit.Engine.resume("run/last.pt", build_model(), build_optimizer())
         """
+        check_fresh_optimizer(optimizer)
         state = safe_load(path)
         settings = dict(state["settings"])
         settings.pop("checkpoint")
+        checkpoint = overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state)
         settings.update(overrides)
-        engine = cls(
-            model, optimizer, checkpoint=saved_plan(state), lr_scheduler=lr_scheduler, **settings
-        )
+        engine = cls(model, optimizer, checkpoint=checkpoint, lr_scheduler=lr_scheduler, **settings)
         load_engine_state(engine, state, path)
         return engine

@@ -3,6 +3,10 @@
 The state holds the settings, the model's state dict, the fp32 masters, the optimizer,
 the loss scaler, the LR scheduler, every random generator, the step counters and the
 plan. It is written atomically by :func:`memfit.savefile.atomic_save`.
+
+Two ways back: :meth:`Engine.resume` builds a new Engine over a freshly built model and
+optimizer with the saved settings and plan; :meth:`Engine.load` (:func:`load_checkpoint`)
+loads into an Engine that already exists, whose settings must then match the saved ones.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.errors import ConfigError
+from memfit.savefile import safe_load
 
 if TYPE_CHECKING:
     from memfit.engine.core import Engine
@@ -59,10 +64,69 @@ def saved_plan(state: dict[str, Any]) -> Any:
     return Plan.from_json(plan)
 
 
+#: Settings an Engine loading a checkpoint must share with the run that saved it: they
+#: decide what one step computes. The others (clipping, logging, budget) are the live ones.
+MATCHING_SETTINGS = ("precision", "accumulation_steps")
+
+
+def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ConfigError when ``optimizer`` already belongs to an Engine that keeps fp32
+    master weights: a second Engine cannot make masters of masters."""
+    if any(
+        getattr(p, "_memfit_master", False) for g in optimizer.param_groups for p in g["params"]
+    ):
+        raise ConfigError(
+            "this optimizer already belongs to an Engine (it holds memfit's fp32 master "
+            "weights); to continue that Engine from a checkpoint call engine.load(path), or "
+            "build the model and optimizer afresh, as for the saved run, for Engine.resume"
+        )
+
+
+def check_settings(engine: Engine, state: dict[str, Any], path: str | Path) -> None:
+    """Raise ConfigError naming the first setting in :data:`MATCHING_SETTINGS` that differs
+    between ``engine`` and the checkpoint."""
+    saved = state["settings"]
+    for name in MATCHING_SETTINGS:
+        live = getattr(engine.settings, name)
+        if saved[name] != live:
+            raise ConfigError(
+                f"checkpoint {path} was saved with {name}={saved[name]!r} but this Engine has "
+                f"{name}={live!r}; make the Engine with {name}={saved[name]!r} to load it, or "
+                f"use Engine.resume(path, model, optimizer, {name}=...) with a fresh model and "
+                "optimizer to continue with another value"
+            )
+
+
+def load_checkpoint(engine: Engine, path: str | Path) -> None:
+    """Load the checkpoint at ``path`` into ``engine`` as it is: the continuation is the one
+    :meth:`Engine.resume` gives, bit for bit.
+
+    The Engine's own checkpoint plan (or the plan it has yet to make) is kept: a plan
+    chooses what is recomputed, not what is computed, so the saved plan, if another, would
+    change the memory and the speed but not one value. Gradients of a step in progress are
+    dropped.
+    """
+    state = safe_load(path)
+    check_settings(engine, state, path)
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.model.zero_grad(set_to_none=True)
+    engine.scaler.discard_step()
+    load_engine_state(engine, state, path)
+
+
 def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -> None:
     """Load a saved state into ``engine``: weights, masters, optimizer, scaler, scheduler,
     counters, random generators and ``extra``. Raises ConfigError when the checkpoint does
     not fit the model or optimizer."""
+    saved = state["settings"]["precision"]
+    if (state["master"] is None) != (engine.master is None):
+        raise ConfigError(
+            f"checkpoint {path} was saved with precision={saved!r}, which "
+            f"{'keeps' if state['master'] is not None else 'keeps no'} fp32 master weights, "
+            f"but this Engine has precision={engine.settings.precision!r}; use a precision "
+            f"that {'keeps' if state['master'] is not None else 'keeps no'} masters, e.g. "
+            f"{saved!r}"
+        )
     try:
         engine.model.load_state_dict(state["model"])
         if engine.master is not None:
@@ -86,6 +150,8 @@ def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -
     engine.steps = int(counters["steps"])
     engine.micro_steps = int(counters["micro_steps"])
     engine._applied_steps.fill_(int(counters["applied_steps"]))
+    engine._last_loss = None
+    engine._grad_norm = None
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(_to_tuple(rng["python"]))

@@ -95,6 +95,7 @@ class ActivationRanges:
     are unchanged. A sampled forward costs one fused min/max reduction per output tensor
     and allocates nothing the size of the activation. Modules recomputed by activation
     checkpointing during backward are recorded again; the maximum is the same value.
+    Forwards without gradients (evaluation) are neither counted nor recorded.
 
     A NaN anywhere in a unit's output makes its value NaN and an inf makes it inf, both of
     which :func:`near_fp16_limit` reports.
@@ -135,6 +136,10 @@ class ActivationRanges:
             self._handles.append(names[name].register_forward_hook(self._recorder(name)))
 
     def _count(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            # An evaluation forward (eval_context, generate): the ranges describe training.
+            self._active = False
+            return
         self._active = self.calls % self.every == 0
         self.calls += 1
 

@@ -2,7 +2,16 @@
 
 An island's ``forward`` is replaced on the instance (not the class) by one that casts its
 floating-point inputs to fp32 and turns autocast off inside, so its statistics are computed
-in fp32 whatever surrounds it. Removing restores the original ``forward``.
+in fp32 whatever surrounds it. Its floating-point outputs go back to the dtype of the input
+that came in (a bf16 activation in, a bf16 activation out), so an island is invisible to
+the layers around it, under autocast or not. Removing restores the original ``forward``.
+
+In the ``*-master`` modes the model's own weights are 16-bit. A plain call (no autocast
+active, e.g. ``model.eval(); model(images)`` after training) would feed fp32 inputs to
+16-bit layers; a hook on the model casts its floating-point inputs to the weights' dtype
+and its floating-point outputs back to the dtype that came in (as Lightning's
+``bf16-true`` converts inputs and outputs). Under autocast (training, ``eval_context``)
+the hook does nothing, so training is unchanged by it.
 
 Example::
 
@@ -21,14 +30,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.nested import map_tensors
+from memfit.nested import map_tensors, tensors
 from memfit.precision.policy import PrecisionPolicy
 
 _ORIGINAL = "_memfit_island_forward"
+_INPUT_CAST = "_memfit_input_cast"
 
 
 def _to_fp32(value: Any) -> Any:
     return map_tensors(value, lambda t: t.float() if t.is_floating_point() else t)
+
+
+def _cast(value: Any, source: torch.dtype, target: torch.dtype) -> Any:
+    """``value`` with each tensor of dtype ``source`` cast to ``target``."""
+    return map_tensors(value, lambda t: t.to(target) if t.dtype == source else t)
+
+
+def _floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor among the arguments, if any."""
+    for t in tensors((args, kwargs)):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -39,8 +62,48 @@ def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 def _island_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
+    came_in = _floating_dtype(args, kwargs)
     with torch.autocast(_device_type(args, kwargs), enabled=False):
-        return original(*_to_fp32(args), **_to_fp32(kwargs))
+        out = original(*_to_fp32(args), **_to_fp32(kwargs))
+    if came_in is None or came_in == torch.float32:
+        return out
+    return _cast(out, torch.float32, came_in)
+
+
+class _InputCast:
+    """The hooks of a ``*-master`` model's plain calls: floating inputs to the weights'
+    dtype, floating outputs back to the dtype that came in. Nothing under autocast."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._came_in: list[torch.dtype | None] = []  # one per call in flight
+        self.handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, always_call=True),
+        ]
+
+    def _before(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        came_in = _floating_dtype(args, kwargs)
+        if came_in == self.dtype or torch.is_autocast_enabled(_device_type(args, kwargs)):
+            came_in = None
+        self._came_in.append(came_in)
+        if came_in is None:
+            return None
+
+        def to_weights(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.dtype) if t.is_floating_point() else t
+
+        return map_tensors(args, to_weights), map_tensors(kwargs, to_weights)
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> Any:
+        came_in = self._came_in.pop() if self._came_in else None
+        if came_in is None:
+            return None
+        return _cast(output, self.dtype, came_in)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
@@ -48,7 +111,9 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
 
     In the ``*-master`` modes, parameters outside the islands are cast to the compute dtype
     (:class:`~memfit.precision.master.MasterWeights` does this with an optimizer; calling it
-    alone is for planning and inference). Idempotent.
+    alone is for planning and inference), and the model's plain calls (no autocast) cast
+    floating inputs to that dtype and floating outputs back (see the module docstring).
+    Idempotent.
     """
     islands: list[str] = []
     if not policy.mixed:
@@ -68,15 +133,25 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
                 if id(param) not in island_params and param.is_floating_point():
                     if param.dtype != policy.compute_dtype:
                         param.data = param.data.to(policy.compute_dtype)
+        if _INPUT_CAST not in model.__dict__:
+            model.__dict__[_INPUT_CAST] = _InputCast(model, policy.compute_dtype)
     return islands
 
 
 def remove_precision(model: nn.Module) -> None:
-    """Restore the islands' original forwards (weights keep their current dtype)."""
+    """Restore the islands' original forwards and remove the plain-call input cast
+    (weights keep their current dtype)."""
+    _remove_input_cast(model)
     for module in model.modules():
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__dict__.pop("forward", None)
+
+
+def _remove_input_cast(model: nn.Module) -> None:
+    cast = model.__dict__.pop(_INPUT_CAST, None)
+    if cast is not None:
+        cast.remove()
 
 
 @contextlib.contextmanager
@@ -93,12 +168,15 @@ def precision_applied(model: nn.Module, policy: PrecisionPolicy) -> Iterator[lis
             prof = profile(model, x, precision="bf16-mixed")
     """
     had_islands = {id(m) for m in model.modules() if _ORIGINAL in m.__dict__}
+    had_input_cast = _INPUT_CAST in model.__dict__
     originals = [(p, p.data) for p in model.parameters()]
     buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()]
     islands = apply_precision(model, policy)
     try:
         yield islands
     finally:
+        if not had_input_cast:
+            _remove_input_cast(model)
         for module in model.modules():
             if id(module) not in had_islands and _ORIGINAL in module.__dict__:
                 module.__dict__.pop(_ORIGINAL)

@@ -56,7 +56,8 @@ class MasterWeights:
         ):
             raise ConfigError(
                 "this optimizer already holds memfit master weights; build a new optimizer "
-                "over model.parameters() for each Engine"
+                "over model.parameters() for each Engine (to continue the Engine that has "
+                "it from a checkpoint, call engine.load(path))"
             )
         foreign = [i for i in in_optimizer if i not in names]
         if foreign:
