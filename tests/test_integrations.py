@@ -132,6 +132,26 @@ def test_hf_plan_applied_and_metrics_logged(tmp_path: Path) -> None:
     assert model.config.use_cache is False
 
 
+class _Recorder(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.logs.append(dict(logs))
+
+
+def test_hf_attach_puts_the_keys_before_every_reporter(tmp_path: Path) -> None:
+    args = _args(tmp_path, max_steps=1)
+    trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=_Tokens())
+    reporter = _Recorder()  # stands for a report_to callback: called before user callbacks
+    trainer.callback_handler.callbacks.insert(0, reporter)
+    callback = hf.MemfitCallback(strategy="full", measure_memory=False, verbose=False)
+    assert callback.attach(trainer) is callback
+    assert trainer.callback_handler.callbacks[:2] == [callback, reporter]
+    trainer.train()
+    assert "memfit/plan/predicted_peak_bytes" in reporter.logs[0]
+
+
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_hf_one_step_with_the_plan_equals_one_without(tmp_path: Path, build: Any) -> None:
     base = build()
@@ -197,6 +217,7 @@ def test_hf_errors_are_clear(tmp_path: Path) -> None:
         hf.MemfitCallback(budget="lots")
     with pytest.raises(ConfigError, match="k must be a whole number"):
         hf.MemfitCallback(strategy="uniform:0")
+    assert hf.MemfitCallback(budget=0.5).budget == 0.5  # of the model's device, at train begin
     with pytest.raises(ConfigError, match="pass example_batch="):
         _begin(hf.MemfitCallback(), tmp_path, _gpt2(), None)
     stream = torch.utils.data.DataLoader(_Stream(), batch_size=2)

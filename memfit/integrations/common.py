@@ -78,7 +78,8 @@ def check_settings(budget: Budget, strategy: str) -> None:
 
         check_settings("200MiB", "uniform:2")
     """
-    if budget is not None:
+    fraction = isinstance(budget, float) and 0 < budget <= 1
+    if budget is not None and not fraction:  # a fraction is of the model's device, later
         parse_bytes(budget)
     parse_strategy(strategy)
 
