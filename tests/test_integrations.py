@@ -390,11 +390,13 @@ def _fake_trainer(**kw: Any) -> SimpleNamespace:
 
 
 def test_lightning_precision_and_accumulation_reach_the_planner() -> None:
-    module = _Blocks()
-    callback = mf_lightning.MemfitCallback(strategy="full", measure_memory=False, verbose=False)
+    module = _Blocks().eval()
+    callback = mf_lightning.MemfitCallback(strategy="full", verbose=False)
     callback.on_train_start(
         _fake_trainer(precision="bf16-mixed", accumulate_grad_batches=3), module
     )
+    assert not module.training  # planned and measured in train mode, modes put back
+    assert callback.run.report.by_dtype["torch.bfloat16"] > 0  # measured under autocast
     assert callback.plan.precision == "bf16-mixed"
     assert callback.run.result.accumulation_steps == 3
     assert mf_lightning.lightning_precision("16-mixed") == "fp16-mixed"

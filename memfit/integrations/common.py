@@ -213,7 +213,8 @@ def _measure_planned(
     live = [*model.parameters(), *model.buffers(), batch]
     if optimizer is not None:
         live += optimizer_tensors(optimizer)
-    with preserved(model, train=None, rng_devices=[]), planned(model, result.plan):
+    # Train mode for the measured step, as the profiler plans it; modes are put back.
+    with preserved(model, train=True, rng_devices=[]), planned(model, result.plan):
         peak = allocator_peak(
             lambda: measure(step, model=model, optimizer=optimizer), live=live, device=device
         )
