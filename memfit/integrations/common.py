@@ -1,0 +1,382 @@
+"""What the Trainer and Lightning callbacks share: the example batch, the plan, the metrics.
+
+Nothing here imports transformers or lightning. A callback
+
+1. checks its settings when it is made (:func:`check_settings`),
+2. at train begin takes an example batch (:func:`example_batch`), plans under the budget
+   and applies the plan (:func:`plan_model`), measuring one planned forward and backward,
+3. after each optimizer step tells :class:`RunMetrics` whether the step was skipped, and at
+   each log step adds :meth:`RunMetrics.log_metrics` to the loop's logs.
+
+Example::
+
+    check_settings("200MiB", "optimal")
+    batch = example_batch(train_dataloader, torch.device("cpu"))
+    run = plan_model(model, batch, loss_fn, budget="200MiB", strategy="optimal",
+                     precision="bf16-mixed", accumulation_steps=1, optimizer=optimizer)
+    metrics = RunMetrics(run)
+    logs.update(metrics.log_metrics(loss=logs.get("loss")))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.checkpoint.apply import apply_plan, planned
+from memfit.checkpoint.planner import Budget, PlanResult, make_plan
+from memfit.checkpoint.profiler.runner import preserved
+from memfit.checkpoint.solvers.fixed import parse_strategy
+from memfit.errors import ConfigError
+from memfit.memory import MemoryReport, measure
+from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
+from memfit.monitor.metrics import OverflowWindow, memory_metrics
+from memfit.monitor.sinks import is_rank_zero
+from memfit.monitor.throughput import recompute_overhead_from_flops
+from memfit.nested import map_tensors
+from memfit.units import format_bytes, parse_bytes
+
+log = logging.getLogger("memfit.integrations")
+
+#: The extra that installs every framework the callbacks need.
+EXTRA = "integrations"
+
+#: Prefix of every key the callbacks add to the loop's logs.
+PREFIX = "memfit/"
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def require(modules: Sequence[str], feature: str) -> None:
+    """Raise an ImportError naming the extra to install when a module is missing.
+
+    Example::
+
+        require(["transformers", "accelerate"], "memfit.integrations.hf")
+    """
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"{feature} needs {' and '.join(missing)}, not installed here; install memfit's "
+            f"'{EXTRA}' extra: pip install 'memfit[{EXTRA}]'"
+        )
+
+
+def check_settings(budget: Budget, strategy: str) -> None:
+    """Raise a ConfigError now, not at train begin, for a bad budget or strategy.
+
+    Example::
+
+        check_settings("200MiB", "uniform:2")
+    """
+    fraction = isinstance(budget, float) and 0 < budget <= 1
+    if budget is not None and not fraction:  # a fraction is of the model's device, later
+        parse_bytes(budget)
+    parse_strategy(strategy)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (a ``UserDict`` batch comes back a dict)."""
+    return map_tensors(batch, lambda t: t.to(device))
+
+
+def example_batch(dataloader: Any, device: torch.device) -> Any:
+    """The first batch ``dataloader`` yields in index order, on ``device``.
+
+    Made from the dataloader's dataset and ``collate_fn`` (its first ``batch_size``
+    samples) instead of by iterating it: starting an iterator draws from the global random
+    state and moves the sampler (and, under accelerate, registers the loader as the active
+    one), which would change the run the callback is part of.
+
+    Example::
+
+        batch = example_batch(trainer.get_train_dataloader(), torch.device("cpu"))
+    """
+    if dataloader is None:
+        raise ConfigError(
+            "no train dataloader to take an example batch from; pass example_batch= "
+            "(one micro-batch as training feeds it) to MemfitCallback"
+        )
+    dataset = getattr(dataloader, "dataset", None)
+    collate = getattr(dataloader, "collate_fn", None)
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    indexable = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if not (indexable and callable(collate) and size):
+        raise ConfigError(
+            f"cannot take an example batch from {type(dataloader).__name__}: it needs a "
+            "dataset with __len__ and __getitem__, a batch_size and a collate_fn (an "
+            "IterableDataset has no first batch to read without iterating); pass "
+            "example_batch= to MemfitCallback"
+        )
+    count = min(int(size), len(dataset))
+    if count == 0:
+        raise ConfigError("the train dataset is empty: there is no example batch to plan with")
+    return to_device(collate([dataset[i] for i in range(count)]), device)
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A plan made at train begin and what was measured under it."""
+
+    result: PlanResult
+    """The plan and the profile, step memory and precision it came from."""
+    report: MemoryReport | None
+    """One forward and backward of the example batch under the plan, by kind and dtype
+    (``memfit.measure``), or None when not measured."""
+    measured_peak_bytes: float | None
+    """The allocator's peak of that forward and backward (CUDA statistics; on CPU the
+    profiler's memory events, :func:`memfit.allocator.allocator_peak`)."""
+    step_flops: float
+    """FLOPs of one unplanned forward and backward (three times the forward's)."""
+    device: torch.device
+    """The model's device."""
+
+
+@contextlib.contextmanager
+def _forked_rng(device: torch.device) -> Iterator[None]:
+    """The global random state as it was afterwards, so planning changes no later draw."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        yield
+
+
+def plan_model(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    budget: Budget,
+    strategy: str,
+    precision: str,
+    accumulation_steps: int,
+    optimizer: torch.optim.Optimizer | None,
+    measure_memory: bool = True,
+) -> PlannedRun:
+    """Plan ``loss_fn(model, batch)`` under ``budget`` (:func:`make_plan`), measure one
+    planned forward and backward (``measure_memory``), and apply the plan to ``model``.
+
+    Parameters, gradients, buffers and the random state are as before; only the plan is
+    new. Example::
+
+        run = plan_model(model, batch, lambda m, b: m(**b).loss, budget="200MiB",
+                         strategy="optimal", precision="fp32", accumulation_steps=1,
+                         optimizer=None)
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with _forked_rng(device):
+        result = make_plan(
+            model,
+            batch,
+            loss_fn,
+            optimizer=optimizer,
+            precision=precision,
+            strategy=strategy,
+            budget=budget,
+            accumulation_steps=accumulation_steps,
+            frontier=False,
+        )
+        report, peak = None, None
+        if measure_memory:
+            report, peak = _measure_planned(model, batch, loss_fn, result, optimizer, device)
+    apply_plan(model, result.plan)
+    flops = 3.0 * result.profile.profile.root.fwd_flops
+    return PlannedRun(result, report, peak, flops, device)
+
+
+def _measure_planned(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    result: PlanResult,
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+) -> tuple[MemoryReport, float]:
+    """One forward and backward under the plan, measured by the allocator (the peak) and
+    memfit's tracker inside it (the kinds), with gradients and buffers put back."""
+
+    def step() -> None:
+        with result.policy.autocast(device.type):
+            loss = loss_fn(model, batch)
+        loss.backward()
+
+    live = [*model.parameters(), *model.buffers(), batch]
+    if optimizer is not None:
+        live += optimizer_tensors(optimizer)
+    # Train mode for the measured step, as the profiler plans it; modes are put back.
+    with preserved(model, train=True, rng_devices=[]), planned(model, result.plan):
+        peak = allocator_peak(
+            lambda: measure(step, model=model, optimizer=optimizer), live=live, device=device
+        )
+    return peak.result, float(peak.peak_bytes)
+
+
+class ScaleWatcher:
+    """Tells skipped optimizer steps of a ``torch.amp.GradScaler`` from its scale.
+
+    A GradScaler lowers its scale exactly when a step found inf/NaN gradients and was
+    skipped, and otherwise keeps or raises it; it counts no skips itself. Reading the scale
+    is one host sync per optimizer step, made only while the scaler is enabled (fp16).
+
+    Example::
+
+        watcher = ScaleWatcher(scaler)
+        ...  # optimizer step, scaler.update()
+        skipped = watcher.step_skipped()
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
+        self.scaler = scaler if enabled else None
+        self.scale = self._read()
+
+    def _read(self) -> float | None:
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def step_skipped(self) -> bool:
+        """Whether the optimizer step just taken was skipped (False without a scaler)."""
+        before, self.scale = self.scale, self._read()
+        return before is not None and self.scale is not None and self.scale < before
+
+
+class RunMetrics:
+    """The metrics a callback adds to the loop's logs, from a :class:`PlannedRun` and the
+    steps it is told about; names as in docs/monitoring.md, under :data:`PREFIX`.
+
+    Example::
+
+        metrics = RunMetrics(run, scaler=accelerator.scaler)
+        metrics.observe_step()                      # after each optimizer step
+        logs.update(metrics.log_metrics(loss=2.3))  # at a log step
+    """
+
+    def __init__(
+        self,
+        run: PlannedRun,
+        scaler: Any = None,
+        thresholds: HealthThresholds | None = None,
+        window: int = 100,
+    ) -> None:
+        self.run = run
+        self.thresholds = thresholds or HealthThresholds()
+        self.watcher = ScaleWatcher(scaler)
+        self.window = OverflowWindow(window)
+        self.steps = 0
+        self.skipped = 0
+        self.checks: list[HealthCheck] = []
+        self._warned: set[str] = set()
+
+    def observe_step(self) -> None:
+        """Count one optimizer step (skipped or not, from the scaler)."""
+        skipped = self.watcher.step_skipped()
+        self.steps += 1
+        self.skipped += int(skipped)
+        self.window.push(skipped)
+
+    def plan_metrics(self) -> dict[str, float]:
+        """The plan's prediction and cost, and the planned forward and backward measured at
+        train begin. No tensor is read."""
+        plan = self.run.result.plan
+        out = {
+            "plan/predicted_peak_bytes": float(plan.predicted_peak_bytes),
+            "plan/static_bytes": float(plan.static_bytes),
+            "plan/kept_bytes": float(plan.kept_bytes),
+            "plan/transient_bytes": float(plan.transient_bytes),
+            "plan/recomputed_units": float(sum(d != "keep" for d in plan.decisions.values())),
+            "plan/recompute_flops": float(plan.recompute_flops),
+        }
+        if plan.budget_bytes is not None:
+            out["plan/budget_bytes"] = float(plan.budget_bytes)
+        if self.run.step_flops > 0:
+            out["recompute/overhead"] = recompute_overhead_from_flops(
+                plan.recompute_flops, self.run.step_flops
+            )
+        if self.run.measured_peak_bytes is not None:
+            out["plan/measured_peak_bytes"] = self.run.measured_peak_bytes
+        if self.run.report is not None:
+            out.update(memory_metrics(self.run.report))
+        return out
+
+    def amp_metrics(self) -> dict[str, float]:
+        """Loss-scaler counters, when the loop scales the loss (fp16)."""
+        if self.watcher.scaler is None:
+            return {}
+        return {
+            "amp/scale": float(self.watcher.scale or 0.0),
+            "amp/skipped": float(self.skipped),
+            "amp/overflow_rate": self.skipped / self.steps if self.steps else 0.0,
+            **self.window.metrics(),
+        }
+
+    def log_metrics(self, loss: float | None = None) -> dict[str, float]:
+        """Every metric with :data:`PREFIX`, and the health checks' warnings counted
+        (``memfit/health/warnings``); each check that turns to a warning is logged once with
+        its remedy. On CUDA, ``memory/allocated_peak_bytes`` is the allocator's peak since
+        the last call (the statistic is reset)."""
+        metrics = {**self.plan_metrics(), **self.amp_metrics()}
+        device = self.run.device
+        if device.type == "cuda":
+            metrics["memory/allocated_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+        checked = dict(metrics)
+        if loss is not None:
+            checked["loss"] = float(loss)
+        self.checks = check_health(
+            checked, self.run.result.policy, self.thresholds, {"has_plan": True}
+        )
+        warned = [c for c in self.checks if c.status == "warn"]
+        for check in warned:
+            if check.name not in self._warned and is_rank_zero():
+                self._warned.add(check.name)
+                said = f"{check.name} ({check.detail})" if check.detail else check.name
+                log.warning("memfit health: %s: %s", said, check.remedy)
+        metrics["health/warnings"] = float(len(warned))
+        return {PREFIX + key: value for key, value in metrics.items()}
+
+
+def announce(run: PlannedRun, verbose: bool) -> None:
+    """The plan's summary, once, on rank zero: logged, and printed when ``verbose``."""
+    if not is_rank_zero():
+        return
+    text = run.result.plan.summary()
+    if run.measured_peak_bytes is not None:
+        text += (
+            f"\nmeasured at train begin (one planned forward and backward of the example "
+            f"batch): {format_bytes(run.measured_peak_bytes)}"
+        )
+    log.info("memfit plan:\n%s", text)
+    if verbose:
+        print(text)
+
+
+def say_once(message: str) -> None:
+    """A warning for something the callback changed in the user's setup."""
+    if is_rank_zero():
+        warnings.warn(message, stacklevel=3)
+        log.warning(message)
+
+
+def loss_from(output: Any, where: str) -> torch.Tensor:
+    """The loss in a step's output: a tensor, an object with ``.loss`` or a mapping with
+    ``"loss"``; a ConfigError saying what to do when there is none."""
+    loss = output
+    if not isinstance(output, torch.Tensor):
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"{where} gave no loss tensor (got {type(output).__name__}"
+            f"{'' if loss is None else ' with loss ' + type(loss).__name__}); put labels in "
+            "the batch so the model computes its loss, or pass loss_fn=(model, batch) -> loss "
+            "to MemfitCallback"
+        )
+    return loss

@@ -1,0 +1,227 @@
+"""memfit's planner and monitoring in a Hugging Face ``Trainer``: :class:`MemfitCallback`.
+
+At train begin the callback takes an example batch from the Trainer's train dataloader,
+plans activation checkpointing under the budget for the loss the model computes itself
+(``model(**batch).loss``), under the Trainer's precision (``bf16=True``: bf16-mixed,
+``fp16=True``: fp16-mixed, else fp32) and its ``gradient_accumulation_steps``, and applies
+the plan to the model. It turns off Hugging Face's own activation checkpointing and the
+key/value cache (a plan and HF's checkpointing would recompute the same blocks twice; a
+cache makes a decoder block do other work when run again), and says so. At every log
+step it adds memfit's metrics to the ``logs`` dict and the Trainer's ``log_history``.
+
+Example::
+
+    from memfit.integrations.hf import MemfitCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[MemfitCallback(budget="200MiB")])
+    trainer.train()
+    trainer.state.log_history[-2]["memfit/plan/predicted_peak_bytes"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from memfit.integrations.common import require
+
+require(["transformers", "accelerate"], "memfit.integrations.hf")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from memfit.checkpoint.planner import Budget  # noqa: E402
+from memfit.errors import ConfigError  # noqa: E402
+from memfit.integrations.common import (  # noqa: E402
+    LossFn,
+    PlannedRun,
+    RunMetrics,
+    announce,
+    check_settings,
+    example_batch,
+    loss_from,
+    plan_model,
+    say_once,
+    to_device,
+)
+from memfit.monitor.health import HealthCheck, HealthThresholds  # noqa: E402
+
+__all__ = ["MemfitCallback", "model_loss", "trainer_precision"]
+
+
+def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a Hugging Face model computes itself when the batch holds labels.
+
+    Example::
+
+        model_loss(model, {"input_ids": ids, "labels": ids})
+    """
+    output = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    return loss_from(output, f"{type(model).__name__}(**batch)")
+
+
+def trainer_precision(args: Any) -> str:
+    """memfit's precision for a Trainer's ``TrainingArguments``.
+
+    Example::
+
+        trainer_precision(TrainingArguments(output_dir="x", bf16=True))   # "bf16-mixed"
+    """
+    if getattr(args, "bf16", False):
+        return "bf16-mixed"
+    if getattr(args, "fp16", False):
+        return "fp16-mixed"
+    return "fp32"
+
+
+class MemfitCallback(TrainerCallback):
+    """Plans and applies activation checkpointing at train begin; logs memfit's metrics.
+
+    ``budget``: the peak of a whole training step ("200MiB", bytes, a fraction of device
+    memory, or None for no limit). ``strategy``: "optimal" (default), "full", "sqrt",
+    "uniform", "uniform:k" or "none". ``loss_fn(model, batch)``: default
+    :func:`model_loss`. ``example_batch``: one micro-batch to plan with, instead of the
+    first batch of the train dataloader. ``measure_memory``: measure one planned forward
+    and backward at train begin (the ``memfit/memory/*`` metrics). ``verbose``: print the
+    plan's summary (it is logged to the ``memfit.integrations`` logger either way).
+
+    Example::
+
+        callback = MemfitCallback(budget="200MiB", strategy="optimal")
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+        trainer.train()
+        print(callback.plan.summary())
+    """
+
+    def __init__(
+        self,
+        budget: Budget = None,
+        strategy: str = "optimal",
+        *,
+        loss_fn: LossFn | None = None,
+        example_batch: Any = None,
+        measure_memory: bool = True,
+        thresholds: HealthThresholds | None = None,
+        verbose: bool = True,
+    ) -> None:
+        check_settings(budget, strategy)
+        self.budget = budget
+        self.strategy = strategy
+        self.loss_fn = loss_fn or model_loss
+        self.example_batch = example_batch
+        self.measure_memory = measure_memory
+        self.thresholds = thresholds
+        self.verbose = verbose
+        self.run: PlannedRun | None = None
+        self.metrics: RunMetrics | None = None
+
+    @property
+    def plan(self) -> Any:
+        """The plan applied at train begin (None before)."""
+        return None if self.run is None else self.run.result.plan
+
+    def attach(self, trainer: Any) -> MemfitCallback:
+        """Add this callback to ``trainer`` *first*, so that the reporting callbacks of
+        ``report_to`` (TensorBoard, W&B, ...), which run before callbacks added later,
+        see memfit's keys in ``logs`` too.
+
+        Example::
+
+            MemfitCallback(budget="200MiB").attach(trainer)
+        """
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is None:
+            raise ConfigError("MemfitCallback got no model from the Trainer at train begin")
+        _turn_off_hf_checkpointing(model, args)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self.example_batch is not None:
+            batch = to_device(self.example_batch, device)
+        else:
+            batch = example_batch(train_dataloader, device)
+        # accelerate wraps the optimizer; the planner reads the optimizer's own class.
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.run = plan_model(
+            model,
+            batch,
+            self.loss_fn,
+            budget=self.budget,
+            strategy=self.strategy,
+            precision=trainer_precision(args),
+            accumulation_steps=int(args.gradient_accumulation_steps),
+            optimizer=inner,
+            measure_memory=self.measure_memory,
+        )
+        # accelerate's optimizer holds the fp16 GradScaler, when there is one.
+        self.metrics = RunMetrics(self.run, getattr(optimizer, "scaler", None), self.thresholds)
+        announce(self.run, self.verbose)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_step()
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        if self.metrics is None or logs is None:
+            return
+        loss = logs.get("loss", logs.get("train_loss"))
+        if loss is None:  # evaluation logs: the plan's metrics belong to training
+            return
+        extra = self.metrics.log_metrics(loss=loss)
+        logs.update(extra)
+        # The Trainer put a copy of these logs in its history before calling back.
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(extra)
+
+    def health(self) -> list[HealthCheck]:
+        """The health checks of the last log step (empty before one)."""
+        return [] if self.metrics is None else list(self.metrics.checks)
+
+
+def _turn_off_hf_checkpointing(model: nn.Module, args: Any) -> None:
+    """Hugging Face's own activation checkpointing off (memfit's plan replaces it), and the
+    key/value cache off (a cached decoder block appends to the cache when run again, so
+    the planner would leave every block out); each said once."""
+    # Newer transformers name it "activation", older ones "gradient" checkpointing.
+    name = "is_activation_checkpointing"
+    if not hasattr(type(model), name):
+        name = "is_gradient_checkpointing"
+    on = bool(getattr(model, name, False))
+    on = on or bool(getattr(args, "activation_checkpointing", False))
+    on = on or bool(getattr(args, "gradient_checkpointing", False))
+    if on:
+        disable = getattr(model, "activation_checkpointing_disable", None)
+        disable = disable or getattr(model, "gradient_checkpointing_disable", None)
+        if disable is None:
+            raise ConfigError(
+                f"{type(model).__name__} has Hugging Face activation checkpointing on and no "
+                "way to turn it off; set gradient_checkpointing=False in TrainingArguments "
+                "to plan with memfit"
+            )
+        disable()
+        say_once(
+            "MemfitCallback turned off Hugging Face activation checkpointing "
+            "(gradient_checkpointing=True): memfit's plan decides what is recomputed"
+        )
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+        say_once(
+            "MemfitCallback set model.config.use_cache=False: a key/value cache makes a "
+            "decoder block do other work when recomputed, and training does not read it"
+        )

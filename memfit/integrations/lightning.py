@@ -1,0 +1,211 @@
+"""memfit's planner and monitoring in a Lightning ``Trainer``: :class:`MemfitCallback`.
+
+At train start (the optimizers and the train dataloader exist by then) the callback takes
+an example batch from ``trainer.train_dataloader``, plans activation checkpointing under
+the budget for the loss ``training_step(batch, 0)`` returns (a tensor, or a dict with
+``"loss"``), under the precision Lightning trains with (``Trainer(precision=...)``:
+"32-true", "bf16-mixed", "16-mixed", ... mapped by memfit's precision aliases) and its
+``accumulate_grad_batches``, and applies the plan to the LightningModule (or to the
+submodule named by ``module=``). At Lightning's log steps it logs memfit's metrics with
+``pl_module.log_dict``, so they reach ``trainer.logger`` and ``trainer.callback_metrics``.
+
+Example::
+
+    from memfit.integrations.lightning import MemfitCallback
+
+    trainer = lightning.pytorch.Trainer(max_steps=100, precision="bf16-mixed",
+                                        callbacks=[MemfitCallback(budget="200MiB")])
+    trainer.fit(module, datamodule=data)
+    trainer.callback_metrics["memfit/plan/predicted_peak_bytes"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from memfit.integrations.common import require
+
+require(["lightning"], "memfit.integrations.lightning")
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+from torch import nn  # noqa: E402
+
+from memfit.checkpoint.planner import Budget  # noqa: E402
+from memfit.errors import ConfigError  # noqa: E402
+from memfit.integrations.common import (  # noqa: E402
+    LossFn,
+    PlannedRun,
+    RunMetrics,
+    announce,
+    check_settings,
+    example_batch,
+    loss_from,
+    plan_model,
+    to_device,
+)
+from memfit.monitor.health import HealthCheck, HealthThresholds  # noqa: E402
+from memfit.precision.policy import resolve_mode  # noqa: E402
+
+__all__ = ["MemfitCallback", "lightning_precision", "training_step_loss"]
+
+
+def lightning_precision(precision: Any) -> str:
+    """memfit's precision for Lightning's ``trainer.precision`` ("32-true", "bf16-mixed",
+    "16-mixed", "bf16-true", "16-true"; also 32, 16). Other settings (64-bit,
+    transformer-engine, bitsandbytes) raise a ConfigError.
+
+    Example::
+
+        lightning_precision("16-mixed")   # "fp16-mixed"
+    """
+    try:
+        return resolve_mode(str(precision))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"MemfitCallback cannot plan under Lightning precision {precision!r}: {exc}"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _logging_ignored(module: nn.Module) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` ignored while planning runs training_step."""
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+        del module.log_dict
+
+
+def training_step_loss(pl_module: nn.Module) -> LossFn:
+    """A planner loss ``(model, batch) -> loss`` that runs ``pl_module.training_step(batch,
+    0)``, with its logging calls ignored.
+
+    Example::
+
+        loss_fn = training_step_loss(module)
+        loss_fn(module, batch).backward()
+    """
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        with _logging_ignored(pl_module):
+            output = pl_module.training_step(batch, 0)
+        return loss_from(output, f"{type(pl_module).__name__}.training_step(batch, 0)")
+
+    return loss_fn
+
+
+class MemfitCallback(Callback):
+    """Plans and applies activation checkpointing at train start; logs memfit's metrics.
+
+    ``budget``: the peak of a whole training step ("200MiB", bytes, a fraction of device
+    memory, or None for no limit). ``strategy``: "optimal" (default), "full", "sqrt",
+    "uniform", "uniform:k" or "none". ``module``: the attribute path of the submodule to
+    plan (default: the LightningModule itself; name one when training_step calls it
+    directly, ``self.net(x)``, rather than ``self(x)``). ``loss_fn(model, batch)``:
+    default :func:`training_step_loss`. ``example_batch``: one micro-batch to plan with,
+    instead of the first batch of the train dataloader. ``measure_memory``: measure one
+    planned forward and backward at train start. ``verbose``: print the plan's summary.
+
+    Example::
+
+        callback = MemfitCallback(budget="200MiB", strategy="sqrt")
+        lightning.pytorch.Trainer(callbacks=[callback]).fit(module, loader)
+        print(callback.plan.summary())
+    """
+
+    def __init__(
+        self,
+        budget: Budget = None,
+        strategy: str = "optimal",
+        *,
+        module: str | None = None,
+        loss_fn: LossFn | None = None,
+        example_batch: Any = None,
+        measure_memory: bool = True,
+        thresholds: HealthThresholds | None = None,
+        verbose: bool = True,
+    ) -> None:
+        check_settings(budget, strategy)
+        self.budget = budget
+        self.strategy = strategy
+        self.module = module
+        self.loss_fn = loss_fn
+        self.example_batch = example_batch
+        self.measure_memory = measure_memory
+        self.thresholds = thresholds
+        self.verbose = verbose
+        self.run: PlannedRun | None = None
+        self.metrics: RunMetrics | None = None
+        self._observed_step = 0
+
+    @property
+    def plan(self) -> Any:
+        """The plan applied at train start (None before)."""
+        return None if self.run is None else self.run.result.plan
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        model = pl_module
+        if self.module is not None:
+            try:
+                model = pl_module.get_submodule(self.module)
+            except AttributeError as exc:
+                raise ConfigError(
+                    f"MemfitCallback(module={self.module!r}): {type(pl_module).__name__} has "
+                    "no such submodule; name one of its named_modules()"
+                ) from exc
+        device = pl_module.device
+        if self.example_batch is not None:
+            batch = to_device(self.example_batch, device)
+        else:
+            batch = example_batch(_first_loader(trainer.train_dataloader), device)
+        optimizers = trainer.optimizers
+        self.run = plan_model(
+            model,
+            batch,
+            self.loss_fn or training_step_loss(pl_module),
+            budget=self.budget,
+            strategy=self.strategy,
+            precision=lightning_precision(trainer.precision),
+            accumulation_steps=int(trainer.accumulate_grad_batches),
+            optimizer=optimizers[0] if optimizers else None,
+            measure_memory=self.measure_memory,
+        )
+        self.metrics = RunMetrics(self.run, getattr(trainer, "scaler", None), self.thresholds)
+        self._observed_step = trainer.global_step
+        announce(self.run, self.verbose)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.metrics is None:
+            return
+        if trainer.global_step == self._observed_step:
+            return  # an accumulation micro-batch: no optimizer step was taken
+        self._observed_step = trainer.global_step
+        self.metrics.observe_step()
+        if trainer.global_step % max(1, int(trainer.log_every_n_steps)) != 0:
+            return
+        loss = None
+        if outputs is not None:
+            # One host sync per log step, for the loss check of the health table.
+            loss = float(loss_from(outputs, "training_step").detach().float().item())
+        pl_module.log_dict(self.metrics.log_metrics(loss=loss), on_step=True, on_epoch=False)
+
+    def health(self) -> list[HealthCheck]:
+        """The health checks of the last log step (empty before one)."""
+        return [] if self.metrics is None else list(self.metrics.checks)
+
+
+def _first_loader(loaders: Any) -> Any:
+    """The first dataloader of what ``trainer.train_dataloader`` holds (one, or a
+    collection of them)."""
+    if isinstance(loaders, dict):
+        return next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else None
+    return loaders
