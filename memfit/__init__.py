@@ -1,6 +1,6 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
-from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
+from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
 from memfit.engine import Engine
 from memfit.errors import (
     BudgetError,
@@ -34,6 +34,7 @@ __all__ = [
     "ScalerStateError",
     "apply_plan",
     "apply_precision",
+    "find_units",
     "format_bytes",
     "measure",
     "plan",

@@ -38,6 +38,7 @@ from torch import nn
 from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.native import disable_native_checkpointing
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
@@ -86,6 +87,9 @@ class ModelProfile:
     unstable: dict[str, str] = dataclasses.field(default_factory=dict)
     """Units left out of every plan because their forward does other work when run again
     (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
+    notes: tuple[str, ...] = ()
+    """What profiling changed that plans must say (the model's own gradient checkpointing
+    turned off: :mod:`memfit.checkpoint.native`)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ def profile_model(
 ) -> ModelProfile:
     """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
     ``keep_output``: the training loop holds the output through backward."""
+    native = disable_native_checkpointing(model)
     with precision_applied(model, policy):
         prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
         profiled = ModelProfile(
@@ -149,6 +154,7 @@ def profile_model(
             output_bytes=float(prof.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
+            notes=(native,) if native else (),
         )
         loss_of = loss_fn or default_loss
         return _probed(
@@ -281,8 +287,13 @@ def profile_step(
     units: Sequence[str] | None = None,
 ) -> ModelProfile:
     """Stage 1 for a step written ``loss_fn(model, batch)``: the model and the loss are
-    profiled as one module, then the model's units are cut out of it."""
-    names = list(units) if units is not None else find_units(model).names()
+    profiled as one module, then the model's units are cut out of it. ``units``: the
+    candidate units (qualified names) instead of those ``find_units`` finds."""
+    native = disable_native_checkpointing(model)
+    if units is not None:
+        names = ["", *dict.fromkeys(n for n in units if n)]  # the model is always one
+    else:
+        names = find_units(model).names()
     step_module = _StepModule(model, loss_fn)
     prefixed = ["model" if not n else f"model.{n}" for n in names]
     with precision_applied(model, policy):
@@ -305,6 +316,7 @@ def profile_step(
             output_bytes=float(prof.output_bytes + model_root.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
             output_held=False,  # loss_fn returns the loss: the output it made is its own
+            notes=(native,) if native else (),
         )
 
         def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it
@@ -406,6 +418,7 @@ def solve_profile(
             f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
         )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
+    plan_.notes.extend(profiled.notes)
     plan_.notes.extend(_unstable_notes(profiled.unstable))
     return PlanResult(
         plan=plan_,

@@ -81,8 +81,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--checkpoint",
-        default="none",
-        help="activation checkpointing: none | auto | full | uniform:K | sqrt | optimal",
+        default=None,
+        help="activation checkpointing: none | auto | full | uniform:K | sqrt | optimal "
+        "(default: none; auto with --budget)",
     )
     p.add_argument(
         "--budget", default=None, help="peak memory budget of a step for planning, e.g. 2GiB"
