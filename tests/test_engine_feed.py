@@ -47,7 +47,8 @@ def _engine(precision: str = "fp32", seed: int = 0, **kwargs: Any) -> Engine:
 def _sgd_engine(**kwargs: Any) -> Engine:
     torch.manual_seed(0)
     model = _net()
-    return Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", **kwargs)
+    kwargs.setdefault("precision", "fp32")
+    return Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
 
 
 def _dataset(n: int = 50) -> TensorDataset:
@@ -246,6 +247,39 @@ def test_a_failed_micro_batch_discards_the_step_fed_so_far() -> None:
         e.backward(data[0:4], _loss)
         e.step()
     _assert_bitwise(engine.model.state_dict(), clean.model.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:precision 'fp16-mixed' on CPU")
+def test_an_overflowed_step_fed_by_hand_is_skipped() -> None:
+    engine = _sgd_engine(accumulation_steps=2, precision="fp16-mixed")
+    before = copy.deepcopy(engine.model.state_dict())
+    data = _dataset(8)
+    engine.backward(data[0:4], _loss)
+    engine.backward(data[4:8], lambda m, b: _loss(m, b) * float("inf"))
+    engine.step()
+    assert engine.steps == 1 and engine.applied_steps == 0
+    _assert_bitwise(engine.model.state_dict(), before)
+    engine.backward(data[0:4], _loss)
+    engine.step()
+    assert engine.applied_steps == 1
+
+
+def test_the_monitor_memory_step_fed_by_hand_keeps_the_highest_call() -> None:
+    # The monitor measures its memory step (the second) call by call; the report kept is
+    # the call with the highest peak, which holds the step's weights and gradients.
+    engine = _sgd_engine(accumulation_steps=2)
+    data = _dataset(8)
+    for _ in range(2):
+        assert engine.memory_report is None
+        engine.backward(data[0:4], _loss)
+        engine.backward(data[4:8], _loss)
+        engine.step()
+    report = engine.memory_report
+    assert report is not None and report.peak_bytes > 0
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert report.peak_by_kind["params"] == weights
+    assert report.peak_by_kind["grads"] == weights  # the first micro-batch's, held
+    assert engine.monitor.memory
 
 
 def test_the_first_planned_step_fed_by_hand_is_measured_with_the_optimizer_state() -> None:

@@ -569,8 +569,10 @@ def plan_step(
     optimizer: torch.optim.Optimizer | None = None,
     frontier: bool = True,
     accumulation_steps: int = 1,
+    units: Sequence[str] | None = None,
 ) -> Plan:
-    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``.
+    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``;
+    ``units``: the candidate units instead of those ``find_units`` finds.
 
     Example::
 
@@ -585,5 +587,6 @@ def plan_step(
         strategy=strategy,
         budget=budget,
         accumulation_steps=accumulation_steps,
+        units=units,
         frontier=frontier,
     ).plan
