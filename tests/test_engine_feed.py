@@ -486,3 +486,18 @@ def test_memfit_plan_also_turns_hugging_face_checkpointing_off() -> None:
         plan = memfit.checkpoint.plan_step(model, ids, _gpt2_loss, None, "full", "fp32")
     assert not model.is_gradient_checkpointing
     assert any("own gradient checkpointing" in note for note in plan.notes)
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_a_given_plan_also_turns_hugging_face_checkpointing_off() -> None:
+    # A resumed run applies its saved plan to a model built again, maybe with Hugging
+    # Face's checkpointing on as the user's code enables it.
+    pytest.importorskip("transformers")
+    model = _gpt2()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = memfit.checkpoint.plan_step(copy.deepcopy(model), ids, _gpt2_loss, None, "full", "fp32")
+    model.gradient_checkpointing_enable()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", checkpoint=plan)
+    with pytest.warns(UserWarning, match="own gradient checkpointing"):
+        engine.train_step(ids, _gpt2_loss)
+    assert not model.is_gradient_checkpointing and applied_plan(model) is plan
