@@ -319,6 +319,22 @@ def test_a_budget_without_checkpoint_plans_and_checkpoint_none_with_one_is_refus
         _sgd_engine(memory_budget="1GiB", checkpoint="none")
 
 
+def test_a_checkpoint_that_ignored_its_budget_resumes_without_planning(tmp_path: Any) -> None:
+    # Saved before a budget implied planning: checkpoint "none" with a budget.
+    from memfit.savefile import atomic_save
+
+    engine = _sgd_engine()
+    engine.train_step(_dataset(4)[0:4], _loss)
+    state = engine.state_dict()
+    state["settings"]["memory_budget"] = 2**30
+    path = atomic_save(state, tmp_path / "old.pt")
+    torch.manual_seed(0)
+    model = _net()
+    resumed = Engine.resume(path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert resumed.settings.checkpoint == "none" and resumed.settings.memory_budget is None
+    assert resumed.steps == 1
+
+
 def test_a_budget_alone_makes_and_applies_a_plan() -> None:
     from memfit.models import build_model
 
