@@ -1,6 +1,6 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
-from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
+from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
 from memfit.engine import Engine, evaluate
 from memfit.errors import (
     BudgetError,
@@ -35,6 +35,7 @@ __all__ = [
     "apply_plan",
     "apply_precision",
     "evaluate",
+    "find_units",
     "format_bytes",
     "measure",
     "plan",

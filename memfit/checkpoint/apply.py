@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, Decision
+from memfit.checkpoint.native import disable_native_checkpointing
 from memfit.checkpoint.recompute import (
     MATMUL_OPS,
     has_own_forward,
@@ -293,7 +294,9 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     """Apply a checkpoint plan to ``model`` in place; returns ``model``.
 
     Idempotent: applying a plan again changes nothing, and applying another one replaces
-    the previous. Take it off with :func:`remove_plan`.
+    the previous. Take it off with :func:`remove_plan`. The model's own gradient
+    checkpointing (Hugging Face's), when on, is turned off with a warning
+    (:mod:`memfit.checkpoint.native`).
 
     Args:
         model: The model the plan was made for.
@@ -318,6 +321,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     _check_structure(model, plan)
     _validate(model, decisions, segments)
     remove_plan(model)
+    disable_native_checkpointing(model)  # a plan over it would recompute twice
 
     for name, ranges in segments.items():
         if not ranges:

@@ -39,6 +39,7 @@ from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.measured_fit import MeasuredFit, measured_least_plan
+from memfit.checkpoint.native import disable_native_checkpointing
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
@@ -93,6 +94,9 @@ class ModelProfile:
     """Computes the profiled step's loss again (the example batch it holds): the planner
     measures a plan with it when the prediction cannot decide a budget
     (:mod:`memfit.checkpoint.measured_fit`)."""
+    notes: tuple[str, ...] = ()
+    """What profiling changed that plans must say (the model's own gradient checkpointing
+    turned off: :mod:`memfit.checkpoint.native`)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,7 @@ def profile_model(
 ) -> ModelProfile:
     """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
     ``keep_output``: the training loop holds the output through backward."""
+    native = disable_native_checkpointing(model)
     with precision_applied(model, policy):
         prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
         profiled = ModelProfile(
@@ -156,6 +161,7 @@ def profile_model(
             output_bytes=float(prof.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
+            notes=(native,) if native else (),
         )
         loss_of = loss_fn or default_loss
         return _probed(
@@ -288,8 +294,13 @@ def profile_step(
     units: Sequence[str] | None = None,
 ) -> ModelProfile:
     """Stage 1 for a step written ``loss_fn(model, batch)``: the model and the loss are
-    profiled as one module, then the model's units are cut out of it."""
-    names = list(units) if units is not None else find_units(model).names()
+    profiled as one module, then the model's units are cut out of it. ``units``: the
+    candidate units (qualified names) instead of those ``find_units`` finds."""
+    native = disable_native_checkpointing(model)
+    if units is not None:
+        names = ["", *dict.fromkeys(n for n in units if n)]  # the model is always one
+    else:
+        names = find_units(model).names()
     step_module = _StepModule(model, loss_fn)
     prefixed = ["model" if not n else f"model.{n}" for n in names]
     with precision_applied(model, policy):
@@ -312,6 +323,7 @@ def profile_step(
             output_bytes=float(prof.output_bytes + model_root.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
             output_held=False,  # loss_fn returns the loss: the output it made is its own
+            notes=(native,) if native else (),
         )
 
         def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it
@@ -448,6 +460,7 @@ def solve_profile(
             f"{format_bytes(solution.predicted_peak_bytes)}: planned without the reserve; "
             "measure the first step (the Engine does)"
         )
+    plan_.notes.extend(profiled.notes)
     plan_.notes.extend(_unstable_notes(profiled.unstable))
     return PlanResult(
         plan=plan_,
@@ -625,8 +638,10 @@ def plan_step(
     optimizer: torch.optim.Optimizer | None = None,
     frontier: bool = True,
     accumulation_steps: int = 1,
+    units: Sequence[str] | None = None,
 ) -> Plan:
-    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``.
+    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``;
+    ``units``: the candidate units instead of those ``find_units`` finds.
 
     Example::
 
@@ -641,5 +656,6 @@ def plan_step(
         strategy=strategy,
         budget=budget,
         accumulation_steps=accumulation_steps,
+        units=units,
         frontier=frontier,
     ).plan

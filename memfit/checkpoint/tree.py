@@ -262,7 +262,13 @@ def unit_tree(model: nn.Module, names: Iterable[str]) -> UnitTree:
 
 
 def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree:
-    """Find the candidate checkpoint units of ``model`` (rules in the module docstring).
+    """Find the candidate checkpoint units of ``model`` (rules in the module docstring);
+    public as ``memfit.find_units``.
+
+    Returns:
+        A :class:`UnitTree` rooted at the model (``""``): ``.names()`` lists the units'
+        qualified names, parents before children; ``tree[name].module`` is the module.
+        For a model whose blocks it cannot find, name them: ``Engine(..., units=[...])``.
 
     Args:
         model: The model.
@@ -301,7 +307,8 @@ def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree
             f"found no blocks to checkpoint in {type(model).__name__}: no nn.ModuleList or "
             "nn.Sequential holds modules with parameters and submodules (Transformer "
             f"layers, residual blocks, RNN layers).{listing} Name the units yourself: "
-            "memfit.plan(model, inputs, units=['encoder.blocks.0', ...]) or "
+            "memfit.plan(model, inputs, units=['encoder.blocks.0', ...]), "
+            "memfit.Engine(..., units=[...]) or "
             "find_units(model, extra=['encoder.blocks.0', ...])."
         )
     return unit_tree(model, names | set(extra_names))

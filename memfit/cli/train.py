@@ -79,7 +79,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "warmup": 20,
     "clip": 1.0,
-    "checkpoint": "none",
+    "checkpoint": None,  # none; auto when --budget is given
     "budget": None,
     "eval_every": 100,
     "eval_batches": 8,
@@ -110,7 +110,9 @@ def add_parser(sub: Any) -> None:
     setting("--warmup", "linear warmup steps", type=_nonneg_int)
     setting("--clip", "clip the gradient norm to this", type=_positive_float)
     setting(
-        "--checkpoint", "activation checkpointing: none | auto | full | uniform:K | sqrt | optimal"
+        "--checkpoint",
+        "activation checkpointing: none | auto | full | uniform:K | sqrt | optimal "
+        "(default: none; auto with --budget)",
     )
     setting("--budget", "peak memory budget of a step for planning, e.g. 2GiB")
     setting("--eval-every", "validation loss every N steps", type=_positive_int)
@@ -230,6 +232,8 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     s, run_dir = start.settings, start.run_dir
     overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
     memfit.PrecisionPolicy(s["precision"]).check_device(device)
+    if s["checkpoint"] is None:  # a budget plans (the Engine's rule), saved as resolved
+        s["checkpoint"] = "auto" if s["budget"] is not None else "none"
     # The Engine checks these too, but only once the model is built: fail fast.
     if s["checkpoint"] not in ("none", "auto"):
         parse_strategy(s["checkpoint"])

@@ -1,6 +1,7 @@
 """The training engine (:class:`Engine`) and its parts.
 
 - :mod:`~memfit.engine.core`: the Engine: the step, accumulation, clipping, skipping, logging;
+- :mod:`~memfit.engine.feed`: micro-batches as they come: their weights, measuring a step;
 - :mod:`~memfit.engine.planning`: stage two of its order, the plan and the closed loop;
 - :mod:`~memfit.engine.state`: its checkpoint and loading it back (``resume``, ``load``);
 - :mod:`~memfit.engine.evaluation`: evaluating under the training precision;

@@ -1,7 +1,8 @@
 """The training engine: precision, checkpoint plan, accumulation, clipping, skipping, saving.
 
 One :meth:`Engine.train_step` is one optimizer step over ``accumulation_steps``
-micro-batches. In every precision mode a step whose gradients are not finite is skipped
+micro-batches; the same step fed micro-batch by micro-batch is :meth:`Engine.backward` for
+each, then :meth:`Engine.step` (:mod:`memfit.engine.feed`). In every precision mode a step whose gradients are not finite is skipped
 (never written into the weights, the optimizer state or the LR schedule) and counted.
 
 Host syncs: none per micro-batch. Per optimizer step: one inside ``LossScaler.step`` unless
@@ -28,14 +29,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.engine.diagnose import diagnose_skips
 from memfit.engine.evaluation import eval_context
 from memfit.engine.export import export_model, model_state_dict
+from memfit.engine.feed import Window, checked_loss, rescale_gradients, run_measured
 from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
-from memfit.engine.settings import EngineSettings, check_arguments
+from memfit.engine.settings import (
+    EngineSettings,
+    check_arguments,
+    resolve_checkpoint,
+    unit_names,
+)
 from memfit.engine.state import (
     check_fresh_optimizer,
     engine_state,
@@ -72,8 +79,16 @@ class Engine:
        modes; the optimizer then updates fp32 copies) and the fp32 islands
        (:func:`~memfit.precision.apply.apply_precision`);
     2. **checkpoint plan**, on the first micro-batch (:meth:`prepare`, which the first
-       :meth:`train_step` calls): planned under the precision of step 1 by
+       micro-batch calls): planned under the precision of step 1 by
        :func:`~memfit.checkpoint.planner.make_plan`, then applied with ``apply_plan``.
+
+    ``memory_budget`` without ``checkpoint`` implies ``checkpoint="auto"``; with an
+    explicit ``checkpoint="none"`` it is a ConfigError (the budget would be ignored).
+    ``units``: the candidate checkpoint units (module names or the modules) instead of
+    those :func:`memfit.find_units` finds, for models whose blocks it cannot find.
+
+    A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
+    (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
 
     After (or between) training: :meth:`eval_context` evaluates under the training
     precision, :meth:`model_state_dict` and :meth:`export` give the weights (the fp32
@@ -91,7 +106,7 @@ class Engine:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         precision: str | PrecisionPolicy = "bf16-mixed",
-        checkpoint: Any = "none",
+        checkpoint: Any = None,
         memory_budget: str | int | float | None = None,
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
@@ -104,6 +119,7 @@ class Engine:
         sinks: Sequence[Sink] = (),
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
+        units: Sequence[str | nn.Module] | None = None,
     ) -> None:
         check_arguments(
             accumulation_steps=accumulation_steps,
@@ -111,7 +127,10 @@ class Engine:
             log_every=log_every,
             max_consecutive_skips=max_consecutive_skips,
             checkpoint=checkpoint,
+            memory_budget=memory_budget,
         )
+        checkpoint = resolve_checkpoint(checkpoint, memory_budget)
+        self.units = unit_names(model, units)
         self.policy = PrecisionPolicy.of(precision)
         self.model = model
         self.optimizer = optimizer
@@ -148,8 +167,8 @@ class Engine:
         self.monitor = Monitor(model, monitor, self.log_dir, sinks)
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
-        self._measuring = False
         self._checkpoint_request = checkpoint
+        self._window: Window | None = None  # the micro-batches fed since the last step
         self.plan: Any = None
         # The first step under a plan memfit made is measured against its prediction.
         self._plan_to_check: EnginePlan | None = None
@@ -185,35 +204,169 @@ class Engine:
 
         ``loss_fn(model, micro_batch)`` returns the mean loss of the micro-batch; it runs
         under the precision's autocast. Returns the batch's mean loss as a detached device
-        tensor (no sync).
+        tensor (no sync). A batch with fewer samples than ``accumulation_steps`` (a
+        DataLoader's last batch) runs as one micro-batch per sample, weighted by size.
+
+        It feeds the parts to :meth:`backward` and calls :meth:`step`: the same training,
+        bitwise, as feeding those micro-batches yourself.
         """
-        if self._checkpoint_request is not None:
-            # Planned before anything is measured: the profile's own step is not training.
-            self.prepare(split_batch(batch, self.settings.accumulation_steps)[0], loss_fn)
-        if self._plan_to_check is not None and not self._measuring:
-            return self._checked_step(batch, loss_fn)
-        memory_step = self.monitor.config.measure_memory_step
-        if (
-            self.monitor.config.enabled
-            and memory_step is not None
-            and self._session_steps + 1 == memory_step
-            and not self._measuring
-        ):
-            return self._measured_step(batch, loss_fn)
-        micro_batches = split_batch(batch, self.settings.accumulation_steps)
-        total = batch_size(batch)
+        if self._window is not None:
+            raise ConfigError(
+                f"train_step() called while {self._window.count} micro-batch(es) fed with "
+                "engine.backward() wait for their step; call engine.step() first"
+            )
+        size = batch_size(batch)
+        if size == 0:
+            raise ConfigError("the batch is empty (0 samples); give at least one sample")
+        for micro in split_batch(batch, min(size, self.settings.accumulation_steps)):
+            self.backward(micro, loss_fn)
+        return self.step()
+
+    def backward(self, micro_batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one micro-batch, fed as it comes; :meth:`step` ends the
+        optimizer step after up to ``accumulation_steps`` of them.
+
+        ``loss_fn(model, micro_batch)`` returns the micro-batch's mean loss; it runs under
+        the precision's autocast, and the backward is scaled and weighted by the
+        micro-batch's size, so the step's gradient is that of one batch of all its
+        micro-batches, whatever their sizes (:mod:`memfit.engine.feed`). The first
+        micro-batch of training plans (:meth:`prepare`). Returns the micro-batch's mean
+        loss, detached (no sync). When it raises, the micro-batches fed since the last
+        step are discarded.
+
+        Example::
+
+            for i, micro in enumerate(loader):  # DataLoader(..., batch_size=4)
+                engine.backward(micro, loss_fn)
+                if i % 4 == 3:
+                    engine.step()
+            if engine.pending_micro_batches:
+                engine.step()  # the last, shorter step
+        """
         try:
-            loss_sum = self._accumulate(micro_batches, total, loss_fn)
+            size = batch_size(micro_batch)
+            if size == 0:
+                raise ConfigError("the micro-batch is empty (0 samples); give at least one")
+            window = self._window
+            if window is None:
+                if self._checkpoint_request is not None:
+                    # Planned before anything is measured: the profile's step is not training.
+                    self.prepare(micro_batch, loss_fn)
+                window = self._window = self._open_window(size)
+            elif window.count >= self.settings.accumulation_steps:
+                raise ConfigError(
+                    f"{window.count + 1} micro-batches fed for one step, but "
+                    f"accumulation_steps={self.settings.accumulation_steps} (the plan and "
+                    "the loss weights are made for at most that many); call engine.step() "
+                    "or raise accumulation_steps"
+                )
+            # Data-parallel training would skip the all-reduce here (no_sync) unless this
+            # is the step's last micro-batch (window.count + 1 == accumulation_steps).
+            return run_measured(
+                window,
+                lambda: self._backward_one(window, micro_batch, size, loss_fn),
+                self.model,
+                self.optimizer,
+                self.device,
+                micro_batch,
+            )
         except BaseException:
             # A failed micro-batch (out of memory, a bad batch, Ctrl-C) must not leave
             # half-accumulated gradients for the next step to add to.
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            self.scaler.discard_step()
+            self._discard_window()
             raise
-        self._last_loss = loss_sum
-        self.scaler.unscale_(self.optimizer)
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches fed with :meth:`backward` since the last :meth:`step`."""
+        return 0 if self._window is None else self._window.count
+
+    def _open_window(self, size: int) -> Window:
+        config = self.monitor.config
+        check, self._plan_to_check = self._plan_to_check, None
+        return Window(
+            reference=size * self.settings.accumulation_steps,
+            loss_sum=torch.zeros((), dtype=torch.float32, device=self.device),
+            check=check,
+            keep_report=config.enabled and self._session_steps + 1 == config.measure_memory_step,
+        )
+
+    def _discard_window(self) -> None:
+        window, self._window = self._window, None
+        if window is not None and window.check is not None:
+            self._plan_to_check = window.check  # the next step is the first planned one
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.scaler.discard_step()
+
+    def _backward_one(self, window: Window, micro: Batch, size: int, loss_fn: LossFn) -> Tensor:
+        with self.policy.autocast(self.device.type):
+            loss = checked_loss(loss_fn(self.model, micro))
+        weighted = loss * window.weight(size)
+        self.scaler.scale(weighted).backward()
+        window.loss_sum += weighted.detach()
+        window.count += 1
+        window.samples += size
+        self.micro_steps += 1
+        return loss.detach()
+
+    def step(self) -> torch.Tensor:
+        """End the optimizer step over the micro-batches fed with :meth:`backward`: unscale,
+        rescale to the step's total size, clip, skip on overflow, the optimizer step, the
+        master copy, the LR schedule, counters and metrics, as :meth:`train_step` does.
+
+        Returns the step's mean loss over all its samples, detached (no sync). ConfigError
+        when no micro-batch was fed since the last step.
+
+        Example::
+
+            engine.backward(first, loss_fn)
+            engine.backward(second, loss_fn)
+            loss = engine.step()
+        """
+        window = self._window
+        if window is None:
+            raise ConfigError(
+                "engine.step() with no micro-batch fed since the last step; call "
+                "engine.backward(micro_batch, loss_fn) first"
+            )
         log_now = (self.steps + 1) % self.settings.log_every == 0
+        try:
+            grad_metrics = run_measured(
+                window,
+                lambda: self._optimizer_step(window, log_now),
+                self.model,
+                self.optimizer,
+                self.device,
+                optimizer_phase=True,
+            )
+        except BaseException:
+            self._discard_window()
+            raise
+        self._window = None
+        self.steps += 1
+        self._window_samples += window.samples
+        self._window_batch = window.samples
+        self._session_steps += 1
+        self._window_steps += 1
+        error: NonFiniteError | None = None
+        if self.device.type == "cpu" or log_now:
+            error = self._check_skips()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._judge_measured(window)
+        if error is not None:
+            raise error
+        if log_now:
+            self._read_metrics(grad_metrics)
+        assert self._last_loss is not None
+        return self._last_loss
+
+    def _optimizer_step(self, window: Window, log_now: bool) -> dict[str, float]:
+        """The step after the backward passes; returns the gradient metrics of a log step."""
+        factor = window.factor
+        self._last_loss = window.loss_sum * factor if factor != 1.0 else window.loss_sum
+        self.scaler.unscale_(self.optimizer)
+        rescale_gradients(self.params, factor)
         # Gradient statistics describe the unscaled gradients before clipping.
         grad_metrics = (
             self.monitor.gradient_metrics(
@@ -240,36 +393,17 @@ class Engine:
         self._applied_steps += applied
         if self.lr_scheduler is not None and bool(applied):  # host sync, see module doc
             self.lr_scheduler.step()
-        self.steps += 1
-        self._window_samples += total
-        self._window_batch = total
-        self._session_steps += 1
-        self._window_steps += 1
-        error: NonFiniteError | None = None
-        if self.device.type == "cpu" or log_now:
-            error = self._check_skips()
-        self.optimizer.zero_grad(set_to_none=True)
-        if error is not None:
-            raise error
-        if log_now:
-            self._read_metrics(grad_metrics)
-        return loss_sum
+        return grad_metrics
 
-    def _measure_step(self, batch: Batch, loss_fn: LossFn) -> Any:
-        from memfit.memory import measure
-
-        self._measuring = True
-        try:
-            return measure(
-                lambda: self.train_step(batch, loss_fn), model=self.model, optimizer=self.optimizer
-            )
-        finally:
-            self._measuring = False
-
-    def _measured_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        report = self._measure_step(batch, loss_fn)
-        self._keep_memory_report(report)
-        return report.result
+    def _judge_measured(self, window: Window) -> None:
+        """What a measured step tells: the closed loop's verdict on the first planned step
+        (:mod:`memfit.engine.planning`), and the monitor's memory step."""
+        if window.check is not None:
+            check = check_first_step(window.check, window.peak_bytes, self.model, self.optimizer)
+            self.plan = check.plan
+            self.plan_check = check
+        if window.keep_report and window.report is not None:
+            self._keep_memory_report(window.report)
 
     def _keep_memory_report(self, report: Any) -> None:
         """The measured step's memory, for the monitor's memory metrics and the report."""
@@ -277,28 +411,6 @@ class Engine:
 
         self.memory_report = report
         self.monitor.memory = memory_metrics(report)
-
-    def _checked_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        # Closed-loop planning (memfit.engine.planning): the first step under a plan memfit
-        # made is measured by the allocator and the plan made again once if it was off.
-        planned, self._plan_to_check = self._plan_to_check, None
-        checked = check_first_step(
-            planned,
-            lambda: self._measure_step(batch, loss_fn),
-            self.model,
-            self.optimizer,
-            batch,
-            self.device,
-        )
-        self.plan = checked.check.plan
-        self.plan_check = checked.check
-        if self.steps % self.settings.log_every == 0:  # this step's metrics went out before
-            plan_metrics = self._plan_check_metrics()
-            self.log_metrics(plan_metrics)
-            self.metrics.update(plan_metrics)
-        if self._session_steps == self.monitor.config.measure_memory_step:
-            self._keep_memory_report(checked.report)  # the monitor's memory step was this one
-        return checked.report.result
 
     def _plan_check_metrics(self) -> dict[str, float]:
         check = self.plan_check
@@ -341,32 +453,10 @@ class Engine:
         """Flush and close the sinks and remove the monitor's hooks."""
         self.monitor.close()
 
-    def _accumulate(self, micro_batches: list[Batch], total: int, loss_fn: LossFn) -> torch.Tensor:
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for micro in micro_batches:
-            # Weight by size so k micro-batches give the gradient of one batch of k*b.
-            weight = batch_size(micro) / total
-            with self.policy.autocast(self.device.type):
-                loss = loss_fn(self.model, micro)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(
-                    "loss_fn(model, micro_batch) must return a scalar tensor, got "
-                    f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
-                )
-            if not loss.requires_grad:
-                raise ConfigError(
-                    "the loss does not require grad: loss_fn must compute it from the model's "
-                    "output, not under torch.no_grad()"
-                )
-            loss = loss.reshape(()).float() * weight
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-            self.micro_steps += 1
-        return loss_sum
-
     def prepare(self, batch: Batch, loss_fn: LossFn) -> Any:
         """Make and apply the checkpoint plan for micro-batches like ``batch`` (stage two of
-        the Engine's order; the first ``train_step`` calls it when it has not run).
+        the Engine's order; the first micro-batch, fed by ``train_step`` or ``backward``, calls
+        it when it has not run).
 
         A :class:`~memfit.checkpoint.plan.Plan` given as ``checkpoint=`` is applied as
         is. ``"auto"`` and ``"optimal"`` plan optimally under ``memory_budget`` (default:
@@ -401,6 +491,7 @@ class Engine:
                 strategy,
                 budget,
                 self.settings.accumulation_steps,
+                self.units,
             )
             self._plan_to_check = planned
             request = planned.result.plan
@@ -571,8 +662,11 @@ class Engine:
         state = safe_load(path)
         settings = dict(state["settings"])
         settings.pop("checkpoint")
-        checkpoint = overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state)
+        request = overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state)
+        if isinstance(request, str) and request == "none" and "memory_budget" not in overrides:
+            # Saved before a budget implied planning: that run ignored its budget.
+            settings["memory_budget"] = None
         settings.update(overrides)
-        engine = cls(model, optimizer, checkpoint=checkpoint, lr_scheduler=lr_scheduler, **settings)
+        engine = cls(model, optimizer, checkpoint=request, lr_scheduler=lr_scheduler, **settings)
         load_engine_state(engine, state, path)
         return engine

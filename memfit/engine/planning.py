@@ -27,15 +27,6 @@ class EnginePlan(NamedTuple):
     """A budget only the measured first step can judge (the ``full`` fallback), or None."""
 
 
-class CheckedStep(NamedTuple):
-    """The first planned step, measured."""
-
-    check: Any
-    """The PlanCheck: predicted against measured peak, and the plan to keep."""
-    report: Any
-    """memfit.measure's MemoryReport of the step (its ``result`` is the step's loss)."""
-
-
 def make_engine_plan(
     model: nn.Module,
     batch: Any,
@@ -45,10 +36,12 @@ def make_engine_plan(
     strategy: str,
     budget: int | None,
     accumulation_steps: int,
+    units: list[str] | None = None,
 ) -> EnginePlan:
     """The plan under ``budget``; where the model predicts none fits, the ``full`` plan,
     whose first step the closed loop then measures against the budget: a budget the
-    measured ``full`` plan meets is not refused on a prediction.
+    measured ``full`` plan meets is not refused on a prediction. ``units``: the candidate
+    units (qualified module names) instead of those ``find_units`` finds.
 
     Example::
 
@@ -57,7 +50,7 @@ def make_engine_plan(
     """
     from memfit.checkpoint.planner import profile_step, solve_profile
 
-    profiled = profile_step(model, batch, loss_fn, policy)
+    profiled = profile_step(model, batch, loss_fn, policy, units)
     # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
     try:
         result = solve_profile(
@@ -81,40 +74,37 @@ def make_engine_plan(
 
 def check_first_step(
     planned: EnginePlan,
-    run_measured_step: Callable[[], Any],
+    measured_peak_bytes: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: Any,
-    device: torch.device,
-) -> CheckedStep:
-    """Run the first step under a plan memfit made, measured by the allocator, and make the
-    plan again once from the same profile when its prediction was off by more than the
-    reserve (``check_plan``). The step itself trains as any other; a re-made plan is
-    applied in place of the old one.
+) -> Any:
+    """Judge the first step under a plan memfit made by its peak as the allocator measured
+    it, and make the plan again once from the same profile when its prediction was off by
+    more than the reserve (``check_plan``). Returns the PlanCheck; a re-made plan is
+    applied in place of the old one. The step itself trained as any other.
 
-    ``run_measured_step()`` runs one training step under ``memfit.measure`` and returns its
-    MemoryReport. Raises BudgetError when the ``full`` fallback's measured step is over
-    the budget it had to verify (the step was applied; nothing is lost).
+    Raises BudgetError when the ``full`` fallback's measured step is over the budget it
+    had to verify (the step was applied; nothing is lost).
+
+    Example::
+
+        check = check_first_step(planned, peak.peak_bytes, model, optimizer)
+        engine_plan = check.plan
     """
-    from memfit.allocator import allocator_peak, optimizer_tensors
     from memfit.checkpoint.apply import apply_plan, remove_plan
     from memfit.checkpoint.planner import check_plan
 
-    # The allocator judges (kernels' workspaces included, as the prediction counts them);
-    # memfit.measure's tracker, running inside it, gives the monitor its kinds.
-    live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), batch]
-    measured = allocator_peak(run_measured_step, live=live, device=device)
     budget = planned.budget_to_verify
-    if budget is not None and measured.peak_bytes > budget:
+    if budget is not None and measured_peak_bytes > budget:
         raise BudgetError(
             f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
             f"reaches: the first step under 'full' (every unit recomputed) peaked at "
-            f"{format_bytes(measured.peak_bytes)}. The step was applied and nothing is "
+            f"{format_bytes(measured_peak_bytes)}. The step was applied and nothing is "
             "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
             "or a '*-master' precision."
         )
-    check = check_plan(planned.result, measured.peak_bytes, model, optimizer)
+    check = check_plan(planned.result, measured_peak_bytes, model, optimizer)
     if check.replanned:
         remove_plan(model)
         apply_plan(model, check.plan)
-    return CheckedStep(check, measured.result)
+    return check

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from memfit.errors import ConfigError
 
@@ -36,6 +40,7 @@ def check_arguments(
     log_every: Any,
     max_consecutive_skips: Any,
     checkpoint: Any,
+    memory_budget: Any,
 ) -> None:
     """Raise ConfigError for an Engine argument no training could use, when the Engine is
     made rather than at the first step."""
@@ -47,7 +52,74 @@ def check_arguments(
         raise ConfigError(f"log_every must be an int >= 1, got {log_every}")
     if max_consecutive_skips < 1:
         raise ConfigError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
-    check_checkpoint_request(checkpoint)
+    if checkpoint is not None:  # not given: resolve_checkpoint picks it
+        check_checkpoint_request(checkpoint)
+    if isinstance(checkpoint, str) and checkpoint == "none" and memory_budget is not None:
+        raise ConfigError(
+            f"memory_budget={memory_budget!r} would be ignored with checkpoint='none': the "
+            "budget is what checkpoint plans are made under. Leave checkpoint= out (a budget "
+            "implies checkpoint='auto') or drop memory_budget"
+        )
+
+
+def resolve_checkpoint(checkpoint: Any, memory_budget: Any) -> Any:
+    """The checkpoint request: ``checkpoint`` as given; when it was not given (None),
+    ``"auto"`` with a ``memory_budget`` and ``"none"`` without.
+
+    Example::
+
+        resolve_checkpoint(None, "2GiB")  # "auto"
+    """
+    if checkpoint is None:
+        return "none" if memory_budget is None else "auto"
+    return checkpoint
+
+
+def unit_names(model: nn.Module, units: Sequence[str | nn.Module] | None) -> list[str] | None:
+    """The qualified names of ``units`` (names or submodules of ``model``), checked now
+    rather than when the first step plans; None stays None (memfit finds the units).
+
+    Example::
+
+        unit_names(model, [model.encoder, "decoder.layers.0"])  # ["encoder", "decoder.layers.0"]
+    """
+    if units is None:
+        return None
+    if isinstance(units, (str, nn.Module)):
+        units = [units]
+    modules = dict(model.named_modules())
+    by_id = {id(m): name for name, m in modules.items()}
+    names: list[str] = []
+    for unit in units:
+        if isinstance(unit, nn.Module):
+            if id(unit) not in by_id:
+                raise ConfigError(
+                    f"units= holds a {type(unit).__name__} that is not a submodule of the "
+                    f"model ({type(model).__name__}); pass the model's own modules or their "
+                    "names as model.named_modules() lists them"
+                )
+            name = by_id[id(unit)]
+        elif isinstance(unit, str):
+            name = unit
+        else:
+            raise ConfigError(
+                f"units= takes module names or modules, got {type(unit).__name__}: {unit!r}"
+            )
+        if name not in modules:
+            close = difflib.get_close_matches(name, list(modules), n=3)
+            valid = [n for n in modules if n][:5]
+            hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+            raise ConfigError(
+                f"units= names {name!r}, which is not a submodule of {type(model).__name__}; "
+                f"{hint}valid names include {', '.join(map(repr, valid))} "
+                "(model.named_modules() lists them all; memfit.find_units(model) shows the "
+                "units memfit finds itself)"
+            )
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ConfigError("units= is empty; name the modules to plan, or leave units= out")
+    return names
 
 
 def check_checkpoint_request(checkpoint: Any) -> None:
