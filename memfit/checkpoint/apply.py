@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
 from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, Decision
 from memfit.checkpoint.recompute import (
     MATMUL_OPS,
@@ -296,7 +297,8 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     the previous. Take it off with :func:`remove_plan`.
 
     Args:
-        model: The model the plan was made for.
+        model: The model the plan was made for, or ``torch.compile(model)`` (the plan is
+            applied to the model inside; see :mod:`memfit.checkpoint.compiled`).
         plan: A ``Plan`` or a solver ``Solution`` (anything with ``decisions`` ``{unit name:
             "keep" | "recompute" | "selective"}`` and ``segments`` ``{container name:
             [(start, end), ...]}``, ends inclusive), or a dict ``{unit name: decision}``.
@@ -308,12 +310,15 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     Raises:
         PlanError: For a plan made for another model, an unknown unit name or decision, a
             recompute of a module without a forward, or bad segments.
+        ConfigError: For a model whose submodules were compiled one by one.
 
     Example::
 
         apply_plan(model, {"blocks.0": "recompute", "blocks.1": "selective"})
         apply_plan(model, plan)   # replaces the previous plan
     """
+    model = unwrap_compiled(model)
+    check_not_compiled_inside(model)
     decisions, segments = _read_plan(plan)
     _check_structure(model, plan)
     _validate(model, decisions, segments)
@@ -365,6 +370,7 @@ def remove_plan(model: nn.Module) -> nn.Module:
         remove_plan(model)
         assert not is_applied(model)
     """
+    model = unwrap_compiled(model)
     for module in model.modules():
         patch = module.__dict__.pop(_PATCH, None)
         if patch is None:
@@ -387,6 +393,7 @@ def is_applied(model: nn.Module) -> bool:
 
         apply_plan(model, plan); is_applied(model)  # True
     """
+    model = unwrap_compiled(model)
     return _APPLIED in model.__dict__ or any(_PATCH in m.__dict__ for m in model.modules())
 
 
@@ -397,7 +404,7 @@ def applied_plan(model: nn.Module) -> Any:
 
         applied_plan(model) is plan  # True after apply_plan(model, plan)
     """
-    applied = model.__dict__.get(_APPLIED)
+    applied = unwrap_compiled(model).__dict__.get(_APPLIED)
     return None if applied is None else applied[0]
 
 
@@ -410,7 +417,7 @@ def planned(model: nn.Module, plan: Any, *, early_stop: bool = True) -> Iterator
         with planned(model, plan):
             loss_fn(model, batch).backward()
     """
-    previous = model.__dict__.get(_APPLIED)
+    previous = unwrap_compiled(model).__dict__.get(_APPLIED)
     apply_plan(model, plan, early_stop=early_stop)
     try:
         yield model
@@ -432,7 +439,7 @@ def suspended(model: nn.Module) -> Iterator[nn.Module]:
             loss_fn(model, batch).backward()   # runs as if no plan were applied
         assert applied_plan(model) is plan
     """
-    applied = model.__dict__.get(_APPLIED)
+    applied = unwrap_compiled(model).__dict__.get(_APPLIED)
     remove_plan(model)
     try:
         yield model
