@@ -32,6 +32,11 @@ block's last projection and residual add, are not run again. The profiler measur
 tail per unit and the planner counts it, so a plan's recompute FLOPs are exactly what runs.
 ``early_stop=False`` re-runs each piece's whole forward (its tail included).
 
+``torch.compile``: a plan is applied to the model inside the compile wrapper (the same
+names), before or after compiling; Dynamo traces the patched forwards, each piece becomes
+a checkpointed region of the compiled graph, and the compiler's partitioner does the
+recompute (:mod:`memfit.checkpoint.compiled`). Apply it before compiling blocks one by one.
+
 While segments are applied, iterating a swapped container yields segment callables, not
 blocks; index it to reach a block. ``torch.save(model)`` (pickling the module object)
 needs :func:`remove_plan` first; ``state_dict`` works either way, and so does

@@ -2,11 +2,13 @@
 (:mod:`memfit.checkpoint.profiler`) share, so that what the profiler times and counts is
 what a plan runs.
 
-* :data:`MATMUL_OPS` and :func:`save_matmul_outputs`: the ops whose outputs selective
-  recompute saves, and the policy that saves them.
+* :data:`MATMUL_OPS`, :func:`save_matmul_outputs` and :func:`selective_contexts`: the ops
+  whose outputs selective recompute saves, the policy that saves them, and the
+  ``context_fn`` that installs it.
 * :func:`run_checkpointed`: one checkpointed piece, as plans run it (non-reentrant
   ``torch.utils.checkpoint``, RNG replayed, the forward's modes and buffers kept for the
-  rebuild).
+  rebuild); while ``torch.compile`` traces it, a plain checkpointed region for the
+  compiler instead (see :func:`_compiled_checkpoint`).
 * :func:`has_own_forward` and :func:`stock_sequential`: which modules can be recomputed
   whole, and which containers memfit walks in segments itself.
 
@@ -241,7 +243,9 @@ def run_checkpointed(
     ``modules``: the rebuild sees the forward's train/eval modes, and the buffers the
     forward updated are put back after it. ``selective`` saves the outputs of
     :data:`MATMUL_OPS` and recomputes the rest; ``early_stop`` is torch's. ``label`` names
-    the piece in the error a selective rebuild can raise.
+    the piece in the error a selective rebuild can raise. While ``torch.compile`` traces
+    it, the piece is a checkpointed region of the compiled graph instead
+    (:func:`_compiled_checkpoint`).
 
     Example::
 
