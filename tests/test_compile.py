@@ -147,15 +147,35 @@ def test_blocks_compiled_one_by_one_are_refused_with_the_order_that_works(gpt: A
 def test_engine_trains_a_compiled_model_with_a_plan(gpt: Any) -> None:
     model, loss_fn, batch_fn = gpt
     losses = {}
+    spy = Spy()
     for compiled in (False, True):
         torch._dynamo.reset()
         net = copy.deepcopy(model)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         if compiled:
-            net = torch.compile(net, backend="aot_eager")
+            net = torch.compile(net, backend=spy)
         engine = memfit.Engine(net, opt, precision="fp32", checkpoint="full", log_every=1)
-        losses[compiled] = [engine.train_step(batch_fn(2, generator=i), loss_fn) for i in range(2)]
+        losses[compiled] = [engine.train_step(batch_fn(2, generator=i), loss_fn) for i in range(3)]
         assert engine.plan.decisions["blocks.0"] == "recompute"
         assert "act/max/blocks.0" in engine.metrics  # the monitor's names: no "_orig_mod."
+    # The steps ran compiled, checkpointed (the first one is measured by memfit.measure,
+    # whose dispatch mode must not make Dynamo skip the model for good); the monitor's
+    # sampled and unsampled forwards are two graphs.
+    assert 1 <= len(spy.regions) <= 2
+    assert all(regions == [None, None] for regions in spy.regions)
     for a, b in zip(losses[True], losses[False]):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_a_measured_first_call_leaves_the_model_compiled(gpt: Any) -> None:
+    model, loss_fn, batch_fn = gpt
+    batch = batch_fn(2, generator=3)
+    torch._dynamo.reset()
+    spy = Spy()
+    planned = memfit.apply_plan(copy.deepcopy(model), {"blocks.0": "recompute"})
+    compiled = torch.compile(planned, backend=spy)
+    report = memfit.measure(lambda: loss_fn(compiled, batch).backward(), model=compiled)
+    assert spy.regions == [[None]]  # compiled on that first, measured call
+    assert report.peak_bytes > 0
+    loss_fn(compiled, batch).backward()
+    assert spy.regions == [[None]]  # and the compiled graph is used from then on
