@@ -311,9 +311,20 @@ def _is_wrapper(cls: type) -> bool:
 class _TrackingMode(TorchDispatchMode):
     """Shows the tracker every tensor an op reads or writes."""
 
+    # Compiled graphs run higher-order ops (the RNG wrappers of recomputed random ops):
+    # each is seen as one op, its inputs and outputs, the ops inside it not one by one.
+    supports_higher_order_operators = True
+
     def __init__(self, tracker: _StorageTracker) -> None:
         super().__init__()
         self.tracker = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile skips a frame first called under a mode that does not say this,
+        # and every later call of it too: a measured first step would leave the model
+        # uncompiled for good. Compilation then runs without the mode; its result with it.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Let tensor subclasses (DTensor, quantized wrappers) unwrap first: their inner ops on

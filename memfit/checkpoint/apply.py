@@ -32,6 +32,11 @@ block's last projection and residual add, are not run again. The profiler measur
 tail per unit and the planner counts it, so a plan's recompute FLOPs are exactly what runs.
 ``early_stop=False`` re-runs each piece's whole forward (its tail included).
 
+``torch.compile``: a plan is applied to the model inside the compile wrapper (the same
+names), before or after compiling; Dynamo traces the patched forwards, each piece becomes
+a checkpointed region of the compiled graph, and the compiler's partitioner does the
+recompute (:mod:`memfit.checkpoint.compiled`). Apply it before compiling blocks one by one.
+
 While segments are applied, iterating a swapped container yields segment callables, not
 blocks; index it to reach a block. ``torch.save(model)`` (pickling the module object)
 needs :func:`remove_plan` first; ``state_dict`` works either way, and so does
@@ -56,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
 from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, Decision
 from memfit.checkpoint.native import disable_native_checkpointing
 from memfit.checkpoint.recompute import (
@@ -299,7 +305,8 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     (:mod:`memfit.checkpoint.native`).
 
     Args:
-        model: The model the plan was made for.
+        model: The model the plan was made for, or ``torch.compile(model)`` (the plan is
+            applied to the model inside; see :mod:`memfit.checkpoint.compiled`).
         plan: A ``Plan`` or a solver ``Solution`` (anything with ``decisions`` ``{unit name:
             "keep" | "recompute" | "selective"}`` and ``segments`` ``{container name:
             [(start, end), ...]}``, ends inclusive), or a dict ``{unit name: decision}``.
@@ -311,12 +318,15 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     Raises:
         PlanError: For a plan made for another model, an unknown unit name or decision, a
             recompute of a module without a forward, or bad segments.
+        ConfigError: For a model whose submodules were compiled one by one.
 
     Example::
 
         apply_plan(model, {"blocks.0": "recompute", "blocks.1": "selective"})
         apply_plan(model, plan)   # replaces the previous plan
     """
+    model = unwrap_compiled(model)
+    check_not_compiled_inside(model)
     decisions, segments = _read_plan(plan)
     _check_structure(model, plan)
     _validate(model, decisions, segments)
@@ -369,6 +379,7 @@ def remove_plan(model: nn.Module) -> nn.Module:
         remove_plan(model)
         assert not is_applied(model)
     """
+    model = unwrap_compiled(model)
     for module in model.modules():
         patch = module.__dict__.pop(_PATCH, None)
         if patch is None:
@@ -391,6 +402,7 @@ def is_applied(model: nn.Module) -> bool:
 
         apply_plan(model, plan); is_applied(model)  # True
     """
+    model = unwrap_compiled(model)
     return _APPLIED in model.__dict__ or any(_PATCH in m.__dict__ for m in model.modules())
 
 
@@ -401,7 +413,7 @@ def applied_plan(model: nn.Module) -> Any:
 
         applied_plan(model) is plan  # True after apply_plan(model, plan)
     """
-    applied = model.__dict__.get(_APPLIED)
+    applied = unwrap_compiled(model).__dict__.get(_APPLIED)
     return None if applied is None else applied[0]
 
 
@@ -414,7 +426,7 @@ def planned(model: nn.Module, plan: Any, *, early_stop: bool = True) -> Iterator
         with planned(model, plan):
             loss_fn(model, batch).backward()
     """
-    previous = model.__dict__.get(_APPLIED)
+    previous = unwrap_compiled(model).__dict__.get(_APPLIED)
     apply_plan(model, plan, early_stop=early_stop)
     try:
         yield model
@@ -436,7 +448,7 @@ def suspended(model: nn.Module) -> Iterator[nn.Module]:
             loss_fn(model, batch).backward()   # runs as if no plan were applied
         assert applied_plan(model) is plan
     """
-    applied = model.__dict__.get(_APPLIED)
+    applied = unwrap_compiled(model).__dict__.get(_APPLIED)
     remove_plan(model)
     try:
         yield model

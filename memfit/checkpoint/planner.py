@@ -37,6 +37,7 @@ from torch import nn
 
 from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.measured_fit import MeasuredFit, measured_least_plan
 from memfit.checkpoint.native import disable_native_checkpointing
@@ -151,6 +152,7 @@ def profile_model(
 ) -> ModelProfile:
     """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
     ``keep_output``: the training loop holds the output through backward."""
+    model = unwrap_compiled(model)
     native = disable_native_checkpointing(model)
     with precision_applied(model, policy):
         prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
@@ -209,6 +211,7 @@ def kernel_workspace_bytes(
 
         kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
     """
+    model = unwrap_compiled(model)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type != "cpu":
@@ -295,7 +298,10 @@ def profile_step(
 ) -> ModelProfile:
     """Stage 1 for a step written ``loss_fn(model, batch)``: the model and the loss are
     profiled as one module, then the model's units are cut out of it. ``units``: the
-    candidate units (qualified names) instead of those ``find_units`` finds."""
+    candidate units (qualified names) instead of those ``find_units`` finds. A compiled
+    model is profiled uncompiled: ``loss_fn`` is given the module inside
+    ``torch.compile``'s wrapper."""
+    model = unwrap_compiled(model)
     native = disable_native_checkpointing(model)
     if units is not None:
         names = ["", *dict.fromkeys(n for n in units if n)]  # the model is always one
@@ -363,6 +369,7 @@ def solve_profile(
     the solve's time on trees of hundreds of units. ``correction_bytes``: memory the step
     was measured to hold beyond (or, negative, below) the model, counted as held all step
     (:func:`check_plan`)."""
+    model = unwrap_compiled(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
     mem = step_memory(

@@ -2,11 +2,13 @@
 (:mod:`memfit.checkpoint.profiler`) share, so that what the profiler times and counts is
 what a plan runs.
 
-* :data:`MATMUL_OPS` and :func:`save_matmul_outputs`: the ops whose outputs selective
-  recompute saves, and the policy that saves them.
+* :data:`MATMUL_OPS`, :func:`save_matmul_outputs` and :func:`selective_contexts`: the ops
+  whose outputs selective recompute saves, the policy that saves them, and the
+  ``context_fn`` that installs it.
 * :func:`run_checkpointed`: one checkpointed piece, as plans run it (non-reentrant
   ``torch.utils.checkpoint``, RNG replayed, the forward's modes and buffers kept for the
-  rebuild).
+  rebuild); while ``torch.compile`` traces it, a plain checkpointed region for the
+  compiler instead (see :func:`_compiled_checkpoint`).
 * :func:`has_own_forward` and :func:`stock_sequential`: which modules can be recomputed
   whole, and which containers memfit walks in segments itself.
 
@@ -36,6 +38,7 @@ __all__ = [
     "has_own_forward",
     "run_checkpointed",
     "save_matmul_outputs",
+    "selective_contexts",
     "stock_sequential",
 ]
 
@@ -86,6 +89,16 @@ def save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpo
     if getattr(op, "overloadpacket", None) in MATMUL_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts() -> tuple[Any, Any]:
+    """Selective checkpoint's ``context_fn`` with :func:`save_matmul_outputs`.
+
+    A module-level function on purpose: under ``torch.compile`` Dynamo accepts a
+    ``context_fn`` only when it is a plain function (or a ``functools.partial`` of one),
+    not a closure.
+    """
+    return create_selective_checkpoint_contexts(save_matmul_outputs)
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -230,12 +243,16 @@ def run_checkpointed(
     ``modules``: the rebuild sees the forward's train/eval modes, and the buffers the
     forward updated are put back after it. ``selective`` saves the outputs of
     :data:`MATMUL_OPS` and recomputes the rest; ``early_stop`` is torch's. ``label`` names
-    the piece in the error a selective rebuild can raise.
+    the piece in the error a selective rebuild can raise. While ``torch.compile`` traces
+    it, the piece is a checkpointed region of the compiled graph instead
+    (:func:`_compiled_checkpoint`).
 
     Example::
 
         y = run_checkpointed(torch.sin, (x,), {}, [], selective=False, early_stop=True)
     """
+    if torch.compiler.is_compiling():
+        return _compiled_checkpoint(fn, args, kwargs, selective=selective)
     guard = _RecomputeGuard(modules)
     first = [True]
     n_args = len(args)
@@ -270,3 +287,23 @@ def run_checkpointed(
         context_fn=context_fn,
         early_stop=early_stop,
     )
+
+
+def _compiled_checkpoint(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, selective: bool
+) -> Any:
+    """One checkpointed piece as Dynamo traces it: a ``tag_activation_checkpoint`` region
+    whose recompute the compiler's partitioner decides.
+
+    No guard and no closure in ``context_fn``: the forward and its rebuild are one traced
+    graph, so train/eval modes are those it was traced with, buffer updates
+    (BatchNorm's statistics) are functionalized and happen once, and random ops are
+    replayed by the compiler (torch ignores ``preserve_rng_state`` and ``early_stop`` here).
+    """
+
+    def call(*flat: Any) -> Any:
+        return fn(*flat, **kwargs)
+
+    if selective:
+        return checkpoint(call, *args, use_reentrant=False, context_fn=selective_contexts)
+    return checkpoint(call, *args, use_reentrant=False)

@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import nn
 
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.errors import PlanError
 
 __all__ = [
@@ -234,6 +235,7 @@ def unit_tree(model: nn.Module, names: Iterable[str]) -> UnitTree:
 
         tree = unit_tree(model, ["encoder.blocks.0", "encoder.blocks.1"])
     """
+    model = unwrap_compiled(model)
     wanted = {""} | {str(n) for n in names}
     modules = {n: _lookup(model, n) for n in wanted}
     order = _module_order(model)
@@ -284,6 +286,7 @@ def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree
         find_units(GPT(GPTConfig(n_layer=2))).names()
         # ['', 'blocks', 'blocks.0', 'blocks.1']
     """
+    model = unwrap_compiled(model)  # names are the model's own, without "_orig_mod."
     names: set[str] = set()
 
     def consider(module: nn.Module, qname: str, inside_block: bool) -> None:
@@ -328,6 +331,7 @@ def structure_fingerprint(
         structure_fingerprint(model, ["", "blocks.0"])
         # [('', 'GPT'), ('blocks.0', 'Block')]
     """
+    model = unwrap_compiled(model)
     wanted = units.names() if isinstance(units, UnitTree) else [str(n) for n in units]
     entries: dict[str, str] = {}
     for name in wanted:

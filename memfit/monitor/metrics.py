@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.errors import ConfigError
 from memfit.monitor.throughput import (
     Throughput,
@@ -114,6 +115,7 @@ class ActivationRanges:
             raise ConfigError(f"every must be an int >= 1, got {every}")
         if isinstance(units, str):
             raise ConfigError(f"units must be a list of module names, got the string {units!r}")
+        model = unwrap_compiled(model)  # names as in the model, not its torch.compile wrapper
         names = dict(model.named_modules())
         unknown = [u for u in units if u not in names]
         if unknown:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
 from memfit.checkpoint.profiler.build import build_costs, mark_shared_inputs, pool_times
 from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE
 from memfit.checkpoint.profiler.recorder import Recorder, Stats, storage_of
@@ -85,6 +86,8 @@ def profile(
     Raises:
         PlanError: When no units are found (the message says how to name them), for an
             unknown unit name, or when the loss cannot backpropagate.
+        ConfigError: For a model whose submodules were compiled one by one (a model
+            ``torch.compile`` wrapped whole is profiled uncompiled, inside the wrapper).
 
     Example::
 
@@ -93,6 +96,8 @@ def profile(
     """
     if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 1:
         raise ConfigError(f"timed_steps must be a whole number >= 1, got {timed_steps!r}")
+    model = unwrap_compiled(model)  # profiled eagerly: hooks and dispatch modes see every op
+    check_not_compiled_inside(model)
     policy = PrecisionPolicy.of(precision)
     tree = _resolve_tree(model, units, extra)
     loss_fn = loss_fn or default_loss
