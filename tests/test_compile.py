@@ -179,3 +179,24 @@ def test_a_measured_first_call_leaves_the_model_compiled(gpt: Any) -> None:
     assert report.peak_bytes > 0
     loss_fn(compiled, batch).backward()
     assert spy.regions == [[None]]  # and the compiled graph is used from then on
+
+
+def test_a_compiled_run_saves_a_checkpoint_an_uncompiled_model_resumes(
+    gpt: Any, tmp_path: Any
+) -> None:
+    model, loss_fn, batch_fn = gpt
+    torch._dynamo.reset()
+    net = copy.deepcopy(model)
+    compiled = torch.compile(net, backend="aot_eager")
+    engine = memfit.Engine(
+        compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), precision="fp32", log_every=1
+    )
+    engine.train_step(batch_fn(2, generator=0), loss_fn)
+    path = engine.save(tmp_path / "c.pt")
+    assert not any("_orig_mod." in key for key in engine.state_dict()["model"])
+    assert not any("_orig_mod." in key for key in engine.model_state_dict())
+    fresh = copy.deepcopy(model)
+    resumed = memfit.Engine.resume(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    for (name, a), b in zip(net.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.steps == 1

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.precision.master import MasterWeights
 from memfit.savefile import atomic_write
 
@@ -47,7 +48,7 @@ def model_state_dict(
         masters = {id(w): m for w, m in zip(master.working, master.masters)}
     out: dict[str, torch.Tensor] = {}
     # keep_vars gives the Parameter objects themselves, so tied keys find their master too.
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in unwrap_compiled(model).state_dict(keep_vars=True).items():
         tensor = masters.get(id(value), value).detach()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)

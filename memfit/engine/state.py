@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.errors import ConfigError
 from memfit.savefile import safe_load
 
@@ -37,7 +38,9 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     plan = engine.plan
     return {
         "settings": asdict(engine.settings),
-        "model": engine.model.state_dict(),
+        # The module inside torch.compile's wrapper: keys without ``_orig_mod.``, so a
+        # checkpoint moves between a compiled and an uncompiled model.
+        "model": unwrap_compiled(engine.model).state_dict(),
         "master": engine.master.state_dict() if engine.master is not None else None,
         "optimizer": engine.optimizer.state_dict(),
         "scaler": engine.scaler.state_dict(),
@@ -128,7 +131,7 @@ def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -
             f"{saved!r}"
         )
     try:
-        engine.model.load_state_dict(state["model"])
+        unwrap_compiled(engine.model).load_state_dict(state["model"])
         if engine.master is not None:
             engine.master.load_state_dict(state["master"])
         engine.optimizer.load_state_dict(state["optimizer"])
