@@ -13,16 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from engine_cases import Batch
+from engine_cases import batch as _batch
+from engine_cases import inf_loss as _inf_loss
+from engine_cases import loss as _loss
+from engine_cases import net as _net
+from engine_cases import noisy_loss as _noisy_loss
 from torch import nn
 
 import memfit
 from memfit.engine import Engine, batch_size, split_batch
 from memfit.errors import CheckpointError, ConfigError, NonFiniteError
 from memfit.precision import MODES, LossScaler
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,38 +39,12 @@ def _quiet_fp16() -> Iterator[None]:
 # --- helpers --------------------------------------------------------------------------------
 
 
-def _net(dropout: float = 0.0) -> nn.Sequential:
-    # Small enough for fp16 on CPU; a LayerNorm (an fp32 island) and dropout (uses the RNG).
-    return nn.Sequential(
-        nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Dropout(dropout), nn.Linear(8, 4)
-    )
-
-
 def _optimizer(model: nn.Module, fused: bool, kind: str = "adamw") -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1)
     if fused:
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-
-
-def _batch(i: int, n: int = 12) -> Batch:
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
-
-
-def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    x, y = batch
-    return F.mse_loss(model(x).float(), y)
-
-
-def _noisy_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    # Uses Python's RNG too, so a resumed run must restore it.
-    return _loss(model, batch) * (1.0 + 0.01 * random.random())
-
-
-def _inf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return _loss(model, batch) * float("inf")
 
 
 def _build(

@@ -14,6 +14,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_cases import Batch
+from engine_cases import batch as _batch
+from engine_cases import inf_loss as _inf_loss
+from engine_cases import loss as _loss
+from engine_cases import net as _net
+from engine_cases import noisy_loss as _noisy_loss
 from torch import nn
 
 import memfit
@@ -21,8 +27,6 @@ from memfit.engine import Engine
 from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.precision import PrecisionPolicy, apply_precision, precision_applied, remove_precision
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,32 +47,6 @@ def _quiet_fp16() -> Iterator[None]:
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def _net(dropout: float = 0.0) -> nn.Sequential:
-    # A LayerNorm (an fp32 island) and dropout (uses the RNG, so a load must restore it).
-    return nn.Sequential(
-        nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Dropout(dropout), nn.Linear(8, 4)
-    )
-
-
-def _batch(i: int, n: int = 12) -> Batch:
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
-
-
-def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    x, y = batch
-    return F.mse_loss(model(x).float(), y)
-
-
-def _noisy_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    # Uses Python's RNG too, so a load must restore it.
-    return _loss(model, batch) * (1.0 + 0.01 * random.random())
-
-
-def _inf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return _loss(model, batch) * float("inf")
 
 
 def _engine(mode: str, seed: int = 0, dropout: float = 0.25, **kwargs: Any) -> Engine:
