@@ -173,13 +173,7 @@ def test_budget_too_small_names_smallest_feasible() -> None:
     plan = plan_step(model, batch, loss_fn, needed, "optimal", "fp32", engine.optimizer)
     assert plan.predicted_peak_bytes <= needed
     assert not any("reserve" in note for note in plan.notes)
-    # Between the least predicted peak and that plus the reserve: planned without the
-    # reserve, and said so.
     least = int(re.search(r"plan reaches, [\d.]+ \w+ \((\d+) bytes\)", message).group(1))
-    assert least < needed - 64
-    plan = plan_step(model, batch, loss_fn, needed - 64, "optimal", "fp32", engine.optimizer)
-    assert plan.predicted_peak_bytes <= needed - 64
-    assert any("within the 2% reserve" in note for note in plan.notes)
     # Far below the least predicted peak no measurement is tried: refused.
     far = int(least / (1 + MEASURE_MARGIN)) - 1024
     with pytest.raises(BudgetError):
