@@ -43,10 +43,10 @@ def _rebuild(first: UnitCost, rebuilt: float, workspace: float, hold: float) -> 
     """A rebuild starting with ``first`` above what is kept: its input, what it rebuilds
     less the part of the input ``first`` saves, then the larger of its forward's moment
     (gradients made by then, and a kernel's workspace or the input's gradient) and its
-    backward's measured hold."""
+    backward's measured hold with a kernel's workspace."""
     inp = first.input_bytes
     again = min(first.input_saved_bytes, inp)
-    moment = max(first.grads_from_bytes + max(workspace, inp), hold)
+    moment = max(first.grads_from_bytes + max(workspace, inp), hold + workspace)
     return inp + max(0.0, rebuilt - again) + moment
 
 

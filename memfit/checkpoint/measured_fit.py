@@ -7,9 +7,9 @@ least plan meets it. When the predicted least peak lies within :data:`MEASURE_MA
 above the budget, the planner runs that plan's forward and backward once on the example
 batch, measured by the allocator (:mod:`memfit.allocator`), and accepts the plan when
 the measured step fits: the same judgement the Engine's closed loop makes on its first
-planned step, made before training. No share of the budget is kept in reserve above a
-measurement, which is the allocator's count of the step itself; only
-:data:`MEASURE_SLACK_BYTES` is, for what a training loop holds beside it.
+planned step, made before training. No reserve is kept above a measurement: it is the
+allocator's count of the step itself (a training loop's own scalars, a few bytes such as
+the Engine's loss sum, come on top).
 """
 
 from __future__ import annotations
@@ -34,11 +34,6 @@ from memfit.precision.policy import PrecisionPolicy
 #: least plan instead of refusing: the largest over-prediction of a least peak the zoo
 #: benchmark has shown (about 15%).
 MEASURE_MARGIN = 0.15
-
-#: Kept free above a measured step: the scalars a training loop holds beside the step
-#: measured here (its loss, counters), and what differs between two runs of the same step
-#: in the order the allocator sees frees (16 bytes on a GPT step, measured).
-MEASURE_SLACK_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -66,8 +61,8 @@ def measured_least_plan(
     frontier: bool = True,
     reserve: float = 0.0,
 ) -> MeasuredFit | None:
-    """The least plan when its measured step and :data:`MEASURE_SLACK_BYTES` fit
-    ``budget_bytes`` less the ``reserve`` share (what a training loop's own tensors and the allocator's slack may add to the
+    """The least plan when its measured step fits ``budget_bytes`` less the ``reserve``
+    share (what a training loop's own tensors and the allocator's slack may add to the
     measured forward and backward), else None (also when
     its predicted peak lies more than :data:`MEASURE_MARGIN` above the budget: no
     measurement is spent on a budget the prediction is far from).
@@ -118,6 +113,6 @@ def measured_least_plan(
     static = mem.base_bytes - mem.workspace_bytes
     activations = static + mem.accumulated_grad_bytes + held_output_bytes + rise
     measured = max(activations, mem.optimizer_phase_bytes)
-    if measured + MEASURE_SLACK_BYTES > budget_bytes * (1 - reserve):
+    if measured > budget_bytes * (1 - reserve):
         return None
     return MeasuredFit(chosen, float(measured))

@@ -203,15 +203,18 @@ def rebuild_hold(
     """What a rebuild holds above what is kept before it, the cost model's one formula for
     a unit and a segment: the input (the checkpoint keeps it, so the part the rebuild
     saves of it is not new), all it rebuilds, then the larger of two moments. During the
-    rebuild's forward, the parameter gradients made by then and the most one kernel holds
-    for itself; during its backward, those gradients and at least the input's gradient,
-    or what the backward was measured to hold beyond what it saves (which counts the
-    gradients made by then).
+    rebuild's forward, the parameter gradients made by then and the larger of the most
+    one kernel holds for itself and the input's gradient; during its backward, what the
+    backward was measured to hold beyond what it saves (which counts the gradients made
+    by then) and a kernel's workspace again (the dispatch-level measurement of backward
+    does not see it; a convolution's backward needs about what its forward did).
 
     >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0)
-    130.0
+    135.0
     """
-    held = max(grads_from_bytes + max(workspace_bytes, input_bytes), backward_hold_bytes)
+    held = max(
+        grads_from_bytes + max(workspace_bytes, input_bytes), backward_hold_bytes + workspace_bytes
+    )
     return input_bytes + max(0.0, rebuilt_bytes - input_saved_bytes) + held
 
 
