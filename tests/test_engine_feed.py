@@ -230,6 +230,26 @@ def test_step_without_micro_batches_and_train_step_while_some_wait_are_refused()
     assert all(p.grad is None for p in engine.model.parameters())
 
 
+def test_save_waits_for_step_and_load_drops_the_micro_batches_fed(tmp_path: Any) -> None:
+    data = _dataset(8)
+    engine, clean = _sgd_engine(accumulation_steps=2), _sgd_engine(accumulation_steps=2)
+    path = engine.save(tmp_path / "start.pt")
+    engine.backward(data[0:4], _loss)
+    # Saving now would leave the fed gradients out of the checkpoint: refused, nothing lost.
+    with pytest.raises(ConfigError, match=r"call engine\.step\(\) first"):
+        engine.save(tmp_path / "mid.pt")
+    assert engine.pending_micro_batches == 1 and not (tmp_path / "mid.pt").exists()
+    # Loading replaces the step in progress: the next step is the saved run's next one.
+    engine.load(path)
+    assert engine.pending_micro_batches == 0
+    assert all(p.grad is None for p in engine.model.parameters())
+    for e in (engine, clean):
+        e.backward(data[4:8], _loss)
+        e.backward(data[0:4], _loss)
+        e.step()
+    _assert_bitwise(engine.model.state_dict(), clean.model.state_dict())
+
+
 def test_a_failed_micro_batch_discards_the_step_fed_so_far() -> None:
     data = _dataset(8)
 

@@ -576,7 +576,16 @@ class Engine:
         return engine_state(self)
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint atomically (temp file, fsync, rename). ``extra`` is saved as is."""
+        """Write a checkpoint atomically (temp file, fsync, rename). ``extra`` is saved as is.
+
+        Between optimizer steps only: the gradients of micro-batches fed since the last
+        :meth:`step` are not part of a checkpoint, so saving then is a ConfigError."""
+        if self._window is not None:
+            raise ConfigError(
+                f"save() called while {self._window.count} micro-batch(es) fed with backward() "
+                "wait for step(): their gradients would not be in the checkpoint; call "
+                "engine.step() first"
+            )
         state = self.state_dict()
         state["extra"] = extra or {}
         return atomic_save(state, path)
@@ -597,6 +606,8 @@ class Engine:
             engine.load("run/good.pt")   # back to the saved step, same objects
         """
         load_checkpoint(self, path)
+        # Micro-batches fed before belong to a step the checkpoint replaces.
+        self._discard_window()
 
     # ------------------------------------------------------------------ evaluation / export
 
