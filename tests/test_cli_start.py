@@ -246,6 +246,20 @@ def test_resume_applies_the_flags_that_may_change_and_saves_them(
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 4]
 
 
+def test_resume_that_trains_longer_keeps_the_learning_rate_schedule(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    schedule = ["--steps", "3", "--warmup", "1", "--lr", "0.001"]
+    assert main(["train", *TINY, *schedule, "--out", str(run)]) == 0
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert (config["steps"], config["lr_schedule_steps"]) == (6, 3)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = {int(r["step"]): r["lr"] for r in rows if "lr" in r}
+    # Past the 3 steps it started with, the rate stays at the schedule's floor (10% of the
+    # peak); a schedule stretched to 6 steps would have raised it again.
+    assert [lrs[k] for k in (4, 5, 6)] == pytest.approx([1e-4] * 3, rel=1e-6)
+
+
 def test_resume_without_a_checkpoint_says_what_to_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

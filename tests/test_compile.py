@@ -181,15 +181,16 @@ def test_a_measured_first_call_leaves_the_model_compiled(gpt: Any) -> None:
     assert spy.regions == [[None]]  # and the compiled graph is used from then on
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
 def test_a_compiled_run_saves_a_checkpoint_an_uncompiled_model_resumes(
-    gpt: Any, tmp_path: Any
+    gpt: Any, tmp_path: Any, precision: str
 ) -> None:
     model, loss_fn, batch_fn = gpt
     torch._dynamo.reset()
     net = copy.deepcopy(model)
     compiled = torch.compile(net, backend="aot_eager")
     engine = memfit.Engine(
-        compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), precision="fp32", log_every=1
+        compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), precision=precision, log_every=1
     )
     engine.train_step(batch_fn(2, generator=0), loss_fn)
     path = engine.save(tmp_path / "c.pt")
@@ -199,4 +200,9 @@ def test_a_compiled_run_saves_a_checkpoint_an_uncompiled_model_resumes(
     resumed = memfit.Engine.resume(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
     for (name, a), b in zip(net.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
+    if precision != "fp32":  # the masters too, under the uncompiled names
+        assert resumed.master.names == engine.master.names
+        assert not any("_orig_mod." in n for n in engine.master.names)
+        for a, b in zip(engine.master.masters, resumed.master.masters):
+            assert torch.equal(a, b)
     assert resumed.steps == 1

@@ -487,3 +487,47 @@ def test_resume_takes_a_checkpoint_override(tmp_path: Path, saved: str, override
     resumed.train_step(_batch(1), _loss)
     assert (resumed.plan is not None) == (override == "full")
     assert resumed.steps == 2
+
+
+def test_resume_with_another_budget_plans_again(tmp_path: Path) -> None:
+    def build() -> tuple[nn.Module, Any, Any]:
+        torch.manual_seed(0)
+        return build_model("gpt", data="synthetic", **GPT)
+
+    model, loss_fn, batch_fn = build()
+    engine = Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp32",
+        checkpoint="full",
+        log_every=10**9,
+    )
+    engine.train_step(batch_fn(4, generator=0), loss_fn)
+    path = engine.save(tmp_path / "a.pt")
+    # The saved plan was made without a budget: with one, the run is planned again.
+    fresh, _, _ = build()
+    with pytest.warns(UserWarning, match="planned again"):
+        resumed = Engine.resume(
+            path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), memory_budget="1GiB"
+        )
+    resumed.train_step(batch_fn(4, generator=1), loss_fn)
+    assert resumed.plan is not None and resumed.plan.budget_bytes == 2**30
+    # The same settings keep the saved plan, silently.
+    again, _, _ = build()
+    kept = Engine.resume(path, again, torch.optim.SGD(again.parameters(), lr=0.1))
+    assert kept.prepare(batch_fn(4, generator=1), loss_fn).decisions == engine.plan.decisions
+    # A plan given by hand cannot be planned again: say what to pass.
+    hand, _, _ = build()
+    given = Engine(
+        hand,
+        torch.optim.SGD(hand.parameters(), lr=0.1),
+        precision="fp32",
+        checkpoint=engine.plan,
+        log_every=10**9,
+    )
+    hand_path = given.save(tmp_path / "b.pt")
+    other, _, _ = build()
+    with pytest.raises(ConfigError, match="pass checkpoint="):
+        Engine.resume(
+            hand_path, other, torch.optim.SGD(other.parameters(), lr=0.1), accumulation_steps=2
+        )

@@ -537,3 +537,27 @@ def test_a_given_plan_also_turns_hugging_face_checkpointing_off() -> None:
     with pytest.warns(UserWarning, match="own gradient checkpointing"):
         engine.train_step(ids, _gpt2_loss)
     assert not model.is_gradient_checkpointing and applied_plan(model) is plan
+
+
+def test_a_short_last_step_weights_sparse_gradients_too() -> None:
+    # Three samples in two micro-batches: the step's gradients are rescaled to the true
+    # total; an nn.Embedding(sparse=True) gradient must be rescaled with the dense ones.
+    x, y = torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.ones(3, 1)
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        return ((model(batch[0]) - batch[1]) ** 2).mean()
+
+    weights = {}
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(), nn.Linear(8, 1))
+        engine = Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            precision="fp32",
+            accumulation_steps=2,
+            monitor=False,
+        )
+        engine.train_step((x, y), loss)
+        weights[sparse] = model[0].weight.detach().clone()
+    torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=1e-6)

@@ -104,3 +104,57 @@ def test_a_budget_refused_on_an_over_prediction_is_planned_on_the_measured_step(
     blind = dataclasses.replace(over, run_loss=None)
     with pytest.raises(BudgetError):
         solve_profile(model, blind, policy, optimizer, "optimal", budget)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_the_measurement_counts_and_gives_back_the_gradients_the_optimizer_steps(
+    precision: str,
+) -> None:
+    # In the *-master modes backward writes into the fp32 masters' gradients: the
+    # measurement must start without them (or it reads them as already there) and give
+    # them back as they were (or the next optimizer step adds them in).
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = memfit.Engine(model, optimizer, precision=precision, log_every=10**9)
+    batch = batch_fn(8, generator=0)
+    engine.train_step(batch, loss_fn)
+    policy = PrecisionPolicy.of(precision)
+    profiled = profile_step(model, batch, loss_fn, policy)
+    profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
+    honest = solve_profile(model, profiled, policy, optimizer, "full", None)
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    optimizer.zero_grad(set_to_none=True)  # profiling's backward wrote into the masters
+    fit = measured_least_plan(
+        model,
+        with_backward_costs(profiled.root, model, policy),
+        honest.memory,
+        policy,
+        "optimal",
+        honest.plan.predicted_peak_bytes * 1.1,
+        profiled.run_loss,
+        profiled.structure,
+        optimizer_params=stepped,
+    )
+    assert fit is not None
+    assert all(p.grad is None for p in stepped)  # given back as they were: none
+    plan = memfit.Plan.from_solution(
+        fit.solution, precision=policy.mode, structure=profiled.structure
+    )
+    memfit.apply_plan(model, plan)
+
+    def step() -> None:
+        with policy.autocast("cpu"):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        if engine.master is not None:
+            engine.master.copy_to_model()
+
+    step()
+    live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), batch]
+    optimizer.zero_grad(set_to_none=True)
+    peak = allocator_peak(step, live=live).peak_bytes
+    assert abs(peak - fit.measured_peak_bytes) <= 64, (peak, fit.measured_peak_bytes)

@@ -14,6 +14,7 @@ the Engine's loss sum, come on top).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ def measured_least_plan(
     held_output_bytes: float = 0.0,
     frontier: bool = True,
     reserve: float = 0.0,
+    optimizer_params: list[torch.Tensor] | None = None,
 ) -> MeasuredFit | None:
     """The least plan when its measured step fits ``budget_bytes`` less the ``reserve``
     share (what a training loop's own tensors and the allocator's slack may add to the
@@ -72,6 +74,9 @@ def measured_least_plan(
     the random state and the model's own plan are left as they were.
     ``held_output_bytes``: the model's output when the training loop holds it through
     backward (``run_loss`` lets it go once the loss is made), counted on top.
+    ``optimizer_params``: what the optimizer steps (the fp32 masters in the ``*-master``
+    modes, which the model's gradients are routed into): their gradients are cleared for
+    the measurement and given back after it, with every random generator's state.
 
     Example::
 
@@ -90,21 +95,38 @@ def measured_least_plan(
     plan = Plan.from_solution(chosen, precision=policy.mode, structure=structure)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    # Every tensor a backward writes gradients into: the model's parameters and, in the
+    # ``*-master`` modes, the fp32 masters the optimizer steps (their hooks route there).
+    graded = list({id(t): t for t in [*params, *(optimizer_params or [])]}.values())
+    accumulating = mem.accumulated_grad_bytes > 0
 
     def step() -> None:
         with policy.autocast(device.type):
             value = run_loss()
         value.backward()
 
-    with precision_applied(model, policy), preserved(model, train=None, rng_devices=[]):
-        apply_plan(model, plan)
-        try:
-            step()  # a first run allocates what later runs reuse (caches, lazy state)
-            for p in params:
-                p.grad = None
-            peak = allocator_peak(step, live=[*params, *model.buffers()], device=device)
-        finally:
-            remove_plan(model)
+    saved_grads = [t.grad for t in graded]
+    python_rng = random.getstate()
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with precision_applied(model, policy), preserved(model, None, rng_devices):
+            for t in graded:
+                t.grad = None
+            apply_plan(model, plan)
+            try:
+                step()  # a first run allocates what later runs reuse (caches, lazy state)
+                if not accumulating:
+                    for t in graded:
+                        t.grad = None
+                # Accumulating, the measured run adds into the gradients the first made, as a
+                # later micro-batch does; they are counted below as held all along.
+                peak = allocator_peak(step, live=[*params, *model.buffers()], device=device)
+            finally:
+                remove_plan(model)
+    finally:
+        for t, g in zip(graded, saved_grads):
+            t.grad = g
+        random.setstate(python_rng)
     # The measured step started from the live tensors; the step's static bytes as counted
     # (the optimizer state may not exist yet) stand for them, less the kernels' workspace,
     # which the measured rise holds itself (a closed loop's correction stays: the rise of

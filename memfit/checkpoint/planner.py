@@ -118,6 +118,10 @@ class PlanResult:
     """The budget it was planned under (None: no limit)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step it was planned for."""
+    measured_peak_bytes: float | None = None
+    """Set when the budget was accepted on the least plan's measured step rather than on
+    the prediction (:mod:`memfit.checkpoint.measured_fit`): what that step measured. The
+    Engine then judges its first training step against the budget itself."""
 
 
 @dataclass(frozen=True)
@@ -418,7 +422,9 @@ def solve_profile(
             raise
         # The prediction is an upper bound only within the reserve (it has run 3% low on a
         # ResNet): a budget it cannot decide is decided by measuring the least plan's step.
-        fit = _measured_fit(model, profiled, root, mem, policy, strategy, budget_bytes, frontier)
+        fit = _measured_fit(
+            model, profiled, root, mem, policy, strategy, budget_bytes, frontier, optimizer
+        )
         if fit is None:
             raise exc from None
         solution, measured_fit = fit.solution, fit
@@ -461,6 +467,7 @@ def solve_profile(
         strategy=strategy,
         budget=budget,
         accumulation_steps=accumulation_steps,
+        measured_peak_bytes=measured_fit.measured_peak_bytes if measured_fit else None,
     )
 
 
@@ -473,6 +480,7 @@ def _measured_fit(
     strategy: str,
     budget_bytes: float,
     frontier: bool,
+    optimizer: torch.optim.Optimizer | None,
 ) -> MeasuredFit | None:
     """The least plan, when the prediction refuses the budget but its measured step fits."""
     if profiled.run_loss is None:
@@ -488,6 +496,9 @@ def _measured_fit(
         profiled.structure,
         held_output_bytes=profiled.output_bytes if profiled.output_held else 0.0,
         frontier=frontier,
+        optimizer_params=(
+            [p for g in optimizer.param_groups for p in g["params"]] if optimizer else None
+        ),
     )
 
 

@@ -46,7 +46,8 @@ PREVIOUS = "checkpoint.prev.pt"
 #: shapes the run's past (its model, data, precision, batches, schedule or plan), so
 #: changing it on resume is refused.
 RESUMABLE: dict[str, str] = {
-    "steps": "train longer (or stop sooner)",
+    "steps": "train longer (or stop sooner; the learning-rate schedule keeps the length the "
+    "run started with, and past it the rate stays at its floor)",
     "log_every": "read metrics more or less often",
     "eval_every": "validate more or less often",
     "eval_batches": "validate on more or fewer batches",

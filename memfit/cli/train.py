@@ -293,7 +293,10 @@ def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=s["lr"], weight_decay=0.1, betas=(0.9, 0.95), fused=True
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], s["steps"]))
+    # The schedule keeps the length the run started with: a resume that trains longer
+    # continues at the floor, exactly where the saved run's schedule was.
+    horizon = s.setdefault("lr_schedule_steps", s["steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], horizon))
     if start.resuming:
         monitoring = {**monitoring, "log_every": s["log_every"]}
         return _resume(start.run_dir, model, optimizer, scheduler, monitoring)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.engine.diagnose import diagnose_skips
 from memfit.engine.evaluation import eval_context
@@ -149,8 +150,10 @@ class Engine:
         )
         self.master: MasterWeights | None = None
         if self.policy.master_weights:
+            # Named as the uncompiled model names them (no ``_orig_mod.``): a checkpoint's
+            # masters then load into a compiled model and an uncompiled one alike.
             self.master = MasterWeights(
-                model, optimizer, self.policy.compute_dtype, self.policy.is_island
+                unwrap_compiled(model), optimizer, self.policy.compute_dtype, self.policy.is_island
             )
         self.islands = apply_precision(model, self.policy)
         if scaler is None:
@@ -525,7 +528,8 @@ class Engine:
         """Each model parameter by name, as its fp32 master where the mode keeps one: the
         tensors whose gradients the optimizer steps."""
         masters = dict(zip(self.master.names, self.master.masters)) if self.master else {}
-        return [(name, masters.get(name, p)) for name, p in self.model.named_parameters()]
+        named = unwrap_compiled(self.model).named_parameters()
+        return [(name, masters.get(name, p)) for name, p in named]
 
     def _read_metrics(self, extra: dict[str, float] | None = None) -> dict[str, float]:
         stats = self.scaler.stats
@@ -673,7 +677,11 @@ class Engine:
         state = safe_load(path)
         settings = dict(state["settings"])
         settings.pop("checkpoint")
-        request = overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state)
+        request = (
+            overrides.pop("checkpoint")
+            if "checkpoint" in overrides
+            else saved_plan(state, overrides)
+        )
         if isinstance(request, str) and request == "none" and "memory_budget" not in overrides:
             # Saved before a budget implied planning: that run ignored its budget.
             settings["memory_budget"] = None

@@ -120,9 +120,13 @@ def rescale_gradients(params: list[torch.Tensor], factor: float) -> None:
     """
     if factor == 1.0:
         return
-    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
-    if grads:
-        torch._foreach_mul_(grads, factor)
+    grads = [p.grad for p in params if p.grad is not None]
+    dense = [g for g in grads if not g.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, factor)
+    for g in grads:
+        if g.is_sparse:  # an nn.Embedding(sparse=True)'s: foreach takes dense tensors only
+            g.mul_(factor)
 
 
 def run_measured(

@@ -56,7 +56,10 @@ def make_engine_plan(
         result = solve_profile(
             model, profiled, policy, optimizer, strategy, budget, accumulation_steps, False
         )
-        return EnginePlan(result, None)
+        # A plan accepted on a measured forward and backward is judged again on the first
+        # whole training step, as the ``full`` fallback is.
+        verify = int(budget) if budget is not None and result.measured_peak_bytes else None
+        return EnginePlan(result, verify)
     except BudgetError as exc:
         if strategy != "optimal" or budget is None:
             raise
@@ -98,7 +101,7 @@ def check_first_step(
     if budget is not None and measured_peak_bytes > budget:
         raise BudgetError(
             f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
-            f"reaches: the first step under 'full' (every unit recomputed) peaked at "
+            f"reaches: the first step under the plan with the least peak peaked at "
             f"{format_bytes(measured_peak_bytes)}. The step was applied and nothing is "
             "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
             "or a '*-master' precision."

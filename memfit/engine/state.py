@@ -36,6 +36,8 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     plan = engine.plan
+    if plan is None and not isinstance(engine._checkpoint_request, str | None):
+        plan = engine._checkpoint_request  # a Plan given, saved before the first step
     return {
         "settings": asdict(engine.settings),
         # The module inside torch.compile's wrapper: keys without ``_orig_mod.``, so a
@@ -57,11 +59,35 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     }
 
 
-def saved_plan(state: dict[str, Any]) -> Any:
-    """The checkpoint request a saved state resumes with: its Plan, or its saved spec."""
+def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -> Any:
+    """The checkpoint request a saved state resumes with: its Plan, or its saved spec.
+
+    A saved plan was made for the saved budget and accumulation: when ``overrides``
+    changes either (and gives no ``checkpoint``), the run is planned again with its saved
+    strategy, with a warning; a plan the user gave by hand cannot be, which is a
+    ConfigError saying to pass ``checkpoint=``."""
     plan = state.get("plan")
+    spec = state["settings"]["checkpoint"]
     if plan is None:
-        return state["settings"]["checkpoint"]
+        return spec
+    changed = [
+        k
+        for k in ("memory_budget", "accumulation_steps")
+        if k in (overrides or {}) and overrides[k] != state["settings"].get(k)
+    ]
+    if changed:
+        what = " and ".join(f"{k}={overrides[k]!r}" for k in changed)
+        if spec == "plan":
+            raise ConfigError(
+                f"the checkpoint's plan was given by hand for the saved settings; with {what} "
+                "pass checkpoint= (a Plan for them, or 'auto' to plan again)"
+            )
+        warnings.warn(
+            f"resuming with {what}: the saved plan was made for the saved settings, so the "
+            f"run is planned again ({spec!r}) on its first step",
+            stacklevel=3,
+        )
+        return spec
     from memfit.checkpoint.plan import Plan
 
     return Plan.from_json(plan)
