@@ -247,3 +247,27 @@ def test_optimizer_temp_bytes_are_remembered_until_the_optimizer_changes() -> No
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(256, 256))]})
     # the step's peak is its largest group's temporary: now the new group's
     assert optimizer_step_temp_bytes(opt) >= 256 * 256 * 4 > first
+
+
+HF_TINY = {
+    "llama": "num_hidden_layers=2 hidden_size=32 num_attention_heads=2 num_key_value_heads=2 "
+    "intermediate_size=64 vocab_size=100",
+    "bert": "num_hidden_layers=2 hidden_size=32 num_attention_heads=2 intermediate_size=64 "
+    "vocab_size=100",
+    "t5": "num_layers=2 num_decoder_layers=2 d_model=32 d_ff=64 num_heads=2 d_kv=16 vocab_size=100",
+    "vit": "num_hidden_layers=2 hidden_size=32 num_attention_heads=2 intermediate_size=64 "
+    "image_size=32 patch_size=8",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_TINY))
+def test_cli_builds_each_hf_config_without_weights(name: str, capsys) -> None:
+    pytest.importorskip("transformers")
+    argv = ["estimate", "--hf-config", name, "--seq-len", "16", "--batch-size", "2"]
+    argv += [x for item in HF_TINY[name].split() for x in ("--set", item)]
+    argv += ["--precision", "bf16-mixed", "--strategy", "none", "--strategy", "full", "--json"]
+    assert main(argv) == 0
+    none, full = json.loads(capsys.readouterr().out)["rows"]
+    assert none["parts"]["activations"] > 0 and none["recompute_fraction"] == 0
+    assert full["recompute_fraction"] > 0  # the blocks were found and recomputed
+    assert full["parts"]["optimizer"] == none["parts"]["optimizer"] > 0

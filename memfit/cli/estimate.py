@@ -132,6 +132,9 @@ def hf_spec(name: str, items: list[str], seq_len: int) -> Built:
         raise UsageError("--hf-config needs transformers: pip install transformers") from None
     config_name, model_name, kind = HF_MODELS[name]
     config = getattr(transformers, config_name)()
+    if name == "t5" and getattr(config, "decoder_start_token_id", None) is None:
+        # T5's checkpoints start decoding at the pad token; the bare config leaves it unset.
+        config.decoder_start_token_id = config.pad_token_id
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
