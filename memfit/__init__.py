@@ -11,6 +11,7 @@ from memfit.errors import (
     PlanError,
     ScalerStateError,
 )
+from memfit.estimate import Estimate, estimate
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.monitor import MonitorConfig
 from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Engine",
+    "Estimate",
     "LossScaler",
     "MemoryReport",
     "MonitorConfig",
@@ -34,6 +36,7 @@ __all__ = [
     "ScalerStateError",
     "apply_plan",
     "apply_precision",
+    "estimate",
     "evaluate",
     "find_units",
     "format_bytes",

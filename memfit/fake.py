@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -120,11 +121,48 @@ def optimizer_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
     root of its second moments); per-parameter (``foreach=False``) a few of the largest
     parameter's size; ``fused`` none.
 
+    The answer is kept per optimizer while its parameters' shapes, dtypes and devices and
+    its settings stay the same (a shadow step of a large model takes seconds, and planners
+    ask again for every strategy they solve).
+
     Example::
 
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
         optimizer_step_temp_bytes(opt)   # about the bytes of the parameters
     """
+    key = _optimizer_signature(optimizer)
+    known = _TEMP_BYTES.get(optimizer)
+    if known is not None and known[0] == key:
+        return known[1]
+    found = _shadow_step_temp_bytes(optimizer)
+    _TEMP_BYTES[optimizer] = (key, found)
+    return found
+
+
+#: :func:`optimizer_step_temp_bytes`'s answers: optimizer -> (its signature, bytes).
+_TEMP_BYTES: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _optimizer_signature(optimizer: torch.optim.Optimizer) -> Any:
+    """What the step's temporaries depend on: the optimizer's class, each group's settings
+    and its parameters' shapes, dtypes, devices and whether they train."""
+    return (
+        type(optimizer),
+        tuple(
+            (
+                repr(sorted((k, v) for k, v in group.items() if k != "params")),
+                tuple(
+                    (tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in group["params"]
+                ),
+            )
+            for group in optimizer.param_groups
+        ),
+    )
+
+
+def _shadow_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
