@@ -83,7 +83,8 @@ def test_an_optimal_row_at_device_memory_is_within_10_percent_and_fits() -> None
         "fp32",
         # A CPU convolution's kernels allocate workspace no fake tensor shows (about 1 MiB
         # here, the real profile measures it): full recompute under bf16 reads 11-12% low.
-        pytest.param("bf16-mixed", marks=pytest.mark.xfail(strict=True, reason="conv workspace")),
+        # Not strict: which kernels run (and their workspace) depends on the CPU's bf16.
+        pytest.param("bf16-mixed", marks=pytest.mark.xfail(reason="conv workspace, -11%")),
     ],
 )
 def test_resnet_rows_are_within_10_percent_of_a_real_engine_step(precision: str) -> None:
