@@ -1,8 +1,11 @@
-"""The small regression problem the Engine's tests train: a net, its batches and losses."""
+"""The small regression problem the Engine's tests train (a net, its batches and losses), and
+the bitwise comparison they judge continuations by."""
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,3 +38,27 @@ def noisy_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def inf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return loss(model, batch) * float("inf")
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` equal to the bit: tensors by their raw bytes (-0.0 is not 0.0, a NaN
+    equals the same NaN), nested dicts, lists and tuples item by item."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        # Compare the raw bytes: -0.0 differs from 0.0, and NaN equals the same NaN.
+        raw_a = a.detach().contiguous().reshape(-1).view(torch.uint8)
+        raw_b = b.detach().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(raw_a, raw_b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, (where, a, b)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import Batch
+from engine_cases import assert_bitwise as _assert_bitwise
 from engine_cases import batch as _batch
 from engine_cases import inf_loss as _inf_loss
 from engine_cases import loss as _loss
@@ -78,28 +79,6 @@ def _snapshot(engine: Engine) -> dict[str, Any]:
         "lr": [g["lr"] for g in engine.optimizer.param_groups],
         "scheduler": _clone(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
     }
-
-
-def _assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        # Compare the raw bytes: -0.0 differs from 0.0, and NaN equals the same NaN.
-        raw_a = a.detach().contiguous().reshape(-1).view(torch.uint8)
-        raw_b = b.detach().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(raw_a, raw_b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            _assert_bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 def _grads_at_step(opt: torch.optim.Optimizer) -> list[list[torch.Tensor]]:

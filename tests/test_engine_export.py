@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_cases import Batch
+from engine_cases import assert_bitwise as _assert_bitwise
 from engine_cases import batch as _batch
 from engine_cases import inf_loss as _inf_loss
 from engine_cases import loss as _loss
@@ -72,26 +73,6 @@ def _snapshot(engine: Engine) -> dict[str, Any]:
             "counters": (engine.steps, engine.micro_steps, engine.applied_steps),
         }
     )
-
-
-def _assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        # Raw bytes: -0.0 differs from 0.0 and a NaN equals the same NaN.
-        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-        assert torch.equal(*raw), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            _assert_bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

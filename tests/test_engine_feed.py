@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_cases import assert_bitwise as _assert_bitwise
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,24 +65,6 @@ def _state(engine: Engine) -> dict[str, Any]:
         "lr": [g["lr"] for g in engine.optimizer.param_groups],
         "counters": (engine.steps, engine.micro_steps, engine.applied_steps),
     }
-
-
-def _assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        raw_a = a.detach().contiguous().reshape(-1).view(torch.uint8)
-        raw_b = b.detach().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(raw_a, raw_b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for key in a:
-            _assert_bitwise(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def _grads_at_step(opt: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
