@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -141,24 +144,55 @@ def parse_overrides(items: list[str], config_cls: type) -> dict[str, Any]:
             raise UsageError(
                 f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}"
             )
-        current = getattr(defaults, key)
-        try:
-            if isinstance(current, bool):
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(text)
-                value: Any = text.lower() in ("true", "1")
-            elif isinstance(current, int):
-                value = int(text)
-            elif isinstance(current, float):
-                value = float(text)
-            elif isinstance(current, tuple):
-                value = tuple(int(v) for v in text.split(","))
-            else:
-                value = text
-        except ValueError:
-            raise UsageError(f"--set {item!r}: {key} needs a {type(current).__name__}") from None
-        out[key] = value
+        out[key] = typed_value(text, getattr(defaults, key), item, key)
     return out
+
+
+def typed_value(text: str, current: Any, item: str, key: str) -> Any:
+    """``text`` as a value of ``current``'s type (bool, int, float, a tuple of ints, else
+    the text), for the ``--set`` item ``item``; a UsageError names what it needs.
+
+    Example::
+
+        typed_value("0.1", 0.0, "dropout=0.1", "dropout")  # 0.1
+    """
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+        if isinstance(current, tuple):
+            return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--set {item!r}: {key} needs a {type(current).__name__}") from None
+    return text
+
+
+def load_factory(spec: str, example: str) -> Any:
+    """The function named by ``--factory MODULE:FUNCTION`` (the current directory is
+    importable), or a UsageError that says what was wrong; ``example`` is shown as the
+    form to write.
+
+    Example::
+
+        build = load_factory("mypkg.models:build", "mypkg.models:build")
+    """
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise UsageError(f"--factory {spec!r}: write MODULE:FUNCTION, e.g. {example}")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
+    return factory
 
 
 def builtin_model(

@@ -17,15 +17,18 @@ Computing (:func:`compute`) is kept apart from printing (:func:`run`).
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfit.cli.common import UsageError, model_config_cls, parse_overrides
+from memfit.cli.common import (
+    UsageError,
+    load_factory,
+    model_config_cls,
+    parse_overrides,
+    typed_value,
+)
 
 #: Hugging Face models ``--hf-config`` builds: (config class, model class, input kind).
 HF_MODELS: dict[str, tuple[str, str, str]] = {
@@ -142,7 +145,7 @@ def hf_spec(name: str, items: list[str], seq_len: int) -> Built:
             raise UsageError(
                 f"--set {item!r}: expected KEY=VALUE with KEY a {config_name} attribute"
             )
-        setattr(config, key, _typed(text, getattr(config, key), item))
+        setattr(config, key, typed_value(text, getattr(config, key), item, key))
     model_cls = getattr(transformers, model_name)
 
     def inputs_fn(b: int) -> dict[str, torch.Tensor]:
@@ -162,31 +165,8 @@ def hf_spec(name: str, items: list[str], seq_len: int) -> Built:
     return (lambda: model_cls(config)), inputs_fn, loss_fn
 
 
-def _typed(text: str, current: Any, item: str) -> Any:
-    try:
-        if isinstance(current, bool):
-            return text.lower() in ("true", "1")
-        if isinstance(current, int):
-            return int(text)
-        if isinstance(current, float):
-            return float(text)
-    except ValueError:
-        raise UsageError(f"--set {item!r}: needs a {type(current).__name__}") from None
-    return text
-
-
 def _factory_spec(spec: str) -> Built:
-    module_name, sep, func_name = spec.partition(":")
-    if not sep or not module_name or not func_name:
-        raise UsageError(f"--factory {spec!r}: write MODULE:FUNCTION, e.g. mypkg.models:spec")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
+    factory = load_factory(spec, "mypkg.models:spec")
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise UsageError(

@@ -11,8 +11,6 @@ available), so a factory may build them on the CPU.
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from memfit.cli.common import (
     UsageError,
     add_model_arguments,
     builtin_model,
+    load_factory,
     model_config_cls,
     parse_overrides,
     pick_device,
@@ -54,21 +53,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _load_factory(spec: str) -> Any:
-    module_name, sep, func_name = spec.partition(":")
-    if not sep or not module_name or not func_name:
-        raise UsageError(f"--factory {spec!r}: write MODULE:FUNCTION, e.g. mypkg.models:build")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
-    return factory
-
-
 def run(args: argparse.Namespace) -> int:
     import memfit
     from memfit.checkpoint.planner import plan_step
@@ -78,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     policy = memfit.PrecisionPolicy(args.precision)
     if args.factory:
-        made = _load_factory(args.factory)()
+        made = load_factory(args.factory, "mypkg.models:build")()
         if not isinstance(made, tuple) or len(made) not in (2, 3):
             raise UsageError(
                 f"--factory {args.factory}: must return (model, batch, loss_fn) or "
