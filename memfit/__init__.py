@@ -1,5 +1,6 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
+from memfit.capacity import Capacity, capacity
 from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
 from memfit.engine import Engine, evaluate
 from memfit.errors import (
@@ -21,6 +22,7 @@ from memfit.version import __version__
 __all__ = [
     "__version__",
     "BudgetError",
+    "Capacity",
     "CheckpointError",
     "ConfigError",
     "Engine",
@@ -36,6 +38,7 @@ __all__ = [
     "ScalerStateError",
     "apply_plan",
     "apply_precision",
+    "capacity",
     "estimate",
     "evaluate",
     "find_units",

@@ -58,6 +58,7 @@ from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
 from memfit.nested import call_model, map_tensors
 from memfit.precision.policy import PrecisionPolicy
+from memfit.scaling import NotAffine, affine_profile
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["STRATEGIES", "Estimate", "EstimateRow", "estimate"]
@@ -68,6 +69,9 @@ STRATEGIES: tuple[str, ...] = ("none", "full", "sqrt", "optimal")
 
 #: The largest micro-batch :func:`estimate` tries when looking for the one that fits.
 MAX_BATCH = 1 << 16
+
+#: The batches whose profiles a batch search draws its guesses through.
+LINE = (2, 4)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -183,7 +187,7 @@ class Estimate:
             f"{f' x {self.accumulation_steps}' if self.accumulation_steps > 1 else ''}{memory}"
         )
         if rich:
-            return _rich_table(title, head, body)
+            return rich_table(title, head, body)
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = [title] + [
             "  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [head, *body]
@@ -191,7 +195,9 @@ class Estimate:
         return "\n".join(line.rstrip() for line in lines)
 
 
-def _rich_table(title: str, head: list[str], body: list[list[str]]) -> str:
+def rich_table(title: str, head: list[str], body: list[list[str]]) -> str:
+    """``body`` under ``head`` as a table rendered by ``rich`` to plain text (no colour
+    codes): the first two columns left-aligned, the rest right-aligned."""
     from rich.console import Console
     from rich.table import Table
 
@@ -226,13 +232,13 @@ class _Estimator:
     accumulation_steps: int
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = field(default_factory=dict)
     profiles: dict[tuple[str, int], ModelProfile] = field(default_factory=dict)
-    solved: dict[tuple[str, int, str, int | None], PlanResult | BudgetError] = field(
+    solved: dict[tuple[str, int, str, int | None, bool], PlanResult | BudgetError] = field(
         default_factory=dict
     )
 
     def model(self, policy: PrecisionPolicy) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if policy.mode not in self.models:
-            model = _meta_model(self.model_fn)
+            model = meta_model(self.model_fn)
             self.models[policy.mode] = (model, self.optimizer_fn(model.parameters()))
         return self.models[policy.mode]
 
@@ -253,17 +259,33 @@ class _Estimator:
             )
         return self.profiles[key]
 
+    def line(self, policy: PrecisionPolicy) -> tuple[ModelProfile, ModelProfile]:
+        """The profiles at batches 2 and 4, through which a search draws its guesses."""
+        return self.profiled(policy, LINE[0]), self.profiled(policy, LINE[1])
+
+    def searched(self, policy: PrecisionPolicy, batch_size: int) -> ModelProfile:
+        """The profile a search's guess uses: profiled where it was, else on the line."""
+        if batch_size <= LINE[1] or (policy.mode, batch_size) in self.profiles:
+            return self.profiled(policy, batch_size)
+        return affine_profile(*self.line(policy), batch_size, *LINE)
+
     def solve(
-        self, policy: PrecisionPolicy, batch_size: int, strategy: str, budget: int | None
+        self,
+        policy: PrecisionPolicy,
+        batch_size: int,
+        strategy: str,
+        budget: int | None,
+        searching: bool = False,
     ) -> PlanResult:
         budget = budget if strategy == "optimal" else None
-        key = (policy.mode, batch_size, strategy, budget)
+        key = (policy.mode, batch_size, strategy, budget, searching)
         if key not in self.solved:
             model, optimizer = self.model(policy)
+            prof = self.searched if searching else self.profiled
             try:
                 self.solved[key] = solve_profile(
                     model,
-                    self.profiled(policy, batch_size),
+                    prof(policy, batch_size),
                     policy,
                     optimizer,
                     strategy,
@@ -278,57 +300,84 @@ class _Estimator:
             raise found
         return found
 
-    def fits(self, policy: PrecisionPolicy, batch_size: int, strategy: str, budget: int) -> bool:
+    def fits(
+        self,
+        policy: PrecisionPolicy,
+        batch_size: int,
+        strategy: str,
+        budget: int,
+        searching: bool = False,
+    ) -> bool:
         try:
-            result = self.solve(policy, batch_size, strategy, budget)
+            result = self.solve(policy, batch_size, strategy, budget, searching)
         except BudgetError:
             return False
         return result.plan.predicted_peak_bytes <= budget
 
     def max_micro_batch(self, policy: PrecisionPolicy, strategy: str, budget: int) -> int:
         """The largest batch that fits ``budget`` (the peak grows with the batch, so what
-        fits is a prefix of the batch sizes). The search starts where the peaks of batches
-        1 and 2, drawn as a line, meet the budget, gallops from there (steps doubling) to a
-        batch that fits and one that does not, and bisects between them: each probe is a
-        fake step, and the guess saves most of them."""
+        fits is a prefix of the batch sizes).
+
+        Two searches, each galloping (steps doubling) from a first batch to one that fits
+        and one that does not, then bisecting between them. The first probes profiles drawn
+        on the line through the profiles of batches 2 and 4 (:mod:`memfit.scaling`: a solve
+        each, no fake step) and finds a guess; the second starts at the guess with a step
+        of 1 and probes real fake steps, which a good guess ends in two."""
         if not self.fits(policy, 1, strategy, budget):
             return 0
-        probe = min(MAX_BATCH, self._linear_guess(policy, strategy, budget))
-        step = max(1, probe // 16)
-        if self.fits(policy, probe, strategy, budget):
-            low = probe
-            while True:
-                if low >= MAX_BATCH:
-                    return MAX_BATCH
-                nxt = min(MAX_BATCH, low + step)
-                if not self.fits(policy, nxt, strategy, budget):
-                    high = nxt
-                    break
-                low, step = nxt, 2 * step
-        else:
-            high = probe
-            while True:
-                nxt = high - step
-                if nxt <= 1:
-                    low = 1
-                    break
-                if self.fits(policy, nxt, strategy, budget):
-                    low = nxt
-                    break
-                high, step = nxt, 2 * step
-        while high - low > 1:  # low fits, high does not
-            mid = (low + high) // 2
-            low, high = (mid, high) if self.fits(policy, mid, strategy, budget) else (low, mid)
-        return low
 
-    def _linear_guess(self, policy: PrecisionPolicy, strategy: str, budget: int) -> int:
-        """Where the line through the peaks of batches 1 and 2 meets ``budget`` (``optimal``
-        drawn through ``full``'s peaks, its least plan's nearest stand-in)."""
+        def guessed(b: int) -> bool:
+            return self.fits(policy, b, strategy, budget, searching=True)
+
+        try:
+            guess = _largest(guessed, *self._linear_guess(policy, strategy, budget))
+        except NotAffine:  # the profiles differ in structure: no line to draw
+            guess = 1
+        return _largest(lambda b: self.fits(policy, b, strategy, budget), guess, 1)
+
+    def _linear_guess(self, policy: PrecisionPolicy, strategy: str, budget: int) -> tuple[int, int]:
+        """A first batch and step: where the line through the peaks of batches 2 and 4
+        meets ``budget`` (``optimal`` drawn through ``full``'s peaks, its least plan's
+        nearest stand-in)."""
         drawn = "full" if strategy == "optimal" else strategy
-        one, two = (self.solve(policy, b, drawn, None).plan.predicted_peak_bytes for b in (1, 2))
-        if two <= one:  # the optimizer step is the peak at both: no slope to draw
-            return 2
-        return max(1, 1 + int((budget - one) // (two - one)))
+        low, high = (self.solve(policy, b, drawn, None).plan.predicted_peak_bytes for b in LINE)
+        if high <= low:  # the optimizer step is the peak at both: no slope to draw
+            return LINE[1], 1
+        slope = (high - low) / (LINE[1] - LINE[0])
+        probe = max(1, LINE[0] + int((budget - low) // slope))
+        return probe, max(1, probe // 16)
+
+
+def _largest(fits: Callable[[int], bool], probe: int, step: int) -> int:
+    """The largest batch in ``1 .. MAX_BATCH`` for which ``fits`` holds, given that it holds
+    for 1 and for a prefix: gallop from ``probe`` (steps from ``step``, doubling) to a batch
+    that fits and one that does not, then bisect."""
+    probe = min(MAX_BATCH, max(1, probe))
+    if fits(probe):
+        low = probe
+        while True:
+            if low >= MAX_BATCH:
+                return MAX_BATCH
+            nxt = min(MAX_BATCH, low + step)
+            if not fits(nxt):
+                high = nxt
+                break
+            low, step = nxt, 2 * step
+    else:
+        high = probe
+        while True:
+            nxt = high - step
+            if nxt <= 1:
+                low = 1
+                break
+            if fits(nxt):
+                low = nxt
+                break
+            high, step = nxt, 2 * step
+    while high - low > 1:  # low fits, high does not
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def estimate(
@@ -494,7 +543,9 @@ def static_parts(
     }
 
 
-def _meta_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
+def meta_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """``model_fn()`` built under the meta device; a ConfigError that says what to change
+    when it fails there or makes tensors on a real device."""
     try:
         with torch.device("meta"):
             model = model_fn()

@@ -11,6 +11,11 @@ The model comes from one of three places:
   ``model_fn()`` builds the model (under the meta device), ``inputs_fn(batch_size)`` one
   micro-batch, ``loss_fn(model, batch)`` the loss (the Engine's form).
 
+``--scale`` asks instead for the capacity view (:func:`memfit.capacity.capacity`): over a
+family of sizes (``--sizes DEPTHxWIDTH,...`` of the built-in GPT or of a ``--hf-config``),
+the largest model and the largest batch that fit ``--device-memory`` under each precision
+and strategy, as tables (or ``--json``) and, with ``--plot PATH``, a figure.
+
 Computing (:func:`compute`) is kept apart from printing (:func:`run`).
 """
 
@@ -89,8 +94,58 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="none | full | sqrt | optimal (repeatable; default: all)",
     )
+    p.add_argument(
+        "--scale",
+        action="store_true",
+        help="the capacity view: the largest model and batch that fit, over --sizes",
+    )
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        metavar="DxW,...",
+        help=f"depth x width of each size for --scale (default: {DEFAULT_SIZES})",
+    )
+    p.add_argument("--plot", default=None, metavar="PATH", help="--scale: write a PNG figure")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
+
+
+#: The sizes ``--scale`` estimates by default: GPT-2 small to a 20B-class model.
+DEFAULT_SIZES = "12x768,24x1024,24x2048,32x2560,32x4096,40x5120,48x6144"
+
+#: How ``--scale`` gives a Hugging Face config a depth and a width: the attributes set, the
+#: others derived from the width as the families' own sizes do (heads of 64, or 128 for
+#: Llama; Llama's MLP 8/3 of the width rounded up to a multiple of 256).
+HF_SIZE_KEYS: dict[str, Callable[[int, int], dict[str, int]]] = {
+    "gpt2": lambda d, w: {"n_layer": d, "n_embd": w, "n_head": max(1, w // 64)},
+    "llama": lambda d, w: {
+        "num_hidden_layers": d,
+        "hidden_size": w,
+        "intermediate_size": -(-8 * w // (3 * 256)) * 256,
+        "num_attention_heads": max(1, w // 128),
+        "num_key_value_heads": max(1, w // 128),
+    },
+    "bert": lambda d, w: {
+        "num_hidden_layers": d,
+        "hidden_size": w,
+        "intermediate_size": 4 * w,
+        "num_attention_heads": max(1, w // 64),
+    },
+    "t5": lambda d, w: {
+        "num_layers": d,
+        "num_decoder_layers": d,
+        "d_model": w,
+        "d_ff": 4 * w,
+        "num_heads": max(1, w // 64),
+        "d_kv": 64,
+    },
+    "vit": lambda d, w: {
+        "num_hidden_layers": d,
+        "hidden_size": w,
+        "intermediate_size": 4 * w,
+        "num_attention_heads": max(1, w // 64),
+    },
+}
 
 
 Built = tuple[Callable[[], Any], Callable[[int], Any], Any]
@@ -176,14 +231,76 @@ def _factory_spec(spec: str) -> Built:
     return made[0], made[1], made[2] if len(made) == 3 else None
 
 
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"12x768,24x1024"`` as ``[(12, 768), (24, 1024)]``; a usage error otherwise.
+
+    Example::
+
+        parse_sizes("32x4096")  # [(32, 4096)]
+    """
+    sizes = []
+    for item in text.split(","):
+        depth, sep, width = item.strip().lower().partition("x")
+        if not (sep and depth.isdigit() and width.isdigit() and int(depth) and int(width)):
+            raise UsageError(
+                f"--sizes: {item.strip()!r} is not DEPTHxWIDTH with positive ints, e.g. 32x4096"
+            )
+        sizes.append((int(depth), int(width)))
+    return sizes
+
+
+def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callable, Any]:
+    """``(family, inputs_fn, loss_fn)`` for ``--scale``: ``family(depth, width)`` builds the
+    built-in GPT or the ``--hf-config`` model of that size, ``--set`` applied on top."""
+    if args.factory:
+        raise UsageError("--scale takes the built-in GPT or --hf-config, not --factory")
+    if args.hf_config:
+        sized = HF_SIZE_KEYS[args.hf_config]
+        _, inputs_fn, loss_fn = hf_spec(args.hf_config, args.overrides, args.seq_len)
+
+        def hf_family(depth: int, width: int) -> Any:
+            items = [f"{k}={v}" for k, v in sized(depth, width).items()]
+            return hf_spec(args.hf_config, items + args.overrides, args.seq_len)[0]()
+
+        return hf_family, inputs_fn, loss_fn
+    if args.model != "gpt":
+        raise UsageError(f"--scale sizes the built-in gpt by depth and width, not {args.model!r}")
+    _, inputs_fn, loss_fn = builtin_spec("gpt", args.overrides)
+
+    def gpt_family(depth: int, width: int) -> Any:
+        items = [f"n_layer={depth}", f"n_embd={width}", f"n_head={max(1, width // 64)}"]
+        return builtin_spec("gpt", items + args.overrides)[0]()
+
+    return gpt_family, inputs_fn, loss_fn
+
+
 def compute(args: argparse.Namespace) -> Any:
-    """The :class:`~memfit.estimate.Estimate` the parsed flags ask for."""
+    """The :class:`~memfit.estimate.Estimate` (or, with ``--scale``, the
+    :class:`~memfit.capacity.Capacity`) the parsed flags ask for."""
     from memfit.estimate import estimate
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.factory and args.hf_config:
         raise UsageError("give one of --factory and --hf-config")
+    if args.scale:
+        from memfit.capacity import capacity
+
+        if args.device_memory is None:
+            raise UsageError("--scale needs --device-memory, e.g. --device-memory 80GB")
+        family, inputs_fn, loss_fn = _family(args)
+        return capacity(
+            family,
+            inputs_fn,
+            sizes=parse_sizes(args.sizes),
+            batch_size=args.batch_size,
+            device_memory=args.device_memory,
+            loss_fn=loss_fn,
+            precisions=args.precisions,
+            strategies=args.strategies,
+        )
+    if args.plot:
+        raise UsageError("--plot draws the capacity view: add --scale")
     if args.factory:
         model_fn, inputs_fn, loss_fn = _factory_spec(args.factory)
     elif args.hf_config:
@@ -205,4 +322,6 @@ def compute(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     est = compute(args)
     print(est.to_json() if args.json else est.summary())
+    if args.plot:
+        print(f"figure: {est.plot(args.plot)}")
     return 0

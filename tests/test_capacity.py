@@ -1,0 +1,188 @@
+"""The capacity view (``memfit.capacity``, ``memfit estimate --scale``) and the estimator's
+batch search it rests on: every number is checked against estimates run directly."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import memfit
+from memfit.capacity import BASELINE, Capacity
+from memfit.cli.estimate import builtin_spec
+from memfit.cli.main import main
+from memfit.errors import ConfigError
+from memfit.estimate import MAX_BATCH
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# ``memfit.estimate`` is also the name of the function the package exports.
+estimate_module = sys.modules["memfit.estimate"]
+
+MEMORY = 6 * 2**20
+SIZES = [(1, 32), (2, 64), (4, 256)]
+
+
+def _family(depth: int, width: int):
+    items = [f"n_layer={depth}", f"n_embd={width}", f"n_head={width // 32}", "block_size=32"]
+    return builtin_spec("gpt", items)[0]()
+
+
+_, INPUTS, LOSS = builtin_spec("gpt", ["block_size=32"])
+
+
+def _estimates(depth: int, width: int, precision: str, strategies: list[str], batch_size: int):
+    return memfit.estimate(
+        lambda: _family(depth, width),
+        INPUTS,
+        batch_size=batch_size,
+        loss_fn=LOSS,
+        precisions=[precision],
+        strategies=strategies,
+        device_memory=MEMORY,
+    ).rows
+
+
+def _estimate(depth: int, width: int, precision: str, strategy: str, batch_size: int):
+    return _estimates(depth, width, precision, [strategy], batch_size)[0]
+
+
+@pytest.fixture(scope="module")
+def cap() -> Capacity:
+    return memfit.capacity(
+        _family, INPUTS, sizes=SIZES, batch_size=4, device_memory=MEMORY, loss_fn=LOSS
+    )
+
+
+def test_rows_agree_with_direct_estimates(cap: Capacity) -> None:
+    assert cap.combos() == [
+        (p, s) for p in ("fp32", "bf16-mixed") for s in ("none", "full", "optimal")
+    ]
+    assert len(cap.rows) == len(SIZES) * 6
+    strategies = ["none", "full", "optimal"]
+    for (depth, width), precision in [(s, p) for s in SIZES for p in ("fp32", "bf16-mixed")]:
+        rows = [r for s in strategies for r in cap.of(precision, s) if r.size == f"{depth}x{width}"]
+        if rows[0].peak_bytes is None:  # not profiled: the static bytes alone exceed it
+            assert all(r.static_bytes > MEMORY and not r.fits for r in rows)
+            assert all(r.max_micro_batch == 0 for r in rows)
+            direct = _estimates(depth, width, precision, strategies, 1)
+            assert not any(d.fits for d in direct)
+            continue
+        for row, direct in zip(rows, _estimates(depth, width, precision, strategies, 4)):
+            assert row.strategy == direct.strategy
+            assert row.peak_bytes == direct.peak_bytes and row.fits == direct.fits
+            assert row.max_micro_batch == direct.max_micro_batch
+    # The largest size is out of reach, the smallest fits everywhere.
+    assert all(r.peak_bytes is None for r in cap.rows if (r.depth, r.width) == SIZES[-1])
+    assert all(r.fits for r in cap.rows if (r.depth, r.width) == SIZES[0])
+
+
+def test_max_micro_batch_is_the_largest_that_fits_for_every_strategy(cap: Capacity) -> None:
+    for precision, strategy in [("fp32", "none"), ("bf16-mixed", "full"), ("fp32", "optimal")]:
+        row = next(r for r in cap.of(precision, strategy) if (r.depth, r.width) == (2, 64))
+        best = row.max_micro_batch
+        assert best > 4
+        assert _estimate(2, 64, precision, strategy, best).fits
+        assert not _estimate(2, 64, precision, strategy, best + 1).fits
+
+
+def test_headline_compares_with_plain_training(cap: Capacity) -> None:
+    ref = cap.reference()
+    assert ref is not None and (ref.precision, ref.strategy) == BASELINE
+    base_batch = cap.largest_batch(*BASELINE)
+    for h in cap.headline():
+        model = cap.largest_model(h["precision"], h["strategy"])
+        assert h["largest_model"] == model.size
+        assert h["model_x"] == model.parameters / ref.parameters
+        assert h["batch_x"] == h["largest_batch"] / base_batch
+        same_size = [r for r in cap.of(h["precision"], h["strategy"]) if r.size == ref.size]
+        assert h["largest_batch"] == same_size[0].max_micro_batch
+    # Checkpointing fits a larger batch than plain training on the same model.
+    assert cap.largest_batch("fp32", "full") > base_batch
+    doc = json.loads(cap.to_json())
+    assert doc["reference"] == ref.size and len(doc["rows"]) == len(cap.rows)
+    table = cap.summary()
+    assert "largest model" in table and ref.size in table and "\x1b[" not in table
+
+
+def test_plot_writes_a_png(cap: Capacity, tmp_path) -> None:
+    path = cap.plot(tmp_path / "fig" / "capacity.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_sizes_and_strategies_are_refused() -> None:
+    kw = {"batch_size": 1, "device_memory": MEMORY, "loss_fn": LOSS}
+    with pytest.raises(ConfigError, match="at least one"):
+        memfit.capacity(_family, INPUTS, sizes=[], **kw)
+    with pytest.raises(ConfigError, match="positive ints"):
+        memfit.capacity(_family, INPUTS, sizes=[(0, 64)], **kw)
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        memfit.capacity(_family, INPUTS, sizes=[(1, 32)], strategies=["most"], **kw)
+    with pytest.raises(ConfigError, match="no rows"):
+        memfit.capacity(
+            _family, INPUTS, sizes=[(1, 32)], precisions=["fp32"], strategies=["none"], **kw
+        ).of("bf16-mixed", "none")
+
+
+def test_cli_scale_json_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "cap.png"
+    args = ["estimate", "--scale", "--sizes", "1x32,2x64", "--set", "block_size=32"]
+    args += ["--batch-size", "2", "--device-memory", "6MiB", "--precision", "fp32"]
+    args += ["--strategy", "none", "--strategy", "full"]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [h["strategy"] for h in doc["headline"]] == ["none", "full"]
+    assert {(r["depth"], r["width"]) for r in doc["rows"]} == {(1, 32), (2, 64)}
+    assert main([*args, "--plot", str(png)]) == 0
+    assert "figure:" in capsys.readouterr().out and png.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--scale"], "--device-memory"),
+        (["--scale", "--device-memory", "1GB", "--sizes", "32by4096"], "DEPTHxWIDTH"),
+        (["--scale", "--device-memory", "1GB", "--model", "resnet"], "built-in gpt"),
+        (["--plot", "x.png"], "--scale"),
+    ],
+)
+def test_cli_scale_errors(extra, message, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["estimate", *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@given(
+    last=st.integers(1, MAX_BATCH),
+    probe=st.integers(-5, MAX_BATCH + 5),
+    step=st.integers(1, 4096),
+)
+def test_largest_finds_the_end_of_a_prefix_from_any_start(last: int, probe: int, step: int) -> None:
+    asked: list[int] = []
+
+    def fits(b: int) -> bool:
+        asked.append(b)
+        return b <= last
+
+    assert estimate_module._largest(fits, probe, step) == last
+    assert all(1 <= b <= MAX_BATCH for b in asked)
+
+
+def test_a_good_guess_is_checked_in_two_fake_steps(monkeypatch) -> None:
+    profiled: list[int] = []
+    real = estimate_module._Estimator.profiled
+
+    def counting(self, policy, batch_size):
+        if (policy.mode, batch_size) not in self.profiles:
+            profiled.append(batch_size)
+        return real(self, policy, batch_size)
+
+    monkeypatch.setattr(estimate_module._Estimator, "profiled", counting)
+    row = _estimate(2, 64, "fp32", "none", 1)
+    # Batch 1 (the row), 2 and 4 (the line), then the guess and the one after it.
+    assert profiled[:3] == [1, 2, 4] and len(profiled) == 5
+    assert profiled[3:] == [row.max_micro_batch, row.max_micro_batch + 1]
