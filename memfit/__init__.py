@@ -1,11 +1,13 @@
 """memfit: make PyTorch training fit in the memory you have, and run faster."""
 
 from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
+from memfit.distributed import parallelize
 from memfit.engine import Engine, evaluate
 from memfit.errors import (
     BudgetError,
     CheckpointError,
     ConfigError,
+    DistributedError,
     MemfitError,
     NonFiniteError,
     PlanError,
@@ -23,6 +25,7 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "ConfigError",
+    "DistributedError",
     "Engine",
     "Estimate",
     "LossScaler",
@@ -41,6 +44,7 @@ __all__ = [
     "find_units",
     "format_bytes",
     "measure",
+    "parallelize",
     "plan",
     "remove_plan",
     "parse_bytes",

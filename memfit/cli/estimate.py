@@ -89,6 +89,15 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="none | full | sqrt | optimal (repeatable; default: all)",
     )
+    p.add_argument(
+        "--world-size", type=int, default=1, help="ranks of a data-parallel run (default: 1)"
+    )
+    p.add_argument(
+        "--data-parallel",
+        default=None,
+        choices=("ddp", "fsdp"),
+        help="estimate one rank of a DDP or FSDP2 run (--batch-size per rank)",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
 
@@ -199,6 +208,8 @@ def compute(args: argparse.Namespace) -> Any:
         strategies=args.strategies,
         accumulation_steps=args.accumulation_steps,
         device_memory=args.device_memory,
+        world_size=args.world_size,
+        data_parallel=args.data_parallel,
     )
 
 
