@@ -123,6 +123,8 @@ def _case(kind: str, precision: str, directory: Path) -> dict[str, Any]:
     path = engine.save(directory / f"ckpt-{kind}-{precision}")
     losses += _train(engine, range(3, 6), kind, feed_short)
     final = full_weights(model)
+    # The last step's norm, of the whole model's gradients (every shard's) as on one process.
+    norm, ref_norm = float(engine._grad_norm), float(reference._grad_norm)
     exported = engine.model_state_dict()  # plain keys, full tensors, on every rank
     export_ok = set(exported) == set(toy_model().state_dict()) and all(
         torch.equal(exported[k], final[k]) for k in final
@@ -149,6 +151,9 @@ def _case(kind: str, precision: str, directory: Path) -> dict[str, Any]:
         "full_param_bytes": sum(t.numel() * t.element_size() for t in final.values()),
         "sharded_dir": Path(path).is_dir(),
         "export_ok": export_ok,
+        "final": {k: v.flatten().tolist() for k, v in final.items()},
+        "norm": norm,
+        "norm_diff": abs(norm - ref_norm),
     }
 
 
@@ -184,9 +189,23 @@ def _errors(directory: Path) -> dict[str, str]:
     return errors
 
 
+def _monitored(directory: Path) -> dict[str, Any]:
+    """FSDP2 under the monitor, metrics read every step: rank 0 alone writes the logs."""
+    model = _parallel("fsdp", "bf16-master")
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine = memfit.Engine(
+        model, optimizer, precision="bf16-master", log_every=1, log_dir=directory / "logs"
+    )
+    for step in range(2):
+        engine.train_step(shard_batch(_batch(step)), toy_loss)
+    engine.close()
+    return {"metrics": sorted(engine.metrics), "log_dir": engine.log_dir is not None}
+
+
 def _all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {f"{k}/{p}": _case(k, p, directory) for k, p, _ in CASES}
     out["errors"] = _errors(directory)
+    out["monitored"] = _monitored(directory)
     return out
 
 
@@ -202,6 +221,7 @@ def test_ddp_and_fsdp2_match_one_process_skip_together_and_resume(tmp_path: Path
             # The spike step skipped on both ranks, as on one process: 5 of 6 applied.
             assert r["applied"] == r["ref_applied"] == 5, name
             assert r["export_ok"], name
+            assert r["norm"] > 0.5 and r["norm_diff"] <= tol * r["norm"], name  # clipped
             # One reduction per optimizer step (per FSDP2 group), not per micro-batch.
             assert r["reductions_in_3_steps"] == 3 * r["groups"], name
         # Same weights and the same (global mean) loss on both ranks.
@@ -214,12 +234,31 @@ def test_ddp_and_fsdp2_match_one_process_skip_together_and_resume(tmp_path: Path
             assert r0["sharded_dir"], name
         else:
             assert r0["local_param_bytes"] == r0["full_param_bytes"], name
+    monitored = [r["monitored"] for r in ranks]
+    assert [m["log_dir"] for m in monitored] == [True, False]
+    assert {"grad/norm_total", "grad/norm_median", "loss"} <= set(monitored[0]["metrics"])
+    # The 2-rank FSDP2 checkpoint resumes on 1 rank: DCP reshards it.
+    one = tmp_path / "one-rank"
+    one.mkdir()
+    (resumed,) = results(launch(_resume_on_one_rank, one, world_size=1))
+    two = ranks[0]["fsdp/fp32"]["final"]
+    assert resumed.keys() == two.keys()
+    for k in two:
+        assert max(abs(a - b) for a, b in zip(resumed[k], two[k], strict=True)) <= 1e-5, k
     errors = ranks[0]["errors"]
     assert "build the optimizer after it" in errors["optimizer_first"]
     assert "data_parallel='fsdp'" in errors["ddp_master"]
     assert "drop_last" in errors["fsdp_short_feed"]
     assert "2 rank(s)" in errors["kind_mismatch"] and "FSDP2" in errors["kind_mismatch"]
     assert "parallelize(checkpoint=plan)" in errors["engine_plans"]
+
+
+def _resume_on_one_rank(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
+    model = _parallel("fsdp", "fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = memfit.Engine.resume(directory.parent / "ckpt-fsdp-fp32", model, optimizer)
+    _train(engine, range(3, 6), "fsdp", feed_short=False)
+    return {k: v.flatten().tolist() for k, v in full_weights(model).items()}
 
 
 def _failing(rank: int, world_size: int, directory: Path) -> None:

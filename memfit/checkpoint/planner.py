@@ -417,7 +417,9 @@ def solve_profile(
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
         )
-    root = with_backward_costs(profiled.root, model, policy, accumulating=accumulation_steps > 1)
+    root = with_backward_costs(
+        profiled.root, model, policy, accumulating=accumulation_steps > 1, layout=layout
+    )
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None

@@ -310,7 +310,11 @@ def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
 
 
 def with_backward_costs(
-    root: UnitCost, model: nn.Module, policy: PrecisionPolicy, accumulating: bool = False
+    root: UnitCost,
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    accumulating: bool = False,
+    layout: RankLayout | None = None,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -322,11 +326,18 @@ def with_backward_costs(
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
       they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``).
+
+    ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
+    under DDP every gradient is held already, in the buckets, as with accumulation.
     """
-    width = 4 if policy.master_weights else None
+    layout = layout or RankLayout()
+    accumulating = accumulating or layout.kind == "ddp"
+    sharded = layout.kind == "fsdp"
+    width = 4 if policy.master_weights or sharded else None
+    shards = layout.world_size if sharded else 1
 
     def grad_bytes(params: list[nn.Parameter]) -> float:
-        return float(sum(p.numel() * (width or p.element_size()) for p in params))
+        return float(sum(p.numel() * (width or p.element_size()) for p in params)) / shards
 
     order: list[UnitCost] = list(root.walk())  # forward order: parents before children
     own: dict[str, float] = {}
