@@ -2,11 +2,13 @@
 
 from memfit.capacity import Capacity, capacity
 from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
+from memfit.distributed import parallelize
 from memfit.engine import Engine, evaluate
 from memfit.errors import (
     BudgetError,
     CheckpointError,
     ConfigError,
+    DistributedError,
     MemfitError,
     NonFiniteError,
     PlanError,
@@ -25,6 +27,7 @@ __all__ = [
     "Capacity",
     "CheckpointError",
     "ConfigError",
+    "DistributedError",
     "Engine",
     "Estimate",
     "LossScaler",
@@ -44,6 +47,7 @@ __all__ = [
     "find_units",
     "format_bytes",
     "measure",
+    "parallelize",
     "plan",
     "remove_plan",
     "parse_bytes",

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import ConfigError
 from memfit.estimate import STRATEGIES, LossFn, estimate, meta_model, rich_table, static_parts
 from memfit.precision.policy import PrecisionPolicy
@@ -266,6 +267,8 @@ def capacity(
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
     precisions: Sequence[str] | None = None,
     strategies: Sequence[str] | None = None,
+    world_size: int = 1,
+    data_parallel: str | None = None,
 ) -> Capacity:
     """The largest model and batch that fit ``device_memory``, per precision and strategy,
     over a family of sizes.
@@ -280,6 +283,9 @@ def capacity(
         loss_fn, optimizer_fn: as for :func:`memfit.estimate.estimate`.
         precisions: default ``fp32`` and ``bf16-mixed`` (``fp32`` is the baseline).
         strategies: default ``none``, ``full`` and ``optimal``.
+        world_size, data_parallel: one rank of a data-parallel run (``"ddp"``, ``"fsdp"``),
+            as :func:`memfit.estimate.estimate` takes them; the memory and the batch are
+            then per rank, and under FSDP2 a model fits when its shard does.
 
     Raises:
         ConfigError: no sizes, a size that is not two positive ints, or what
@@ -306,6 +312,8 @@ def capacity(
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
     make_optimizer = optimizer_fn or torch.optim.AdamW
+    layout = RankLayout(data_parallel, world_size)  # refuses a bad kind or size here
+    shards = layout.world_size if layout.kind == "fsdp" else 1
     rows: list[CapacityRow] = []
     for depth, width in sizes:
 
@@ -313,7 +321,7 @@ def capacity(
             return family(depth, width)
 
         for mode in modes:
-            static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer)
+            static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer, shards)
             params = static.parameters
             if static.bytes > memory:  # no batch fits; a fake step would only say so
                 rows += [
@@ -330,6 +338,8 @@ def capacity(
                 precisions=[mode],
                 strategies=chosen,
                 device_memory=memory,
+                world_size=world_size,
+                data_parallel=data_parallel,
             )
             for r in est.rows:
                 parts = r.parts
@@ -366,13 +376,15 @@ def _static_bytes(
     model_fn: Callable[[], nn.Module],
     policy: PrecisionPolicy,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None],
+    shards: int = 1,
 ) -> _Static:
     """Weights, buffers, optimizer state and 4-byte gradients of every trained floating
-    parameter (fp32 in every mode: the masters' in the master modes), on the meta model."""
+    parameter (fp32 in every mode: the masters' in the master modes), on the meta model;
+    one rank's share of them when FSDP2 shards them ``shards`` ways."""
     model = meta_model(model_fn)
     parts = static_parts(model, policy, optimizer_fn(model.parameters()))
     grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _Static(
         sum(p.numel() for p in model.parameters()),
-        parts["params"] + parts["optimizer"] + grads,
+        (parts["params"] + parts["optimizer"] + grads) / shards,
     )

@@ -29,3 +29,7 @@ class PlanError(MemfitError, ValueError):
 
 class BudgetError(PlanError):
     """A memory budget cannot be met by any plan."""
+
+
+class DistributedError(MemfitError, RuntimeError):
+    """Another rank of a data-parallel run failed, or the ranks disagree."""

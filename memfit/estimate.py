@@ -53,7 +53,7 @@ from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import ModelProfile, PlanResult, profile_step, solve_profile
 from memfit.checkpoint.profiler.runner import default_loss
-from memfit.checkpoint.step_memory import optimizer_state_bytes
+from memfit.checkpoint.step_memory import RankLayout, optimizer_state_bytes
 from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
 from memfit.nested import call_model, map_tensors
@@ -230,6 +230,7 @@ class _Estimator:
     loss_fn: LossFn
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None]
     accumulation_steps: int
+    layout: RankLayout
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = field(default_factory=dict)
     profiles: dict[tuple[str, int], ModelProfile] = field(default_factory=dict)
     solved: dict[tuple[str, int, str, int | None, bool], PlanResult | BudgetError] = field(
@@ -292,6 +293,7 @@ class _Estimator:
                     budget,
                     self.accumulation_steps,
                     frontier=False,
+                    layout=self.layout,
                 )
             except BudgetError as exc:
                 self.solved[key] = exc
@@ -391,6 +393,8 @@ def estimate(
     strategies: Sequence[str] | None = None,
     accumulation_steps: int = 1,
     device_memory: str | int | None = None,
+    world_size: int = 1,
+    data_parallel: str | None = None,
 ) -> Estimate:
     """Estimate an ``Engine.train_step`` at every precision and strategy, on fake tensors.
 
@@ -412,6 +416,9 @@ def estimate(
             held through the last one's forward and backward).
         device_memory: the memory to fit ("80GB", bytes); ``optimal`` plans for it, and
             each row says whether it fits and the largest micro-batch that does.
+        world_size, data_parallel: estimate one rank of a data-parallel run (``"ddp"``,
+            ``"fsdp"``: FSDP2 holds ``1/world_size`` of the weights, gradients and
+            optimizer state); ``batch_size`` and ``device_memory`` are then per rank.
 
     Raises:
         ConfigError: an unknown precision or strategy, or a model that cannot be built or
@@ -445,6 +452,7 @@ def estimate(
         loss_fn or default_step_loss,
         optimizer_fn or torch.optim.AdamW,
         int(accumulation_steps),
+        RankLayout(data_parallel, world_size),
     )
     rows: list[EstimateRow] = []
     parameters = 0
@@ -478,6 +486,7 @@ def estimate(
                     budget,
                     plan,
                     None if budget is None else est.max_micro_batch(policy, strategy, budget),
+                    est.layout,
                 )
             )
     return Estimate(rows, int(batch_size), budget, parameters, int(accumulation_steps))
@@ -492,10 +501,15 @@ def _row(
     budget: int | None,
     plan: Plan | None,
     max_batch: int | None,
+    layout: RankLayout,
 ) -> EstimateRow:
     mem = result.memory
     peak = float(result.plan.predicted_peak_bytes)
     parts = static_parts(model, policy, optimizer)
+    if layout.kind == "fsdp":  # one rank's shards (and its gathered blocks: step_memory)
+        state = optimizer_state_bytes(optimizer) / layout.world_size
+        held = mem.base_bytes - mem.workspace_bytes - result.profile.profile.input_bytes
+        parts = {"params": held - state, "optimizer": state}
     parts["grads"] = float(mem.grad_bytes)
     # The optimizer step's temporaries count where that step is the peak.
     at_optimizer = peak <= mem.optimizer_phase_bytes

@@ -47,7 +47,12 @@ from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.profiler.runner import default_loss, preserved
 from memfit.checkpoint.solvers import FrontierPoint, evaluate, parse_strategy, solve
 from memfit.checkpoint.solvers.frontier import pareto
-from memfit.checkpoint.step_memory import StepMemory, step_memory, with_backward_costs
+from memfit.checkpoint.step_memory import (
+    RankLayout,
+    StepMemory,
+    step_memory,
+    with_backward_costs,
+)
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.memory import measure
@@ -366,13 +371,15 @@ def solve_profile(
     accumulation_steps: int = 1,
     frontier: bool = True,
     correction_bytes: float = 0.0,
+    layout: RankLayout | None = None,
 ) -> PlanResult:
     """Stages 2-4: the step's memory, the solve, the Plan with its predicted peak.
 
     ``frontier=False`` leaves out the plan's (peak, time) frontier, which takes most of
     the solve's time on trees of hundreds of units. ``correction_bytes``: memory the step
     was measured to hold beyond (or, negative, below) the model, counted as held all step
-    (:func:`check_plan`)."""
+    (:func:`check_plan`). ``layout``: plan one rank of a data-parallel run (its share of
+    the weights, gradients and optimizer state; :class:`RankLayout`)."""
     model = unwrap_compiled(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
@@ -386,6 +393,7 @@ def solve_profile(
         profiled.root,
         accumulation_steps=accumulation_steps,
         output_held=profiled.output_held,
+        layout=layout,
     )
     if profiled.workspace_bytes:
         # Kernels' own workspace: where in the step is not known, so all of it counts.
@@ -409,7 +417,9 @@ def solve_profile(
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
         )
-    root = with_backward_costs(profiled.root, model, policy, accumulating=accumulation_steps > 1)
+    root = with_backward_costs(
+        profiled.root, model, policy, accumulating=accumulation_steps > 1, layout=layout
+    )
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
@@ -569,6 +579,8 @@ def make_plan(
     accumulation_steps: int = 1,
     units: Sequence[str] | None = None,
     frontier: bool = True,
+    world_size: int = 1,
+    data_parallel: str | None = None,
 ) -> PlanResult:
     """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve.
 
@@ -576,6 +588,8 @@ def make_plan(
     micro-batches per optimizer step (above 1, the gradients of the earlier ones are held
     while the last one runs). ``budget`` is the peak of the whole step; None plans without
     a limit. Raises :class:`~memfit.errors.BudgetError` when no plan fits.
+    ``world_size`` and ``data_parallel`` (``"ddp"``, ``"fsdp"``): plan one rank's step
+    under a per-device ``budget`` (``batch`` is then that rank's micro-batch).
 
     Example::
 
@@ -587,8 +601,17 @@ def make_plan(
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     policy = PrecisionPolicy.of(precision)
     profiled = profile_step(model, batch, loss_fn, policy, units)
+    layout = RankLayout(data_parallel, world_size)
     return solve_profile(
-        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps), frontier
+        model,
+        profiled,
+        policy,
+        optimizer,
+        strategy,
+        budget,
+        int(accumulation_steps),
+        frontier,
+        layout=layout,
     )
 
 
@@ -603,6 +626,8 @@ def plan(
     units: Sequence[str] | None = None,
     accumulation_steps: int = 1,
     keep_output: bool = True,
+    world_size: int = 1,
+    data_parallel: str | None = None,
 ) -> Plan:
     """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
 
@@ -615,6 +640,8 @@ def plan(
     the training loop holds the model's output through backward (``out = model(x);
     loss_fn(out).backward()``, the default); False for a loop that keeps only the loss
     (``loss = model(**batch).loss``), whose output is freed before backward.
+    ``world_size`` and ``data_parallel`` (``"ddp"``, ``"fsdp"``): plan one rank of a
+    data-parallel run under a per-device budget (docs/distributed.md).
 
     Example::
 
@@ -625,8 +652,9 @@ def plan(
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     policy = PrecisionPolicy.of(precision)
     profiled = profile_model(model, example_inputs, loss_fn, policy, units, keep_output)
+    layout = RankLayout(data_parallel, world_size)
     return solve_profile(
-        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps)
+        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps), layout=layout
     ).plan
 
 
@@ -641,9 +669,12 @@ def plan_step(
     frontier: bool = True,
     accumulation_steps: int = 1,
     units: Sequence[str] | None = None,
+    world_size: int = 1,
+    data_parallel: str | None = None,
 ) -> Plan:
     """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``;
-    ``units``: the candidate units instead of those ``find_units`` finds.
+    ``units``: the candidate units instead of those ``find_units`` finds; ``world_size``
+    and ``data_parallel``: one rank's step (:func:`make_plan`).
 
     Example::
 
@@ -660,4 +691,6 @@ def plan_step(
         accumulation_steps=accumulation_steps,
         units=units,
         frontier=frontier,
+        world_size=world_size,
+        data_parallel=data_parallel,
     ).plan

@@ -18,6 +18,14 @@ checkpointing cannot change, the *static* bytes, is counted from the model and o
   autocast's 16-bit copies of fp32 weights (mixed modes) and the gradients the head of
   backward makes (the loss's, an LM head's, a loss computed inside the model).
 
+**Per rank** (``layout=RankLayout("fsdp" | "ddp", world_size)``): under FSDP2 each rank
+holds ``1/world_size`` of the parameters, gradients and optimizer state (the fp32 shards
+are the masters of the ``*-master`` modes), and, gathered while they compute, the root's own
+parameters (kept through the step) and two blocks' (one computing, one prefetched) in the
+gathered dtype, plus one block's full fp32 gradients before they are reduce-scattered.
+Under DDP the gradients live in its buckets from the first step on, so they are held
+through the activation phase as with accumulation.
+
 With gradient accumulation (``accumulation_steps > 1``) the gradients of the micro-batches
 already run are held while the later ones run forward and backward: the last micro-batch
 holds all of them from its first op on, so they count as held for the whole activation
@@ -40,6 +48,7 @@ from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler import Profile
+from memfit.errors import ConfigError
 from memfit.fake import optimizer_step_temp_bytes
 from memfit.precision.policy import PrecisionPolicy
 
@@ -83,6 +92,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     # The scalars are float32 unless the default dtype is float64, as torch.optim makes them.
     scalar = 8 if torch.get_default_dtype() == torch.float64 else 4
     return per * elements * 4 + _STATE_SCALARS.get(type(optimizer), 0) * len(params) * scalar
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How a data-parallel run spreads a step over ranks, for the per-rank memory.
+
+    Example::
+
+        step_memory(model, prof, policy, opt, layout=RankLayout("fsdp", 8))
+    """
+
+    kind: str | None = None
+    """``"fsdp"``, ``"ddp"`` or None (one process)."""
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in (None, "ddp", "fsdp"):
+            raise ConfigError(f"data_parallel must be 'ddp', 'fsdp' or None, got {self.kind!r}")
+        if int(self.world_size) != self.world_size or self.world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {self.world_size!r}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +166,7 @@ def step_memory(
     root: UnitCost | None = None,
     accumulation_steps: int = 1,
     output_held: bool = True,
+    layout: RankLayout | None = None,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
@@ -147,7 +177,8 @@ def step_memory(
     held through the activation phase (``accumulated_grad_bytes``). ``output_held``: the
     caller holds the model's output through backward (``out = model(x)``); False when only
     the loss outlives the forward (``loss = loss_fn(model, batch)``, the Engine's form),
-    so the output is freed before backward, but for what the loss saves of it."""
+    so the output is freed before backward, but for what the loss saves of it.
+    ``layout``: what one rank of a data-parallel run holds (module docstring)."""
     trained = _trained_widths(model, policy)
     param_bytes = sum(p.numel() * trained[id(p)] for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -170,7 +201,18 @@ def step_memory(
     cast_cache = _cast_bytes(model, policy)
     output = prof.output_bytes if output_bytes is None else output_bytes
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
-    base = param_bytes + buffer_bytes + optimizer_state_bytes(optimizer) + master_bytes
+    state_bytes = optimizer_state_bytes(optimizer)
+    gathered = block_grads = 0.0
+    layout = layout or RankLayout()
+    if layout.kind == "fsdp":
+        # Sharded fp32 parameters are the masters; gradients are reduced in fp32.
+        n = layout.world_size
+        gathered, block_grads = _gathered_bytes(model, root or prof.root, policy)
+        fp32_params = sum(p.numel() * 4 for p in model.parameters())
+        param_bytes, master_bytes = fp32_params / n + gathered, 0
+        grad_bytes = sum(p.numel() * 4 for p in updated) / n
+        state_bytes = state_bytes / n
+    base = param_bytes + buffer_bytes + state_bytes + master_bytes
     # The head of backward (the loss's ops, and the model's own ops after its blocks: an LM
     # head, or a loss computed inside the model) makes gradients while everything kept is
     # still held. For a loss outside the model: its own gradients, at most the size of what
@@ -188,10 +230,29 @@ def step_memory(
         base_bytes=float(base + prof.input_bytes),
         loss_bytes=float(loss_bytes),
         grad_bytes=float(grad_bytes),
-        in_flight_bytes=in_flight,
-        optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)),
-        accumulated_grad_bytes=float(grad_bytes) if accumulation_steps > 1 else 0.0,
+        in_flight_bytes=in_flight + block_grads,
+        optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)) / layout.world_size
+        if layout.kind == "fsdp"
+        else float(_optimizer_temp_bytes(optimizer)),
+        accumulated_grad_bytes=float(grad_bytes)
+        if accumulation_steps > 1 or layout.kind == "ddp"
+        else 0.0,
     )
+
+
+def _gathered_bytes(
+    model: nn.Module, root: UnitCost, policy: PrecisionPolicy
+) -> tuple[float, float]:
+    """FSDP2's gathered parameters on one rank (the root's own, kept through the step, and
+    the two largest blocks') and one block's full fp32 gradients: the top-level units of
+    ``root`` are the blocks ``parallelize`` shards one by one."""
+    width = torch.finfo(policy.compute_dtype).bits // 8 if policy.master_weights else 4
+    blocks = [model.get_submodule(u.name) for u in root.children]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    own = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
+    largest_two = sum(sizes[:2])
+    return float((own + largest_two) * width), float(sizes[0] * 4 if sizes else 0)
 
 
 def _optimizer_temp_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -249,7 +310,11 @@ def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
 
 
 def with_backward_costs(
-    root: UnitCost, model: nn.Module, policy: PrecisionPolicy, accumulating: bool = False
+    root: UnitCost,
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    accumulating: bool = False,
+    layout: RankLayout | None = None,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -261,11 +326,18 @@ def with_backward_costs(
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
       they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``).
+
+    ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
+    under DDP every gradient is held already, in the buckets, as with accumulation.
     """
-    width = 4 if policy.master_weights else None
+    layout = layout or RankLayout()
+    accumulating = accumulating or layout.kind == "ddp"
+    sharded = layout.kind == "fsdp"
+    width = 4 if policy.master_weights or sharded else None
+    shards = layout.world_size if sharded else 1
 
     def grad_bytes(params: list[nn.Parameter]) -> float:
-        return float(sum(p.numel() * (width or p.element_size()) for p in params))
+        return float(sum(p.numel() * (width or p.element_size()) for p in params)) / shards
 
     order: list[UnitCost] = list(root.walk())  # forward order: parents before children
     own: dict[str, float] = {}

@@ -106,6 +106,15 @@ def add_parser(sub: Any) -> None:
         help=f"depth x width of each size for --scale (default: {DEFAULT_SIZES})",
     )
     p.add_argument("--plot", default=None, metavar="PATH", help="--scale: write a PNG figure")
+    p.add_argument(
+        "--world-size", type=int, default=1, help="ranks of a data-parallel run (default: 1)"
+    )
+    p.add_argument(
+        "--data-parallel",
+        default=None,
+        choices=("ddp", "fsdp"),
+        help="estimate one rank of a DDP or FSDP2 run (--batch-size per rank)",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
 
@@ -298,6 +307,8 @@ def compute(args: argparse.Namespace) -> Any:
             loss_fn=loss_fn,
             precisions=args.precisions,
             strategies=args.strategies,
+            world_size=args.world_size,
+            data_parallel=args.data_parallel,
         )
     if args.plot:
         raise UsageError("--plot draws the capacity view: add --scale")
@@ -316,6 +327,8 @@ def compute(args: argparse.Namespace) -> Any:
         strategies=args.strategies,
         accumulation_steps=args.accumulation_steps,
         device_memory=args.device_memory,
+        world_size=args.world_size,
+        data_parallel=args.data_parallel,
     )
 
 

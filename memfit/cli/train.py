@@ -19,6 +19,10 @@ with a value that differs from the saved one is an error naming the flag, the sa
 the given value; the same value (or an alias of it, e.g. ``--precision bf16`` for
 ``bf16-mixed``) is accepted. Resuming a run that has reached its ``--steps`` is refused, so
 its summary and report are kept.
+
+``--nproc N`` (or ``torchrun --nproc-per-node N -m memfit train ...``) trains on N processes
+with DDP (gloo on CPU, nccl on GPU): ``--batch-size`` is the global batch (a multiple of N;
+each rank trains its slice of it), and rank 0 alone writes the run directory and prints.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from memfit.cli.start import (
     undone_on_failure,
     write_json,
 )
+from memfit.distributed import current_world, shard_batch
 from memfit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -131,6 +136,12 @@ def add_parser(sub: Any) -> None:
         + ", ".join(flag(k) for k in RESUMABLE)
         + " and --device may change",
     )
+    p.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="train on N processes with DDP (torchrun; gloo on CPU, nccl on GPU)",
+    )
     p.set_defaults(run=run)
 
 
@@ -185,10 +196,40 @@ def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(stderr=False)
-    job = _build(args, console)
-    outcome = _train_loop(job, console)
-    _finish(job, outcome, console)
+    from memfit.distributed import init_from_env
+
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args.nproc)
+    world = init_from_env()
+    console = Console(stderr=False, quiet=world.rank > 0)
+    try:
+        job = _build(args, console)
+        outcome = _train_loop(job, console)
+        _finish(job, outcome, console)
+    finally:
+        if world.distributed:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def _launch(nproc: int) -> int:
+    """Run this same command on ``nproc`` processes under torchrun's launcher."""
+    import sys
+
+    from torch.distributed import run as torchrun
+
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg == "--nproc" or arg.startswith("--nproc="):
+            skip = arg == "--nproc"
+            continue
+        argv.append(arg)
+    command = ["--standalone", "--nproc-per-node", str(nproc), "-m", "memfit", *argv]
+    try:
+        torchrun.main(command)
+    except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
+        print(f"memfit train --nproc {nproc}: {type(exc).__name__}: a rank failed")
+        return 1
     return 0
 
 
@@ -220,16 +261,23 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     nothing; one while making it removes what it made. Prints the run's header."""
     import memfit
     from memfit.checkpoint.solvers import parse_strategy
+    from memfit.distributed import check_global_batch
     from memfit.engine import split_batch
     from memfit.units import parse_bytes
 
+    world = current_world()
     device = pick_device(args.device)
+    if world.distributed and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     given = given_settings(args)
     if args.resume:
         start = resume_settings(args.resume, given, TRAIN_DEFAULTS, args.out, device)
     else:
         start = new_run(given, TRAIN_DEFAULTS, args.out)
     s, run_dir = start.settings, start.run_dir
+    if world.distributed:
+        run_dir = start.run_dir = _same_on_every_rank(run_dir)
+        _check_distributed(s, world.world_size, check_global_batch)
     overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
     memfit.PrecisionPolicy(s["precision"]).check_device(device)
     if s["checkpoint"] is None:  # a budget plans (the Engine's rule), saved as resolved
@@ -253,8 +301,12 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
     sinks = RunSinks(run_dir)
     monitoring = dict(
-        sinks=[sinks], tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample
+        sinks=[sinks] if world.rank == 0 else [],
+        tokens_per_sample=tokens_per_sample,
+        flops_per_sample=flops_per_sample,
     )
+    if world.distributed:  # the islands, then DDP; the optimizer is built after it
+        model = memfit.parallelize(model, data_parallel="ddp", precision=s["precision"])
     engine = _engine(start, model, monitoring)
     if start.resuming and engine.steps >= s["steps"]:
         # Nothing to train: the summary and report of the finished run are kept as they are.
@@ -270,7 +322,9 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     # Planned now, on the first step's first micro-batch (what train_step would plan on),
     # so a budget no plan meets fails before the run directory exists.
     first = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-    engine.prepare(split_batch(first, s["accumulation"])[0], loss_fn)
+    engine.prepare(split_batch(shard_batch(first), s["accumulation"])[0], loss_fn)
+    if world.rank > 0:  # rank 0 alone writes the run directory
+        return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
 
     with undone_on_failure(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -282,6 +336,39 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     if start.applied:
         console.print(f"applied on resume: {', '.join(start.applied)}")
     return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
+
+
+def _same_on_every_rank(run_dir: Path) -> Path:
+    """Rank 0's run directory (a default name holds the time, which differs per rank)."""
+    names = [str(run_dir)]
+    torch.distributed.broadcast_object_list(names, src=0)
+    return Path(names[0])
+
+
+def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: Any) -> None:
+    """UsageError for settings a DDP run cannot take."""
+    from memfit.errors import ConfigError
+
+    try:
+        per_rank = check_global_batch(s["batch_size"], world_size)
+    except ConfigError as exc:
+        raise UsageError(f"--batch-size: {exc}") from None
+    if s["accumulation"] > per_rank:
+        raise UsageError(
+            f"--accumulation {s['accumulation']} is more micro-batches than a rank's "
+            f"{per_rank} samples (--batch-size {s['batch_size']} over {world_size} ranks)"
+        )
+    if s["checkpoint"] not in (None, "none") or s["budget"] is not None:
+        raise UsageError(
+            "--checkpoint/--budget with --nproc: plan one rank's step with memfit.plan(..., "
+            "world_size=N, data_parallel='ddp') and pass it to memfit.parallelize in a script "
+            "(docs/distributed.md); the CLI trains data-parallel without a plan"
+        )
+    if s["precision"].endswith("-master") or s["precision"] in ("16-true", "bf16-true", "O2"):
+        raise UsageError(
+            f"--precision {s['precision']} keeps fp32 masters outside the model, which DDP "
+            "does not reduce; use bf16-mixed or fp16-mixed with --nproc"
+        )
 
 
 def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
@@ -386,7 +473,7 @@ def _train_loop(job: _Job, console: Console) -> _Outcome:
         )
         while engine.steps < s["steps"]:
             batch = _batch(job.batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-            engine.train_step(batch, job.loss_fn)
+            engine.train_step(shard_batch(batch), job.loss_fn)
             samples_done += s["batch_size"]
             step = engine.steps
             if step % s["log_every"] == 0:
@@ -414,6 +501,9 @@ def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
 
     engine, run_dir = job.engine, job.run_dir
     stats = engine.scaler.stats
+    if current_world().rank > 0:
+        engine.close()
+        return
     summary = _summary(job, outcome, stats)
     write_json(run_dir / "summary.json", summary)
     checks = engine.health()
@@ -481,7 +571,9 @@ def _summary_table(
 def _save(engine: Any, run_dir: Path) -> None:
     # The new checkpoint is complete on disk before the last good one is moved aside.
     path = run_dir / CHECKPOINT
-    fresh = engine.save(run_dir / (CHECKPOINT + ".new"))
+    fresh = engine.save(run_dir / (CHECKPOINT + ".new"))  # every rank: rank 0 writes
+    if current_world().rank > 0:
+        return
     if path.exists():
         os.replace(path, run_dir / PREVIOUS)
     os.replace(fresh, path)

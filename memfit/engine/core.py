@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,11 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
+from memfit.distributed.collectives import total_norm
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.engine.diagnose import diagnose_skips
 from memfit.engine.evaluation import eval_context
 from memfit.engine.export import export_model, model_state_dict
 from memfit.engine.feed import Window, checked_loss, rescale_gradients, run_measured
+from memfit.engine.parallel import EngineParallel
 from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
 from memfit.engine.settings import (
     EngineSettings,
@@ -45,11 +48,11 @@ from memfit.engine.settings import (
     unit_names,
 )
 from memfit.engine.state import (
-    check_fresh_optimizer,
     engine_state,
     load_checkpoint,
     load_engine_state,
-    saved_plan,
+    resume_settings,
+    save_state,
 )
 from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
@@ -59,7 +62,6 @@ from memfit.precision.apply import apply_precision
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
-from memfit.savefile import atomic_save, safe_load
 from memfit.units import device_memory_bytes, parse_bytes
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -148,14 +150,6 @@ class Engine:
             log_every=int(log_every),
             max_consecutive_skips=int(max_consecutive_skips),
         )
-        self.master: MasterWeights | None = None
-        if self.policy.master_weights:
-            # Named as the uncompiled model names them (no ``_orig_mod.``): a checkpoint's
-            # masters then load into a compiled model and an uncompiled one alike.
-            self.master = MasterWeights(
-                unwrap_compiled(model), optimizer, self.policy.compute_dtype, self.policy.is_island
-            )
-        self.islands = apply_precision(model, self.policy)
         if scaler is None:
             scaler = (
                 LossScaler()
@@ -163,6 +157,19 @@ class Engine:
                 else LossScaler(init_scale=1.0, dynamic=False)
             )
         self.scaler = scaler
+        # DDP or FSDP2 (memfit/engine/parallel.py); None on one process.
+        self.parallel = EngineParallel.of(model, optimizer, self.policy, scaler, checkpoint)
+        self.master: MasterWeights | None = None
+        if self.policy.master_weights and not (self.parallel and self.parallel.owns_masters):
+            # Named as the uncompiled model names them (no ``_orig_mod.``): a checkpoint's
+            # masters then load into a compiled model and an uncompiled one alike.
+            self.master = MasterWeights(
+                unwrap_compiled(model), optimizer, self.policy.compute_dtype, self.policy.is_island
+            )
+        self.islands = apply_precision(
+            model, self.parallel.precision(self.policy) if self.parallel else self.policy
+        )
+        log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if isinstance(monitor, bool):
             monitor = MonitorConfig(enabled=monitor)
@@ -172,6 +179,7 @@ class Engine:
         self.flops_per_sample = flops_per_sample
         self._checkpoint_request = checkpoint
         self._window: Window | None = None  # the micro-batches fed since the last step
+        self._step_parts: int | None = None  # train_step's micro-batches, while it feeds
         self.plan: Any = None
         # The first step under a plan memfit made is measured against its prediction.
         self._plan_to_check: EnginePlan | None = None
@@ -221,8 +229,13 @@ class Engine:
         size = batch_size(batch)
         if size == 0:
             raise ConfigError("the batch is empty (0 samples); give at least one sample")
-        for micro in split_batch(batch, min(size, self.settings.accumulation_steps)):
-            self.backward(micro, loss_fn)
+        micro_batches = split_batch(batch, min(size, self.settings.accumulation_steps))
+        self._step_parts = len(micro_batches)
+        try:
+            for micro in micro_batches:
+                self.backward(micro, loss_fn)
+        finally:
+            self._step_parts = None
         return self.step()
 
     def backward(self, micro_batch: Batch, loss_fn: LossFn) -> torch.Tensor:
@@ -263,8 +276,6 @@ class Engine:
                     "the loss weights are made for at most that many); call engine.step() "
                     "or raise accumulation_steps"
                 )
-            # Data-parallel training would skip the all-reduce here (no_sync) unless this
-            # is the step's last micro-batch (window.count + 1 == accumulation_steps).
             return run_measured(
                 window,
                 lambda: self._backward_one(window, micro_batch, size, loss_fn),
@@ -273,10 +284,12 @@ class Engine:
                 self.device,
                 micro_batch,
             )
-        except BaseException:
+        except BaseException as exc:
             # A failed micro-batch (out of memory, a bad batch, Ctrl-C) must not leave
             # half-accumulated gradients for the next step to add to.
             self._discard_window()
+            if self.parallel is not None:
+                self.parallel.fail(exc)  # another rank's failure: names that rank
             raise
 
     @property
@@ -303,10 +316,13 @@ class Engine:
         self.scaler.discard_step()
 
     def _backward_one(self, window: Window, micro: Batch, size: int, loss_fn: LossFn) -> Tensor:
-        with self.policy.autocast(self.device.type):
-            loss = checked_loss(loss_fn(self.model, micro))
-        weighted = loss * window.weight(size)
-        self.scaler.scale(weighted).backward()
+        # Data parallel: gradients are reduced in the step's last micro-batch only.
+        last = window.count + 1 == (self._step_parts or self.settings.accumulation_steps)
+        with self.parallel.sync(last) if self.parallel else contextlib.nullcontext():
+            with self.policy.autocast(self.device.type):
+                loss = checked_loss(loss_fn(self.model, micro))
+            weighted = loss * window.weight(size)
+            self.scaler.scale(weighted).backward()
         window.loss_sum += weighted.detach()
         window.count += 1
         window.samples += size
@@ -343,8 +359,10 @@ class Engine:
                 self.device,
                 optimizer_phase=True,
             )
-        except BaseException:
+        except BaseException as exc:
             self._discard_window()
+            if self.parallel is not None:
+                self.parallel.fail(exc)
             raise
         self._window = None
         self.steps += 1
@@ -368,6 +386,9 @@ class Engine:
         """The step after the backward passes; returns the gradient metrics of a log step."""
         factor = window.factor
         self._last_loss = window.loss_sum * factor if factor != 1.0 else window.loss_sum
+        if self.parallel is not None:
+            self.parallel.finish(self.params)  # a step whose last backward did not reduce
+            self._last_loss = self.parallel.mean(self._last_loss)
         self.scaler.unscale_(self.optimizer)
         rescale_gradients(self.params, factor)
         # Gradient statistics describe the unscaled gradients before clipping.
@@ -381,7 +402,7 @@ class Engine:
         self._grad_norm = None
         if self.settings.clip_grad_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            norm = total_norm(grads)  # of the whole model under FSDP2
             self._grad_norm = norm
             # A non-finite norm means this step is skipped: leave the gradients as they are
             # so the diagnosis can still find the parameter that overflowed.
@@ -592,7 +613,7 @@ class Engine:
             )
         state = self.state_dict()
         state["extra"] = extra or {}
-        return atomic_save(state, path)
+        return save_state(self, state, path)
 
     def load(self, path: str | Path) -> None:
         """Load a checkpoint written by :meth:`save` into this Engine: weights, masters,
@@ -673,19 +694,7 @@ class Engine:
 
             engine = memfit.Engine.resume("run/last.pt", build_model(), build_optimizer())
         """
-        check_fresh_optimizer(optimizer)
-        state = safe_load(path)
-        settings = dict(state["settings"])
-        settings.pop("checkpoint")
-        request = (
-            overrides.pop("checkpoint")
-            if "checkpoint" in overrides
-            else saved_plan(state, overrides)
-        )
-        if isinstance(request, str) and request == "none" and "memory_budget" not in overrides:
-            # Saved before a budget implied planning: that run ignored its budget.
-            settings["memory_budget"] = None
-        settings.update(overrides)
-        engine = cls(model, optimizer, checkpoint=request, lr_scheduler=lr_scheduler, **settings)
+        state, settings = resume_settings(path, optimizer, overrides)
+        engine = cls(model, optimizer, lr_scheduler=lr_scheduler, **settings)
         load_engine_state(engine, state, path)
         return engine

@@ -29,7 +29,10 @@ def diagnose_skips(
             "rate, or use precision='bf16-mixed' (fp16's range ends at 65504)."
         )
     for name, param in named_params:
-        if param.grad is not None and not torch.isfinite(param.grad).all():
+        grad = param.grad
+        if grad is not None and hasattr(grad, "to_local"):  # FSDP2: this rank's shard
+            grad = grad.to_local()
+        if grad is not None and not torch.isfinite(grad).all():
             remedy = (
                 "lower the learning rate, set clip_grad_norm, or keep that module in fp32 "
                 "(PrecisionPolicy(fp32_islands=...))"

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from memfit.checkpoint.compiled import unwrap_compiled
+from memfit.distributed.parallel import local_module
+from memfit.distributed.world import current_world
 from memfit.precision.master import MasterWeights
 from memfit.savefile import atomic_write
 
@@ -48,8 +51,11 @@ def model_state_dict(
         masters = {id(w): m for w, m in zip(master.working, master.masters)}
     out: dict[str, torch.Tensor] = {}
     # keep_vars gives the Parameter objects themselves, so tied keys find their master too.
-    for key, value in unwrap_compiled(model).state_dict(keep_vars=True).items():
+    # Under DDP the wrapped module's keys; under FSDP2 the full tensors (every rank calls).
+    for key, value in local_module(unwrap_compiled(model)).state_dict(keep_vars=True).items():
         tensor = masters.get(id(value), value).detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         # clone() always copies, also when .to() returned the same tensor.
@@ -72,4 +78,6 @@ def export_model(
         fresh.load_state_dict(torch.load("run/model.pt", weights_only=True))
     """
     state = {k: v.cpu() for k, v in model_state_dict(model, master, dtype).items()}
+    if current_world().rank > 0:  # every rank gathers; rank 0 writes
+        return Path(path)
     return atomic_write(state, path)

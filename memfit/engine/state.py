@@ -2,7 +2,9 @@
 
 The state holds the settings, the model's state dict, the fp32 masters, the optimizer,
 the loss scaler, the LR scheduler, every random generator, the step counters and the
-plan. It is written atomically by :func:`memfit.savefile.atomic_save`.
+plan. It is written atomically by :func:`memfit.savefile.atomic_save`. In a data-parallel
+run rank 0 writes that file (DDP), or every rank its shard of a directory (FSDP2); see
+:mod:`memfit.distributed.checkpoint`.
 
 Two ways back: :meth:`Engine.resume` builds a new Engine over a freshly built model and
 optimizer with the saved settings and plan; :meth:`Engine.load` (:func:`load_checkpoint`)
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.checkpoint.compiled import unwrap_compiled
+from memfit.distributed.checkpoint import load_weights, rank_rng, read_checkpoint, save_checkpoint
+from memfit.distributed.parallel import local_module
 from memfit.errors import ConfigError
-from memfit.savefile import safe_load
 
 if TYPE_CHECKING:
     from memfit.engine.core import Engine
@@ -38,13 +41,16 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     plan = engine.plan
     if plan is None and not isinstance(engine._checkpoint_request, str | None):
         plan = engine._checkpoint_request  # a Plan given, saved before the first step
+    # FSDP2's shards are written by torch.distributed.checkpoint, not in this dict.
+    sharded = engine.parallel is not None and engine.parallel.kind == "fsdp"
     return {
         "settings": asdict(engine.settings),
         # The module inside torch.compile's wrapper: keys without ``_orig_mod.``, so a
         # checkpoint moves between a compiled and an uncompiled model.
-        "model": unwrap_compiled(engine.model).state_dict(),
+        # Under DDP the wrapped module's: the keys of the plain model.
+        "model": None if sharded else local_module(unwrap_compiled(engine.model)).state_dict(),
         "master": engine.master.state_dict() if engine.master is not None else None,
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": None if sharded else engine.optimizer.state_dict(),
         "scaler": engine.scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict()
         if engine.lr_scheduler is not None
@@ -57,6 +63,33 @@ def engine_state(engine: Engine) -> dict[str, Any]:
         },
         "plan": plan.to_json() if plan is not None and hasattr(plan, "to_json") else None,
     }
+
+
+def save_state(engine: Engine, state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` (:func:`engine_state` with ``extra``) for ``engine``: atomically to
+    one file, by rank 0 in a data-parallel run, or sharded into a directory under FSDP2."""
+    kind = engine.parallel.kind if engine.parallel is not None else None
+    return save_checkpoint(state, path, engine.model, engine.optimizer, kind)
+
+
+def resume_settings(
+    path: str | Path, optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint at ``path`` and the Engine settings :meth:`Engine.resume` builds
+    with: the saved ones, the ``checkpoint`` request (:func:`saved_plan`), ``overrides``."""
+    check_fresh_optimizer(optimizer)
+    state = read_checkpoint(path)
+    settings = dict(state["settings"])
+    settings.pop("checkpoint")
+    request = (
+        overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state, overrides)
+    )
+    if isinstance(request, str) and request == "none" and "memory_budget" not in overrides:
+        # Saved before a budget implied planning: that run ignored its budget.
+        settings["memory_budget"] = None
+    settings.update(overrides)
+    settings["checkpoint"] = request
+    return state, settings
 
 
 def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -> Any:
@@ -85,7 +118,7 @@ def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -
         warnings.warn(
             f"resuming with {what}: the saved plan was made for the saved settings, so the "
             f"run is planned again ({spec!r}) on its first step",
-            stacklevel=3,
+            stacklevel=4,
         )
         return spec
     from memfit.checkpoint.plan import Plan
@@ -135,7 +168,7 @@ def load_checkpoint(engine: Engine, path: str | Path) -> None:
     change the memory and the speed but not one value. Gradients of a step in progress are
     dropped.
     """
-    state = safe_load(path)
+    state = read_checkpoint(path)
     check_settings(engine, state, path)
     engine.optimizer.zero_grad(set_to_none=True)
     engine.model.zero_grad(set_to_none=True)
@@ -156,11 +189,13 @@ def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -
             f"that {'keeps' if state['master'] is not None else 'keeps no'} masters, e.g. "
             f"{saved!r}"
         )
+    kind = engine.parallel.kind if engine.parallel is not None else None
     try:
-        unwrap_compiled(engine.model).load_state_dict(state["model"])
+        load_weights(state, path, unwrap_compiled(engine.model), engine.optimizer, kind)
         if engine.master is not None:
             engine.master.load_state_dict(state["master"])
-        engine.optimizer.load_state_dict(state["optimizer"])
+    except ConfigError:
+        raise
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ConfigError(
             f"checkpoint {path} does not fit this model/optimizer ({exc}); build them the "
@@ -181,7 +216,7 @@ def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -
     engine._applied_steps.fill_(int(counters["applied_steps"]))
     engine._last_loss = None
     engine._grad_norm = None
-    rng = state["rng"]
+    rng = rank_rng(state)
     torch.set_rng_state(rng["torch"])
     random.setstate(_to_tuple(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():

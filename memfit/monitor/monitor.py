@@ -116,11 +116,13 @@ class Monitor:
         ``named_params``: (name, tensor) for each tensor the optimizer steps (the fp32
         masters in the ``*-master`` modes); those without a ``.grad`` are left out.
         ``loss_scale``: the scale the backward ran with (None: 1), for the underflow counts
-        of a mixed ``policy``.
+        of a mixed ``policy``. Sharded gradients (FSDP2's DTensors) count by this rank's
+        shards.
         """
         if not (self.config.enabled and self.config.grad_stats):
             return {}
-        named = {name: p.grad for name, p in named_params if p.grad is not None}
+        # FSDP2's gradients are DTensors: the statistics are of this rank's shards.
+        named = {name: _local(p.grad) for name, p in named_params if p.grad is not None}
         if not named:
             return {}
         out = grad_norm_stats(named).to_metrics()
@@ -182,3 +184,9 @@ def _default_units(model: torch.nn.Module) -> list[str]:
         return [name for name, _ in model.named_children()]
     # The blocks themselves: the units that have no unit children (leaves of the unit tree).
     return [u.name for u in tree.root.walk() if u.name and not u.children]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (``to_local``); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

@@ -1,0 +1,178 @@
+"""The few collectives the Engine adds to a data-parallel step, and failure propagation.
+
+Per optimizer step: the found-inf flag is all-reduced with MAX before the step (every rank
+skips the same steps, also where only one rank's gradient shard overflowed), the step's
+loss is averaged over the ranks (the global mean), and with clipping the gradient norm is
+that of the whole model (DTensor shards reduced). None of them reads a value on the host.
+
+When a rank fails (a bad batch, a loss_fn that raises), it writes what failed to the process
+group's store before it re-raises; the other ranks, whose next collective then fails or
+times out, read it and raise :class:`~memfit.errors.DistributedError` naming that rank.
+
+Example::
+
+    scaler.register_found_inf_hook(all_reduce_max)
+    loss = mean_over_ranks(loss)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from memfit.distributed.world import current_world
+from memfit.errors import DistributedError
+
+_FAILED = "memfit/failed/"
+_FAILURES = "memfit/failures"
+
+
+def all_reduce_max(flag: torch.Tensor) -> None:
+    """All-reduce ``flag`` in place with MAX (the scaler's found-inf hook).
+
+    Example::
+
+        scaler.register_found_inf_hook(all_reduce_max)
+    """
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of ``value`` over the ranks (a new tensor; SUM then divide: gloo has no AVG).
+
+    Example::
+
+        global_loss = mean_over_ranks(local_loss)
+    """
+    total = value.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total / dist.get_world_size()
+
+
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Average the gradients of ``params`` over the ranks in place: for a DDP step whose
+    micro-batches all ran under ``no_sync`` (a step that ended early).
+
+    Example::
+
+        average_gradients([p for p in model.parameters() if p.grad is not None])
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    for grad in grads:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+    if grads:
+        torch._foreach_div_(grads, float(dist.get_world_size()))
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``grads`` together, as a plain tensor: for DTensor shards (FSDP2)
+    the norm of the full gradients, reduced over the ranks.
+
+    Example::
+
+        norm = total_norm([p.grad for p in params if p.grad is not None])
+    """
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def announce_failure(exc: BaseException) -> None:
+    """Write this rank's failure to the process group's store for the other ranks.
+
+    Example::
+
+        except Exception as exc:
+            announce_failure(exc)
+            raise
+    """
+    store = _store()
+    if store is None:
+        return
+    rank = current_world().rank
+    try:
+        store.set(f"{_FAILED}{rank}", f"{type(exc).__name__}: {exc}"[:4000])
+        store.add(_FAILURES, 1)
+    except (RuntimeError, OSError):
+        pass  # the store itself is gone: the other ranks still time out with an error
+
+
+def failures(wait_seconds: float = 0.0) -> dict[int, str]:
+    """What other ranks announced, by rank; polls up to ``wait_seconds`` for a first one.
+
+    Example::
+
+        failures(wait_seconds=2.0)   # {1: "ConfigError: the micro-batch is empty ..."}
+    """
+    store = _store()
+    if store is None:
+        return {}
+    world = current_world()
+    deadline = time.monotonic() + wait_seconds
+    try:
+        while True:
+            if store.add(_FAILURES, 0) > 0:
+                break
+            if time.monotonic() >= deadline:
+                return {}
+            time.sleep(0.05)
+        found = {}
+        for rank in range(world.world_size):
+            key = f"{_FAILED}{rank}"
+            if rank != world.rank and store.check([key]):
+                found[rank] = store.get(key).decode(errors="replace")
+        return found
+    except (RuntimeError, OSError):
+        return {}
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed", "Connection reset", "Timed out", "gloo", "NCCL")
+    )
+
+
+def propagate_failure(exc: BaseException) -> None:
+    """Called with the exception a rank's step raised. A failed collective (a peer stopped
+    or timed out) becomes DistributedError naming the rank that announced a failure; any
+    other exception is this rank's own: it is announced and the caller re-raises it.
+
+    Example::
+
+        except BaseException as exc:
+            propagate_failure(exc)
+            raise
+    """
+    if isinstance(exc, DistributedError):
+        return
+    if not _is_communication_error(exc):
+        # This rank's own error (every rank may meet the same one): it is raised as is.
+        announce_failure(exc)
+        return
+    rank = current_world().rank
+    others = failures(wait_seconds=5.0)
+    if others:
+        first = min(others)
+        raise DistributedError(
+            f"rank {first} failed ({others[first]}); rank {rank} stopped with it. Fix the "
+            f"error on rank {first} and start the run again"
+        ) from exc
+    raise DistributedError(
+        f"a collective failed on rank {rank} ({type(exc).__name__}: {str(exc)[:300]}); "
+        "another rank stopped or stopped answering within the process group's timeout"
+    ) from exc
