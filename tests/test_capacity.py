@@ -186,3 +186,20 @@ def test_a_good_guess_is_checked_in_two_fake_steps(monkeypatch) -> None:
     # Batch 1 (the row), 2 and 4 (the line), then the guess and the one after it.
     assert profiled[:3] == [1, 2, 4] and len(profiled) == 5
     assert profiled[3:] == [row.max_micro_batch, row.max_micro_batch + 1]
+
+
+def test_fsdp_ranks_fit_a_model_one_device_cannot() -> None:
+    # 51.7 MB of weights, gradients and AdamW state: more than the memory on one device.
+    kw = {"batch_size": 1, "device_memory": 40 * 2**20, "loss_fn": LOSS, "precisions": ["fp32"]}
+    kw["strategies"] = ["none"]
+    one = memfit.capacity(_family, INPUTS, sizes=[(4, 256)], **kw)
+    assert one.rows[0].peak_bytes is None and not one.rows[0].fits  # static alone too big
+    sharded = memfit.capacity(
+        _family, INPUTS, sizes=[(4, 256)], world_size=16, data_parallel="fsdp", **kw
+    )
+    row = sharded.rows[0]
+    assert row.fits and row.max_micro_batch >= 1
+    # Shards of 1/16, and two blocks gathered while they compute.
+    assert row.static_bytes < one.rows[0].static_bytes / 4
+    with pytest.raises(ConfigError, match="data_parallel"):
+        memfit.capacity(_family, INPUTS, sizes=[(1, 32)], data_parallel="zero", **kw)

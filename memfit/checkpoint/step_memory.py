@@ -48,6 +48,7 @@ from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler import Profile
+from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
 from memfit.fake import optimizer_step_temp_bytes
 from memfit.precision.policy import PrecisionPolicy
@@ -244,10 +245,11 @@ def _gathered_bytes(
     model: nn.Module, root: UnitCost, policy: PrecisionPolicy
 ) -> tuple[float, float]:
     """FSDP2's gathered parameters on one rank (the root's own, kept through the step, and
-    the two largest blocks') and one block's full fp32 gradients: the top-level units of
-    ``root`` are the blocks ``parallelize`` shards one by one."""
+    the two largest blocks') and one block's full fp32 gradients. The blocks are those
+    ``parallelize`` shards one by one: the outermost units with a forward of their own."""
     width = torch.finfo(policy.compute_dtype).bits // 8 if policy.master_weights else 4
-    blocks = [model.get_submodule(u.name) for u in root.children]
+    names = outermost_blocks(model, [u.name for u in root.walk()])
+    blocks = [model.get_submodule(n) for n in names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     own = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
     sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)

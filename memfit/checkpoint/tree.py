@@ -317,6 +317,21 @@ def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree
     return unit_tree(model, names | set(extra_names))
 
 
+def outermost_blocks(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Of the units ``names``, those that no other of them contains, among the ones with a
+    forward of their own: the blocks FSDP2 shards one by one. A container without a forward
+    (a ModuleList of blocks) is no group; its members are.
+
+    Example::
+
+        outermost_blocks(gpt, find_units(gpt).names())  # ['blocks.0', 'blocks.1', ...]
+    """
+    named = [
+        n for n in names if n and type(model.get_submodule(n)).forward is not nn.Module.forward
+    ]
+    return [n for n in named if not any(n.startswith(o + ".") for o in named if o != n)]
+
+
 def structure_fingerprint(
     model: nn.Module, units: UnitTree | Iterable[str]
 ) -> list[tuple[str, str]]:

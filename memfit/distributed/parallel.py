@@ -206,18 +206,13 @@ def outer_units(model: nn.Module) -> list[str]:
 
         outer_units(gpt)   # ['blocks.0', 'blocks.1', ...]
     """
-    from memfit.checkpoint.tree import find_units
+    from memfit.checkpoint.tree import find_units, outermost_blocks
 
-    # A container without a forward of its own (a ModuleList of blocks) is no FSDP2 group:
-    # its members are.
     try:
         found = find_units(model).names()
     except PlanError:  # no repeated blocks: the root is the one group
         return []
-    names = [
-        n for n in found if n and type(model.get_submodule(n)).forward is not nn.Module.forward
-    ]
-    return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    return outermost_blocks(model, found)
 
 
 def _check_no_optimizer(model: nn.Module) -> None:
