@@ -250,7 +250,7 @@ def test_nothing_fits_gives_the_smallest_budget_that_would_and_that_budget_fits(
 
 def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end() -> None:
     model_fn, batch_fn, real_loss = _parts()
-    budget = int(0.5 * _plain_peak("fp32", 8))
+    budget = int(0.7 * _plain_peak("fp32", 8))
     calls = {"oom": 0}
 
     def loss_fn(model, batch):
@@ -382,3 +382,15 @@ def test_memfit_train_tune_saves_the_choice_and_refuses_what_it_chooses(tmp_path
         assert main([*TRAIN, *extra, "--out", str(out)]) == 2
         assert message in capsys.readouterr().err
         assert not out.exists()
+
+
+def test_a_model_that_cannot_run_on_meta_tensors_gets_the_estimators_advice() -> None:
+    _, batch_fn, loss_fn = _parts()
+
+    def model_fn():
+        model = build_model("gpt", data="synthetic", **CFG).model
+        model.scale = float(torch.ones(1).sum().item())  # reads a value: no meta tensor can
+        return model
+
+    with pytest.raises(ConfigError, match="smaller real instance"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=0)

@@ -43,8 +43,10 @@ __all__ = [
 ]
 
 #: The probe's matmul side: large enough that the kernel's speed shows (not the call's
-#: overhead), small enough to take a few milliseconds on a 2-core CPU.
+#: overhead), small enough to take a few milliseconds on a 2-core CPU. A GPU gets a larger
+#: one: at 512 its kernels finish in microseconds and the launch would be timed instead.
 PROBE_SIZE = 512
+CUDA_PROBE_SIZE = 4096
 PROBE_REPEATS = 8
 
 #: Below this speedup a 16-bit mode is called slow (it loses the numerics and gains no time).
@@ -58,7 +60,8 @@ class MatmulSpeed:
     device: str
     """The device type the probe ran on (``"cpu"``, ``"cuda"``)."""
     seconds: dict[torch.dtype, float] = field(default_factory=dict)
-    """Median seconds of one probe matmul per dtype (fp32 included)."""
+    """Seconds of one :data:`PROBE_SIZE`-sided matmul per dtype (fp32 included) at the
+    measured rate (a GPU is measured on a larger one)."""
     flop_rate: dict[torch.dtype, float] = field(default_factory=dict)
     """FLOP/s of the probe per dtype."""
     measured: bool = True
@@ -73,14 +76,14 @@ class MatmulSpeed:
         """
         if dtype == torch.float32:
             return 1.0
-        return self.seconds[torch.float32] / self.seconds[dtype]
+        return self.flop_rate[dtype] / self.flop_rate[torch.float32]
 
     def rate(self, dtype: torch.dtype) -> float:
         """The probe's FLOP/s in ``dtype``."""
         return self.flop_rate[dtype]
 
 
-_CACHE: dict[tuple[str, torch.dtype], float] = {}
+_CACHE: dict[tuple[str, torch.dtype], float] = {}  # FLOP/s per device type and dtype
 _ASSUMED: list[tuple[str, MatmulSpeed]] = []
 _WARNED: set[tuple[str, str]] = set()
 
@@ -96,7 +99,7 @@ def measure_matmul_speed(
     device: str | torch.device = "cpu",
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     *,
-    size: int = PROBE_SIZE,
+    size: int | None = None,
     repeats: int = PROBE_REPEATS,
 ) -> MatmulSpeed:
     """Time one ``size`` x ``size`` matmul in fp32 and each of ``dtypes`` on ``device``
@@ -111,6 +114,7 @@ def measure_matmul_speed(
         measure_matmul_speed("cpu").speedup(torch.bfloat16)
     """
     device = torch.device(device)
+    size = size or (CUDA_PROBE_SIZE if device.type == "cuda" else PROBE_SIZE)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     every = (torch.float32, *(dt for dt in dtypes if dt != torch.float32))
     operands = {dt: _operands(device, dt, size) for dt in every}
@@ -148,18 +152,11 @@ def matmul_speed(
     missing = [dt for dt in wanted if (kind, dt) not in _CACHE]
     if missing:
         fresh = measure_matmul_speed(device, tuple(dt for dt in missing if dt != torch.float32))
-        if (kind, torch.float32) in _CACHE:
-            # Keep the ratios of one measurement: rescale the new dtypes to the cached fp32.
-            scale = _CACHE[(kind, torch.float32)] / fresh.seconds[torch.float32]
-            fresh_seconds = {dt: s * scale for dt, s in fresh.seconds.items()}
-            fresh_seconds[torch.float32] = _CACHE[(kind, torch.float32)]
-        else:
-            fresh_seconds = dict(fresh.seconds)
-        for dt, s in fresh_seconds.items():
-            _CACHE.setdefault((kind, dt), s)
-    seconds = {dt: _CACHE[(kind, dt)] for dt in wanted}
-    flops = 2.0 * PROBE_SIZE**3
-    return MatmulSpeed(kind, seconds, {dt: flops / s for dt, s in seconds.items()})
+        for dt, rate in fresh.flop_rate.items():
+            _CACHE.setdefault((kind, dt), rate)
+    rates = {dt: _CACHE[(kind, dt)] for dt in wanted}
+    seconds = {dt: 2.0 * PROBE_SIZE**3 / r for dt, r in rates.items()}
+    return MatmulSpeed(kind, seconds, rates)
 
 
 @contextlib.contextmanager

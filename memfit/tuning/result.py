@@ -34,7 +34,7 @@ class TuneRow:
     measured_peak_bytes: int | None = None
     """The allocator's peak of a real step (None: not measured)."""
     measured_step_seconds: float | None = None
-    """The median of the measured steps' times."""
+    """The fastest of the timed steps (a shared machine's bursts only slow steps down)."""
     error: str | None = None
     """Why a measured trial failed (out of memory, an exception), or why it does not count
     (over the budget as measured)."""

@@ -3,7 +3,9 @@
 The trial builds the model and optimizer afresh (the same seed every trial), makes the
 Engine the candidate names, runs a warm-up step (planning, the closed loop, the
 optimizer's lazily made state), measures the next step's peak with the allocator
-(:mod:`memfit.allocator`) and then times ``steps`` steps (their median). The gradients of
+(:mod:`memfit.allocator`) and then times ``steps`` steps, keeping the fastest: on a shared
+machine another process's burst slows some steps, never speeds one up, so the fastest is
+the setting's own speed (the matmul probe keeps its fastest run for the same reason). The gradients of
 one more micro-batch are read for the loss-scale advice. A trial that runs out of memory
 or raises is caught by the tuner and recorded; the caller's random state is left as it was.
 
@@ -16,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ def run_trial(
                 [p.grad for p in engine.params if p.grad is not None], engine.scaler.get_scale()
             )
             engine.step()
-        return TrialOutcome(peak.peak_bytes, statistics.median(times), stats)
+        return TrialOutcome(peak.peak_bytes, min(times), stats)
     finally:
         for e in held:
             e.close()

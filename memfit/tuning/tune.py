@@ -3,10 +3,12 @@
 1. **Search** (:mod:`memfit.candidates`): every precision x strategy x split of the global
    batch estimated on a meta model and fake tensors, ranked by predicted step time;
    nothing real is allocated, so no candidate runs out of memory there.
-2. **Measure**: the top ``measure_top`` candidates that fit train a few real steps each
-   (:mod:`memfit.tuning.trials`): the allocator's peak and the median step time. A trial
-   that runs out of memory, raises, or peaks over the budget is recorded in its row and the
-   next candidate is measured in its place.
+2. **Measure**: ``measure_top`` splits of the global batch, each with its best predicted
+   setting, train a few real steps each (:mod:`memfit.tuning.trials`): the allocator's
+   peak and the fastest step time. The splits predicted within 1.5x of the fastest go
+   first, the largest micro-batch first (the count leaves out what makes small
+   micro-batches slow). A trial that runs out of memory, raises, or peaks over the budget
+   is recorded in its row and the split's next setting is measured in its place.
 3. **Choose**: the fastest measured candidate within the budget; with ``measure_top=0``
    the predicted best.
 
@@ -130,27 +132,31 @@ def tune(
     ]
     grads: dict[int, GradStats | None] = {}
     good: list[TuneRow] = []
-    for row in (r for r in rows if r.fits):
+    groups = _measure_order(rows)
+    tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
+    # Where every split's first settings failed, more are tried in the order of
+    # prediction until one succeeds: a failed trial never ends the search (a loss that
+    # fails on every real batch ends it after FALLBACK_TRIALS more).
+    groups.append([r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS])
+    for group in groups:
         if len(good) >= measure_top:
             break
-        try:
-            outcome = run_trial(
-                model_fn, batch_fn, loss_fn, optimizer_fn, row, limit, steps=steps, device=where
-            )
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # out of memory, a bad plan: recorded, never fatal
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[
-                :200
-            ]
-            continue
-        row.measured_peak_bytes = outcome.peak_bytes
-        row.measured_step_seconds = outcome.step_seconds
-        grads[row.rank] = outcome.grads
-        if outcome.peak_bytes > limit:
-            row.error = "over the budget as measured"
-            continue
-        good.append(row)
+        for row in group if group is groups[-1] and not good else group[:ATTEMPTS_PER_SPLIT]:
+            try:
+                outcome = run_trial(
+                    model_fn, batch_fn, loss_fn, optimizer_fn, row, limit, steps=steps, device=where
+                )
+            except Exception as exc:  # out of memory, a bad plan: recorded, never fatal
+                row.error = _first_line(exc)
+                continue
+            row.measured_peak_bytes = outcome.peak_bytes
+            row.measured_step_seconds = outcome.step_seconds
+            grads[row.rank] = outcome.grads
+            if outcome.peak_bytes > limit:
+                row.error = "over the budget as measured"
+                continue
+            good.append(row)
+            break
     if measure_top and not good:
         failed = [r for r in rows if r.error]
         raise BudgetError(
@@ -176,6 +182,39 @@ def tune(
         split_advice(rows, best, limit),
     ]
     return result
+
+
+#: Splits whose best predicted time is within this factor of the fastest are measured
+#: first, the largest micro-batch first: the count leaves out each micro-batch's fixed
+#: cost and small matmuls' lower efficiency, so a larger micro-batch is faster than
+#: counted (a full recompute costs at most a third more, well inside the factor).
+SLACK = 1.5
+#: Candidates of one split tried in turn when the one before failed or went over the budget.
+ATTEMPTS_PER_SPLIT = 3
+#: Further candidates tried, in the order of prediction, when every split's failed.
+FALLBACK_TRIALS = 8
+
+
+def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
+    """The fitting rows grouped by split, each group in the order of prediction, the groups
+    in the order to measure: those within :data:`SLACK` of the fastest prediction by
+    micro-batch, largest first, then the rest by their best rank. One success per group
+    counts; the next row of a group stands in for one that failed."""
+    groups: dict[int, list[TuneRow]] = {}
+    for r in rows:
+        if r.fits:
+            groups.setdefault(r.micro_batch, []).append(r)
+    fastest = min(g[0].predicted_step_seconds or 0.0 for g in groups.values())
+    near = [m for m, g in groups.items() if (g[0].predicted_step_seconds or 0.0) <= SLACK * fastest]
+    rest = [m for m in groups if m not in near]
+    order = sorted(near, reverse=True) + sorted(rest, key=lambda m: groups[m][0].rank)
+    return [groups[m] for m in order]
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: first line of the message``, at most 200 characters (a table cell)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def _units(row: TuneRow) -> int | None:
