@@ -44,7 +44,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ from memfit.precision.policy import PrecisionPolicy
 from memfit.scaling import NotAffine, affine_profile
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["STRATEGIES", "Estimate", "EstimateRow", "estimate"]
+__all__ = ["STRATEGIES", "CellEstimate", "Estimate", "EstimateRow", "estimate", "estimate_cells"]
 
 #: The strategies an estimate compares: no checkpointing, every unit, sqrt(n) segments,
 #: and the least recompute that fits ``device_memory``.
@@ -598,3 +598,62 @@ def _fake_error(doing: str, exc: Exception) -> ConfigError:
         "data-dependent shapes, a real device) cannot run; estimate a smaller real instance "
         "with memfit.measure or memfit.plan instead, or make model_fn avoid that code"
     )
+
+
+class CellEstimate(NamedTuple):
+    """One (precision, batch size, strategy, accumulation) cell of :func:`estimate_cells`."""
+
+    row: EstimateRow | None
+    """The estimate (None when the strategy has no plan under the budget)."""
+    forward_flops: float
+    """FLOPs of one micro-batch's forward (recompute comes on top)."""
+    counted_seconds: float
+    """One micro-batch's forward and backward in counted seconds (``counted_times``'
+    FLOPs at 1e11/s and bytes at 1e10/s; the row's plan's ``recompute_seconds`` comes on
+    top, in the same units)."""
+    error: BudgetError | None = None
+    """Why there is no row: the budget no plan of the strategy meets."""
+
+
+def estimate_cells(
+    model_fn: Callable[[], nn.Module],
+    inputs_fn: Callable[[int], Any],
+    cells: Iterable[tuple[str, int, str, int]],
+    *,
+    loss_fn: LossFn,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
+    budget: int | None = None,
+    layout: RankLayout | None = None,
+) -> list[CellEstimate]:
+    """Estimate many ``(precision, batch_size, strategy, accumulation_steps)`` cells with
+    one meta model per precision and one fake profile per precision and batch size (the
+    tuner's search); ``optimal`` plans at ``budget``; ``layout``: one rank of a
+    data-parallel run (default: one process). No largest-batch search.
+
+    Example::
+
+        cells = estimate_cells(model_fn, inputs_fn, [("fp32", 8, "none", 2)], loss_fn=loss)
+        cells[0].row.peak_bytes
+    """
+    optimizer_fn = optimizer_fn or torch.optim.AdamW
+    layout = layout or RankLayout()
+    single = _Estimator(model_fn, inputs_fn, loss_fn, optimizer_fn, 1, layout)
+    # The gradients held through accumulation change the plans, never the profiles.
+    accumulating = _Estimator(
+        model_fn, inputs_fn, loss_fn, optimizer_fn, 2, layout, single.models, single.profiles
+    )
+    out: list[CellEstimate] = []
+    for precision, batch, strategy, accumulation in cells:
+        est = accumulating if accumulation > 1 else single
+        policy = PrecisionPolicy.of(precision)
+        model, optimizer = est.model(policy)
+        root = est.profiled(policy, batch).root
+        forward, seconds = float(root.fwd_flops), float(root.fwd_seconds + root.bwd_seconds)
+        try:
+            result = est.solve(policy, batch, strategy, budget)
+        except BudgetError as exc:
+            out.append(CellEstimate(None, forward, seconds, exc))
+            continue
+        row = _row(policy, strategy, result, model, optimizer, budget, result.plan, None, layout)
+        out.append(CellEstimate(row, forward, seconds))
+    return out

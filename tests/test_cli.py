@@ -12,7 +12,7 @@ import memfit.cli
 from memfit.cli.common import UsageError, model_config_cls, parse_overrides
 from memfit.cli.main import main
 
-SUBCOMMANDS = {"train", "plan", "estimate", "report"}
+SUBCOMMANDS = {"train", "plan", "estimate", "report", "tune"}
 
 
 def _cli_imports(path: Path) -> set[str]:

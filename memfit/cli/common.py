@@ -61,7 +61,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) ->
         "--precision",
         default=default("precision"),
         help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias; "
-        "default: bf16-mixed)",
+        "default: bf16-mixed; memfit train also takes and defaults to auto: the faster of "
+        "fp32 and bf16-mixed, measured)",
     )
     p.add_argument(
         "--set",

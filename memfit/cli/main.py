@@ -2,7 +2,7 @@
 
 Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage.
 
-This module imports the subcommands (``train``, ``plan``, ``estimate``, ``report``); what they share is
+This module imports the subcommands (``train``, ``plan``, ``estimate``, ``tune``, ``report``); what they share is
 in :mod:`memfit.cli.common`.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from memfit.cli import estimate, plan, report, train
+from memfit.cli import estimate, plan, report, train, tune
 from memfit.cli.common import UsageError
 from memfit.errors import ConfigError, MemfitError
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "activation checkpointing, planned together.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, plan, estimate, report):
+    for module in (train, plan, estimate, tune, report):
         module.add_parser(sub)
     return parser
 

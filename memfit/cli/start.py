@@ -177,6 +177,8 @@ def _same(key: str, given: Any, saved: Any, settings: Mapping[str, Any], device:
     from memfit.units import parse_bytes
 
     if key == "precision":
+        if "auto" in (str(given).strip().lower(), str(saved).strip().lower()):
+            return str(given).strip().lower() == str(saved).strip().lower()
         return resolve_mode(given) == resolve_mode(saved)
     if key == "overrides":
         config_cls = model_config_cls(settings["model"])

@@ -1,6 +1,10 @@
 """``memfit train``: train a built-in model for a short run and report what it cost.
 
-With no arguments: the built-in GPT on the standard-library byte corpus, ``bf16-mixed``.
+With no arguments: the built-in GPT on the standard-library byte corpus, in the fastest
+precision for the machine (``--precision auto``: bf16-mixed where a bf16 matmul measures
+faster than fp32, else fp32). ``--tune`` (with ``--budget``) lets :func:`memfit.tune`
+choose the precision, the checkpoint plan and the split of ``--batch-size`` into
+micro-batches; the choice is saved in ``config.json`` and kept on resume.
 A run directory holds ``config.json`` (what was asked), ``checkpoint.pt`` (the latest state,
 written atomically; the one before it is kept as ``checkpoint.prev.pt``), ``metrics.jsonl``
 and ``summary.json``. ``--resume DIR`` continues a run exactly where it stopped.
@@ -59,7 +63,7 @@ from memfit.cli.start import (
     undone_on_failure,
     write_json,
 )
-from memfit.distributed import current_world, shard_batch
+from memfit.distributed import current_world, from_rank0, shard_batch
 from memfit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -77,6 +81,8 @@ EVAL_SEED = 1_000_003
 #: without defaults, so a flag given on the command line can be told from one left out.
 TRAIN_DEFAULTS: dict[str, Any] = {
     **MODEL_DEFAULTS,
+    "precision": "auto",  # measured on the machine: bf16-mixed where it is faster
+    "tune": False,
     "data": None,
     "steps": 300,
     "batch_size": 16,
@@ -97,7 +103,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "train",
-        help="train a built-in model (default: GPT on a byte corpus, bf16-mixed)",
+        help="train a built-in model (default: GPT on a byte corpus, the fastest precision)",
         description="Train a built-in model and report loss, memory, throughput and skipped steps.",
     )
     add_model_arguments(p, defaults=False)
@@ -120,6 +126,13 @@ def add_parser(sub: Any) -> None:
         "(default: none; auto with --budget)",
     )
     setting("--budget", "peak memory budget of a step for planning, e.g. 2GiB")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="choose precision, checkpointing and accumulation for --budget and "
+        "--batch-size with memfit.tune (saved with the run)",
+    )
     setting("--eval-every", "validation loss every N steps", type=_positive_int)
     setting("--eval-batches", "validation batches", type=_positive_int)
     setting("--save-every", "checkpoint every N steps", type=_positive_int)
@@ -276,10 +289,18 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
         start = new_run(given, TRAIN_DEFAULTS, args.out)
     s, run_dir = start.settings, start.run_dir
     if world.distributed:
-        run_dir = start.run_dir = _same_on_every_rank(run_dir)
+        # A default name holds the time, and a measured speed may differ: rank 0's for all.
+        run_dir = start.run_dir = Path(from_rank0(str(run_dir)))
         _check_distributed(s, world.world_size, check_global_batch)
+        if s["precision"] == "auto":  # chosen once, before parallelize casts anything
+            from memfit.precision.speed import choose_precision
+
+            choice = choose_precision(device)
+            s["precision"] = from_rank0(choice.mode)
+            console.print(choice.describe(), markup=False, soft_wrap=True)
     overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
-    memfit.PrecisionPolicy(s["precision"]).check_device(device)
+    if s["precision"] != "auto":
+        memfit.PrecisionPolicy(s["precision"]).check_device(device)
     if s["checkpoint"] is None:  # a budget plans (the Engine's rule), saved as resolved
         s["checkpoint"] = "auto" if s["budget"] is not None else "none"
     # The Engine checks these too, but only once the model is built: fail fast.
@@ -296,6 +317,9 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     model, loss_fn, batch_fn = builtin_model(
         s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
     )
+    tuned = None
+    if s["tune"] and not start.resuming:
+        tuned = _tune(s, given, overrides, loss_fn, batch_fn, device)
     seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
     tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
     flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
@@ -314,15 +338,20 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
             f"the run in {run_dir} is already at step {engine.steps} of --steps {s['steps']}; "
             f"pass --steps N with N > {engine.steps} to train longer"
         )
+    # Planned now, on the first step's first micro-batch (what train_step would plan on),
+    # so a budget no plan meets fails before the run directory exists; precision "auto"
+    # is chosen here too.
+    first = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
+    engine.prepare(split_batch(shard_batch(first), s["accumulation"])[0], loss_fn)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
         f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
     )
-    # Planned now, on the first step's first micro-batch (what train_step would plan on),
-    # so a budget no plan meets fails before the run directory exists.
-    first = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-    engine.prepare(split_batch(shard_batch(first), s["accumulation"])[0], loss_fn)
+    if engine.auto.precision_choice is not None:
+        console.print(engine.auto.precision_choice.describe(), markup=False, soft_wrap=True)
+    if tuned is not None:
+        console.print(tuned.summary(max_rows=8), markup=False, soft_wrap=True)
     if world.rank > 0:  # rank 0 alone writes the run directory
         return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
 
@@ -331,18 +360,13 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
         sinks.open()
         if start.config_changed:
             write_json(run_dir / CONFIG, s)
+        if tuned is not None:
+            (run_dir / "tune.json").write_text(tuned.to_json())
     if start.resuming:
         console.print(f"resumed {run_dir} at step {engine.steps}")
     if start.applied:
         console.print(f"applied on resume: {', '.join(start.applied)}")
     return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
-
-
-def _same_on_every_rank(run_dir: Path) -> Path:
-    """Rank 0's run directory (a default name holds the time, which differs per rank)."""
-    names = [str(run_dir)]
-    torch.distributed.broadcast_object_list(names, src=0)
-    return Path(names[0])
 
 
 def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: Any) -> None:
@@ -369,6 +393,45 @@ def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: A
             f"--precision {s['precision']} keeps fp32 masters outside the model, which DDP "
             "does not reduce; use bf16-mixed or fp16-mixed with --nproc"
         )
+
+
+def _tune(
+    s: dict[str, Any],
+    given: dict[str, Any],
+    overrides: dict[str, Any],
+    loss_fn: Any,
+    batch_fn: Any,
+    device: torch.device,
+) -> Any:
+    """Run the tuner for ``--tune`` and write its choice into the run's settings ``s``
+    (precision, checkpoint, accumulation), so that they are saved and kept on resume."""
+    import memfit
+    from memfit.models import build_model
+
+    clash = [flag(k) for k in ("accumulation", "checkpoint") if k in given]
+    if clash:
+        raise UsageError(f"--tune chooses {' and '.join(clash)} itself; drop them or --tune")
+    if s["budget"] is None:
+        raise UsageError("--tune needs --budget: the memory the step must fit, e.g. 2GiB")
+    precisions = None if s["precision"] == "auto" else [s["precision"]]
+    result = memfit.tune(
+        lambda: build_model(s["model"], data="synthetic", **overrides).model,
+        lambda n: _batch(batch_fn, n, s["seed"]),
+        loss_fn,
+        budget=s["budget"],
+        global_batch=s["batch_size"],
+        precisions=precisions,
+        measure_top=3,
+        steps=2,
+        device=device,
+    )
+    best = result.best
+    s["precision"] = best.precision
+    s["accumulation"] = best.accumulation_steps
+    # The real model is planned at the budget: where no checkpointing was predicted to be
+    # needed, the planner finds it too (and the budget stays checked).
+    s["checkpoint"] = "auto" if best.checkpoint in ("none", "optimal") else best.checkpoint
+    return result
 
 
 def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:

@@ -15,6 +15,7 @@ Example::
     engine.train_step(memfit.distributed.shard_batch(global_batch), loss_fn)
 """
 
+from memfit.distributed.collectives import from_rank0
 from memfit.distributed.parallel import (
     data_parallel_kind,
     gradient_sync,
@@ -35,6 +36,7 @@ __all__ = [
     "check_global_batch",
     "current_world",
     "data_parallel_kind",
+    "from_rank0",
     "gradient_sync",
     "init_from_env",
     "local_module",

@@ -41,6 +41,21 @@ def all_reduce_max(flag: torch.Tensor) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (any picklable object; a no-op on one process): for
+    choices each rank could make differently (a name holding the time, a measured speed).
+
+    Example::
+
+        mode = from_rank0(choose_precision(device).mode)
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of ``value`` over the ranks (a new tensor; SUM then divide: gloo has no AVG).
 

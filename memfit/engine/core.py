@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.distributed.collectives import total_norm
+from memfit.engine.auto import auto_policy, resolve_first, resolve_micro_batch
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.engine.diagnose import diagnose_skips
 from memfit.engine.evaluation import eval_context
@@ -56,6 +57,7 @@ from memfit.engine.state import (
 )
 from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
+from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
 from memfit.precision.apply import apply_precision
@@ -89,6 +91,8 @@ class Engine:
     explicit ``checkpoint="none"`` it is a ConfigError (the budget would be ignored).
     ``units``: the candidate checkpoint units (module names or the modules) instead of
     those :func:`memfit.find_units` finds, for models whose blocks it cannot find.
+    ``precision="auto"`` and ``micro_batch="auto"`` choose the precision and the split of
+    the global batch on the first batch (:mod:`memfit.engine.auto`).
 
     A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
     (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
@@ -123,6 +127,7 @@ class Engine:
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
         units: Sequence[str | nn.Module] | None = None,
+        micro_batch: str | None = None,
     ) -> None:
         check_arguments(
             accumulation_steps=accumulation_steps,
@@ -134,7 +139,7 @@ class Engine:
         )
         checkpoint = resolve_checkpoint(checkpoint, memory_budget)
         self.units = unit_names(model, units)
-        self.policy = PrecisionPolicy.of(precision)
+        self.policy, self.auto = auto_policy(precision, micro_batch, accumulation_steps, scaler)
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -142,7 +147,7 @@ class Engine:
         self.policy.check_device(self.device)
         budget = None if memory_budget is None else parse_bytes(memory_budget, self.device)
         self.settings = EngineSettings(
-            precision=self.policy.mode,
+            precision="auto" if self.auto.precision else self.policy.mode,
             checkpoint=checkpoint if isinstance(checkpoint, str) else "plan",
             memory_budget=budget,
             accumulation_steps=int(accumulation_steps),
@@ -229,6 +234,8 @@ class Engine:
         size = batch_size(batch)
         if size == 0:
             raise ConfigError("the batch is empty (0 samples); give at least one sample")
+        if self.auto.pending:  # the first batch: precision and split chosen on it
+            resolve_micro_batch(self, batch, loss_fn)
         micro_batches = split_batch(batch, min(size, self.settings.accumulation_steps))
         self._step_parts = len(micro_batches)
         try:
@@ -436,16 +443,6 @@ class Engine:
         self.memory_report = report
         self.monitor.memory = memory_metrics(report)
 
-    def _plan_check_metrics(self) -> dict[str, float]:
-        check = self.plan_check
-        if check is None:
-            return {}
-        return {
-            "plan/predicted_peak_bytes": float(check.predicted_peak_bytes),
-            "plan/measured_peak_bytes": float(check.measured_peak_bytes),
-            "plan/replanned": float(check.replanned),
-        }
-
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step."""
         for sink in self.monitor.sinks:
@@ -493,6 +490,7 @@ class Engine:
             engine = memfit.Engine(model, opt, checkpoint="auto", memory_budget="8GiB")
             print(engine.prepare(batch, loss_fn).summary())
         """
+        resolve_first(self)  # precision="auto" is chosen before anything is planned
         request = self._checkpoint_request
         if request is None:
             return self.plan
@@ -586,7 +584,7 @@ class Engine:
                 metrics["recompute/overhead"] = (
                     self.plan.recompute_seconds / metrics["time/step_seconds"]
                 )
-        metrics.update(self._plan_check_metrics())
+        metrics.update(plan_check_metrics(self.plan_check))
         metrics.update(extra or {})
         self.metrics = self.monitor.log(metrics)
         self._window_start = time.perf_counter()

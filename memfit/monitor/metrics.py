@@ -599,3 +599,19 @@ def memory_metrics(report: Any) -> dict[str, float]:
     if share is not None:
         out["memory/low_precision_share"] = float(share)
     return out
+
+
+def plan_check_metrics(check: Any) -> dict[str, float]:
+    """The closed loop's metrics from a ``PlanCheck`` (none before the first planned step).
+
+    Example::
+
+        metrics.update(plan_check_metrics(engine.plan_check))
+    """
+    if check is None:
+        return {}
+    return {
+        "plan/predicted_peak_bytes": float(check.predicted_peak_bytes),
+        "plan/measured_peak_bytes": float(check.measured_peak_bytes),
+        "plan/replanned": float(check.replanned),
+    }

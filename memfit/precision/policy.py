@@ -155,7 +155,8 @@ class PrecisionPolicy:
         return bool(self.fp32_islands) and isinstance(module, self.fp32_islands)
 
     def check_device(self, device: torch.device | str) -> None:
-        """Raise if ``device`` cannot compute in this policy's dtype; warn when it is slow."""
+        """Raise if ``device`` cannot compute in this policy's dtype; warn when it is slow
+        (fp16 on a CPU; bf16 on a CPU whose bf16 matmul measures slower than fp32's)."""
         import warnings
 
         device = torch.device(device)
@@ -174,6 +175,11 @@ class PrecisionPolicy:
                 "use 'bf16-mixed' unless you are testing the fp16 path",
                 stacklevel=3,
             )
+        elif device.type == "cpu":
+            # Measured (once per process), not assumed from the CPU's name.
+            from memfit.precision.speed import warn_if_slow
+
+            warn_if_slow(self.mode, self.compute_dtype, device)
 
     def __str__(self) -> str:
         return self.mode

@@ -1,0 +1,124 @@
+"""``memfit tune``: the precision, checkpoint plan, micro-batch and accumulation that fit a
+budget and train fastest, searched on fake tensors and the best few measured on real steps.
+
+The model is a built-in one (``--model gpt|resnet|lstm`` with ``--set KEY=VALUE``, on
+synthetic data of its shape) or ``--factory MODULE:FUNCTION``, whose ``FUNCTION()`` returns
+``(model_fn, batch_fn, loss_fn)``, the arguments of :func:`memfit.tune`.
+
+Computing (:func:`compute`) is kept apart from printing (:func:`run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from memfit.cli.common import (
+    UsageError,
+    builtin_model,
+    load_factory,
+    model_config_cls,
+    parse_overrides,
+    pick_device,
+)
+
+if TYPE_CHECKING:
+    from memfit.tuning import TuneResult
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="choose precision, checkpointing, micro-batch and accumulation for a budget",
+        description="Search precision x checkpoint plan x micro-batch x accumulation for a "
+        "memory budget and a global batch on fake tensors, measure the best few on real "
+        "steps, and print the choice with tuning advice.",
+    )
+    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a built-in model's config field, e.g. --set n_layer=8 (repeatable)",
+    )
+    p.add_argument(
+        "--factory",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="FUNCTION() returns (model_fn, batch_fn, loss_fn), as memfit.tune takes them",
+    )
+    p.add_argument("--budget", required=True, help="peak memory of a step, e.g. 2GiB")
+    p.add_argument(
+        "--global-batch", type=int, default=16, help="samples per optimizer step (default: 16)"
+    )
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help="comma-separated modes to compare (default: fp32,bf16-mixed,bf16-master)",
+    )
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default: 1)")
+    p.add_argument(
+        "--measure-top",
+        type=int,
+        default=3,
+        help="candidates measured on real steps (default: 3; 0: by prediction alone)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: 3)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of weights and data")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=run)
+
+
+def compute(args: argparse.Namespace) -> TuneResult:
+    """The tuner's result for the command line's model, budget and batch."""
+    import memfit
+    from memfit.models import build_model
+
+    device = pick_device(args.device)
+    precisions = None
+    if args.precisions:
+        precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if args.factory:
+        if args.overrides:
+            raise UsageError("--set changes a built-in model; --factory builds its own")
+        made = load_factory(args.factory, "mypkg.models:tune_parts")()
+        if not (isinstance(made, tuple) and len(made) == 3):
+            raise UsageError(
+                f"--factory {args.factory}: must return (model_fn, batch_fn, loss_fn), got "
+                f"{type(made).__name__}"
+            )
+        model_fn, batch_fn, loss_fn = made
+    else:
+        overrides = parse_overrides(args.overrides, model_config_cls(args.model))
+        data = "synthetic"  # the shapes are the corpus's; tuning needs no real text
+        _, loss_fn, real_batch = builtin_model(
+            args.model, overrides, data=data, device=device, seed=args.seed
+        )
+
+        def model_fn() -> Any:
+            return build_model(args.model, data=data, **overrides).model
+
+        def batch_fn(n: int) -> Any:
+            return real_batch(n, generator=args.seed)
+
+    return memfit.tune(
+        model_fn,
+        batch_fn,
+        loss_fn,
+        budget=args.budget,
+        global_batch=args.global_batch,
+        precisions=precisions,
+        world_size=args.world_size,
+        measure_top=args.measure_top,
+        steps=args.steps,
+        device=device,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    result = compute(args)
+    print(result.to_json() if args.json else result.summary())
+    return 0

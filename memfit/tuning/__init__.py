@@ -1,0 +1,13 @@
+"""The joint tuner: ``memfit.tune`` chooses precision, checkpoint plan, micro-batch and
+accumulation together (:mod:`memfit.tuning.tune`).
+
+- :mod:`~memfit.tuning.tune`: search (on :mod:`memfit.candidates`), measure, choose;
+- :mod:`~memfit.tuning.trials`: a candidate measured on a few real Engine steps;
+- :mod:`~memfit.tuning.result`: ``TuneResult`` and its rows;
+- :mod:`~memfit.tuning.advice`: loss scale, checkpoint interval, split.
+"""
+
+from memfit.tuning.result import TuneResult, TuneRow
+from memfit.tuning.tune import tune
+
+__all__ = ["TuneResult", "TuneRow", "tune"]

@@ -1,0 +1,106 @@
+"""Tuning advice from what the tuner saw: the loss scale, the checkpoint interval, the split.
+
+Each function returns one sentence, printed with the choice (``TuneResult.advice``).
+
+Example::
+
+    loss_scale_advice(GradStats(amax=0.8, underflow_fraction=0.02), "bf16-mixed")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from memfit.tuning.result import TuneRow
+from memfit.tuning.trials import GradStats
+from memfit.units import format_bytes
+
+#: fp16's largest finite value.
+FP16_MAX = 65504.0
+#: Headroom kept between the largest scaled gradient and fp16's largest value: gradients
+#: grow early in training, and an overflow skips a step.
+HEADROOM = 2.0**4
+
+
+def initial_loss_scale(stats: GradStats) -> float:
+    """The largest power of two that keeps the largest gradient :data:`HEADROOM` below
+    fp16's largest value, between 1 and 2^24.
+
+    Example::
+
+        initial_loss_scale(GradStats(amax=0.5, underflow_fraction=0.0))  # 4096.0
+    """
+    if not (stats.amax > 0 and math.isfinite(stats.amax)):
+        return 2.0**16
+    exponent = math.floor(math.log2(FP16_MAX / (HEADROOM * stats.amax)))
+    return float(2.0 ** min(24, max(0, exponent)))
+
+
+def loss_scale_advice(stats: GradStats | None, precision: str) -> str:
+    """What loss scale the gradients call for, under ``precision``."""
+    if stats is None:
+        return "loss scale: no gradients were measured (no trial ran)"
+    scale = initial_loss_scale(stats)
+    seen = (
+        f"the largest gradient is {stats.amax:.3g} and {stats.underflow_fraction:.1%} of the "
+        "nonzero gradient values are below fp16's smallest (2^-24)"
+    )
+    if precision.startswith("fp16"):
+        return (
+            f"loss scale: start at 2^{int(math.log2(scale))} = {scale:g} "
+            f"(LossScaler(init_scale={scale:g})): {seen}, and 2^{int(math.log2(scale))} keeps "
+            f"the largest {HEADROOM:g}x below fp16's 65504"
+        )
+    return (
+        f"loss scale: none needed in {precision} (fp32's exponent range); {seen}, so fp16 "
+        f"would start at LossScaler(init_scale={scale:g})"
+    )
+
+
+def checkpoint_advice(best: TuneRow, units: int | None) -> str:
+    """The checkpoint interval the choice implies for a model of ``units`` blocks."""
+    depth = f"{units} units" if units else "the model's units"
+    if best.checkpoint == "none":
+        return f"checkpointing: none needed; all {depth} keep their activations within the budget"
+    recomputed = sum(1 for d in best.plan.decisions.values() if d != "keep") if best.plan else None
+    if best.checkpoint == "full":
+        interval = "every unit"
+    elif best.checkpoint == "sqrt" and units:
+        interval = f"segments of about {max(1, round(math.sqrt(units)))} (sqrt of {units})"
+    elif recomputed is not None and units:
+        interval = f"{recomputed} recomputed"
+    else:
+        interval = "the optimal plan at the budget"
+    fraction = best.recompute_fraction or 0.0
+    return (
+        f"checkpointing: {best.checkpoint}, {interval} of {depth}; recomputes "
+        f"{fraction:.1%} of a forward pass's FLOPs per micro-batch"
+    )
+
+
+def split_advice(rows: Sequence[TuneRow], best: TuneRow, budget: int) -> str:
+    """Why the micro-batch and accumulation are what they are."""
+    plain = [r for r in rows if r.precision == best.precision and r.checkpoint == "none" and r.fits]
+    largest = max((r.micro_batch for r in plain), default=0)
+    over = [
+        r
+        for r in rows
+        if r.precision == best.precision
+        and r.checkpoint == best.checkpoint
+        and r.micro_batch > best.micro_batch
+        and r.predicted_peak_bytes is not None
+        and not r.fits
+    ]
+    text = (
+        f"micro-batch {best.micro_batch} x {best.accumulation_steps} accumulation: the largest "
+        f"micro-batch that fits {format_bytes(budget)} without checkpointing in "
+        f"{best.precision} is {largest or 'none'}"
+    )
+    if over:
+        nxt = min(over, key=lambda r: r.micro_batch)
+        text += (
+            f"; micro-batch {nxt.micro_batch} with checkpoint {nxt.checkpoint} would peak at "
+            f"{format_bytes(nxt.predicted_peak_bytes)}, over the budget"
+        )
+    return text

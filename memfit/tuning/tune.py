@@ -1,0 +1,222 @@
+"""``memfit.tune``: precision, checkpoint plan, micro-batch and accumulation chosen together.
+
+1. **Search** (:mod:`memfit.candidates`): every precision x strategy x split of the global
+   batch estimated on a meta model and fake tensors, ranked by predicted step time;
+   nothing real is allocated, so no candidate runs out of memory there.
+2. **Measure**: ``measure_top`` splits of the global batch, each with its best predicted
+   setting, train a few real steps each (:mod:`memfit.tuning.trials`): the allocator's
+   peak and the fastest step time. The splits predicted within 1.5x of the fastest go
+   first, the largest micro-batch first (the count leaves out what makes small
+   micro-batches slow). A trial that runs out of memory, raises, or peaks over the budget
+   is recorded in its row and the split's next setting is measured in its place.
+3. **Choose**: the fastest measured candidate within the budget; with ``measure_top=0``
+   the predicted best.
+
+Example::
+
+    res = memfit.tune(lambda: GPT(cfg), lambda n: corpus.batch("train", n, 128), gpt_loss,
+                      budget="4GiB", global_batch=64)
+    print(res.summary())
+    engine = res.engine(model, torch.optim.AdamW(model.parameters()))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates
+from memfit.errors import BudgetError, ConfigError
+from memfit.nested import tensors
+from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.speed import matmul_speed
+from memfit.tuning.advice import checkpoint_advice, loss_scale_advice, split_advice
+from memfit.tuning.result import TuneResult, TuneRow
+from memfit.tuning.trials import GradStats, run_trial
+from memfit.units import parse_bytes
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _device_of(batch_fn: Callable[[int], Any]) -> torch.device:
+    for t in tensors(batch_fn(1)):
+        return t.device
+    return torch.device("cpu")
+
+
+def tune(
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    loss_fn: LossFn,
+    *,
+    budget: str | int | float,
+    global_batch: int,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    precisions: Sequence[str] | None = None,
+    world_size: int = 1,
+    measure_top: int = 3,
+    steps: int = 3,
+    device: str | torch.device | None = None,
+) -> TuneResult:
+    """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
+
+    Args:
+        model_fn: builds the model (on the default device, not moved): the search runs it
+            on the meta device, each measured trial builds a fresh one and moves it to
+            ``device``.
+        batch_fn: ``batch_fn(n)`` returns a batch of ``n`` samples (on ``device``).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, as for the Engine.
+        budget: the peak memory of a training step ("4GiB", bytes, or a fraction of the
+            device's memory).
+        global_batch: samples per optimizer step over all ranks; every split with
+            ``micro_batch x accumulation_steps x world_size == global_batch`` is tried.
+        optimizer_fn: ``params -> optimizer`` (default ``torch.optim.AdamW``).
+        precisions: the modes to compare (default fp32, bf16-mixed, bf16-master).
+        world_size: data-parallel ranks; the trials run one rank's share.
+        measure_top: how many candidates to measure on real steps (0: choose by
+            prediction alone).
+        steps: timed steps per trial (after a warm-up and a measured step).
+        device: where trials run (default: where ``batch_fn``'s tensors are).
+
+    Raises:
+        ConfigError: a global batch no split makes (the message lists valid ones), an
+            unknown precision, a model that cannot run on meta/fake tensors.
+        BudgetError: nothing fits (the message gives the smallest budget that would fit
+            and the setting that reaches it), or every measured trial failed.
+
+    Example::
+
+        res = memfit.tune(model_fn, batch_fn, loss_fn, budget="2GiB", global_batch=32)
+        res.best.precision, res.best.checkpoint, res.best.micro_batch
+    """
+    if int(measure_top) != measure_top or measure_top < 0:
+        raise ConfigError(f"measure_top must be an int >= 0, got {measure_top!r}")
+    if int(steps) != steps or steps < 1:
+        raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+    where = torch.device(device) if device is not None else _device_of(batch_fn)
+    limit = parse_bytes(budget, where)
+    modes = [PrecisionPolicy.of(p).mode for p in (precisions or DEFAULT_PRECISIONS)]
+    dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
+    speed = matmul_speed(where, tuple(sorted(dtypes, key=str)))
+    ranked = rank_candidates(
+        model_fn,
+        batch_fn,
+        loss_fn,
+        budget=limit,
+        global_batch=global_batch,
+        world_size=world_size,
+        precisions=modes,
+        optimizer_fn=optimizer_fn,
+        device=where,
+        speed=speed,
+    )
+    if not any(c.fits for c in ranked):
+        raise nothing_fits(ranked, limit)
+    rows = [
+        TuneRow(
+            c.precision,
+            c.checkpoint,
+            c.micro_batch,
+            c.accumulation_steps,
+            c.predicted_peak_bytes,
+            c.predicted_step_seconds,
+            c.recompute_fraction,
+            c.fits,
+            rank,
+            plan=c.plan,
+        )
+        for rank, c in enumerate(ranked)
+    ]
+    grads: dict[int, GradStats | None] = {}
+    good: list[TuneRow] = []
+    groups = _measure_order(rows)
+    tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
+    # Where every split's first settings failed, more are tried in the order of
+    # prediction until one succeeds: a failed trial never ends the search (a loss that
+    # fails on every real batch ends it after FALLBACK_TRIALS more).
+    groups.append([r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS])
+    for group in groups:
+        if len(good) >= measure_top:
+            break
+        for row in group if group is groups[-1] and not good else group[:ATTEMPTS_PER_SPLIT]:
+            try:
+                outcome = run_trial(
+                    model_fn, batch_fn, loss_fn, optimizer_fn, row, limit, steps=steps, device=where
+                )
+            except Exception as exc:  # out of memory, a bad plan: recorded, never fatal
+                row.error = _first_line(exc)
+                continue
+            row.measured_peak_bytes = outcome.peak_bytes
+            row.measured_step_seconds = outcome.step_seconds
+            grads[row.rank] = outcome.grads
+            if outcome.peak_bytes > limit:
+                row.error = "over the budget as measured"
+                continue
+            good.append(row)
+            break
+    if measure_top and not good:
+        failed = [r for r in rows if r.error]
+        raise BudgetError(
+            f"every measured trial failed or peaked over the budget ({len(failed)} tried): "
+            + "; ".join(
+                f"{r.precision}/{r.checkpoint}/{r.micro_batch}x{r.accumulation_steps}: {r.error}"
+                for r in failed[:4]
+            )
+        )
+    best = min(good, key=lambda r: r.measured_step_seconds or 0.0) if good else rows[0]
+    result = TuneResult(
+        best,
+        rows,
+        limit,
+        int(global_batch),
+        int(world_size),
+        speedups={m: speed.speedup(PrecisionPolicy.of(m).compute_dtype) for m in modes},
+        speed_measured=speed.measured,
+    )
+    result.advice = [
+        loss_scale_advice(grads.get(best.rank), best.precision),
+        checkpoint_advice(best, _units(best)),
+        split_advice(rows, best, limit),
+    ]
+    return result
+
+
+#: Splits whose best predicted time is within this factor of the fastest are measured
+#: first, the largest micro-batch first: the count leaves out each micro-batch's fixed
+#: cost and small matmuls' lower efficiency, so a larger micro-batch is faster than
+#: counted (a full recompute costs at most a third more, well inside the factor).
+SLACK = 1.5
+#: Candidates of one split tried in turn when the one before failed or went over the budget.
+ATTEMPTS_PER_SPLIT = 3
+#: Further candidates tried, in the order of prediction, when every split's failed.
+FALLBACK_TRIALS = 8
+
+
+def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
+    """The fitting rows grouped by split, each group in the order of prediction, the groups
+    in the order to measure: those within :data:`SLACK` of the fastest prediction by
+    micro-batch, largest first, then the rest by their best rank. One success per group
+    counts; the next row of a group stands in for one that failed."""
+    groups: dict[int, list[TuneRow]] = {}
+    for r in rows:
+        if r.fits:
+            groups.setdefault(r.micro_batch, []).append(r)
+    fastest = min(g[0].predicted_step_seconds or 0.0 for g in groups.values())
+    near = [m for m, g in groups.items() if (g[0].predicted_step_seconds or 0.0) <= SLACK * fastest]
+    rest = [m for m in groups if m not in near]
+    order = sorted(near, reverse=True) + sorted(rest, key=lambda m: groups[m][0].rank)
+    return [groups[m] for m in order]
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: first line of the message``, at most 200 characters (a table cell)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def _units(row: TuneRow) -> int | None:
+    """The number of candidate units the estimator's plan decided on."""
+    return len(row.plan.decisions) if row.plan is not None and row.plan.decisions else None

@@ -1,0 +1,396 @@
+"""``memfit.tune``, ``precision="auto"``, ``micro_batch="auto"``, the bf16 speed warning and
+``memfit tune``.
+
+Every choice that depends on speed is decided here from injected matmul ratios
+(``assumed_speed``), never from this machine's timing or its CPU's name; tests of measured
+trials assert what holds on any machine (fits, recorded, within the budget).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import memfit
+from memfit.candidates import rank_candidates, split_choices
+from memfit.cli.main import main
+from memfit.errors import BudgetError, ConfigError
+from memfit.models import build_model
+from memfit.precision.speed import (
+    assumed_speed,
+    choose_precision,
+    matmul_speed,
+    measure_matmul_speed,
+)
+from memfit.tuning.advice import initial_loss_scale, loss_scale_advice
+from memfit.tuning.trials import GradStats
+from tests.engine_cases import assert_bitwise
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CFG = dict(n_layer=2, n_embd=32, n_head=2, block_size=16)
+SLOW_BF16 = {torch.bfloat16: 0.21}  # a CPU without native bf16 (measured on one here)
+FAST_BF16 = {torch.bfloat16: 2.7}  # one with AVX-512-BF16
+
+
+def _parts():
+    _, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+
+    def model_fn():
+        return build_model("gpt", data="synthetic", **CFG).model
+
+    return model_fn, (lambda n: batch_fn(n, generator=0)), loss_fn
+
+
+def _plain_peak(precision: str = "fp32", global_batch: int = 8) -> float:
+    """The predicted peak of no checkpointing, the whole batch as one micro-batch."""
+    model_fn, batch_fn, loss_fn = _parts()
+    with assumed_speed("cpu", FAST_BF16):
+        ranked = rank_candidates(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=2**40,
+            global_batch=global_batch,
+            precisions=[precision],
+            strategies=["none"],
+        )
+    return next(c for c in ranked if c.micro_batch == global_batch).predicted_peak_bytes
+
+
+# ---------------------------------------------------------------- speed probe
+
+
+def test_the_probe_measures_each_dtype_and_injected_numbers_replace_it() -> None:
+    measured = measure_matmul_speed("cpu", size=64, repeats=1)
+    assert measured.measured and set(measured.seconds) == {torch.float32, torch.bfloat16}
+    assert measured.speedup(torch.float32) == 1.0
+    with assumed_speed("cpu", SLOW_BF16) as speed:
+        assert matmul_speed("cpu") is speed
+        assert matmul_speed("cpu").speedup(torch.bfloat16) == pytest.approx(0.21)
+        assert not speed.measured
+    assert matmul_speed("cpu") is not speed
+
+
+@pytest.mark.parametrize(("speedups", "mode"), [(SLOW_BF16, "fp32"), (FAST_BF16, "bf16-mixed")])
+def test_choose_precision_follows_the_matmul_ratio(speedups, mode) -> None:
+    with assumed_speed("cpu", speedups):
+        choice = choose_precision("cpu")
+    assert choice.mode == mode
+    assert choice.speedups["bf16-mixed"] == pytest.approx(speedups[torch.bfloat16])
+    assert mode in choice.describe()
+
+
+def test_bf16_on_a_cpu_where_it_is_slower_warns_with_the_ratio_and_the_advice() -> None:
+    model, _, _ = build_model("gpt", data="synthetic", **CFG)
+    with assumed_speed("cpu", SLOW_BF16), pytest.warns(UserWarning) as caught:
+        memfit.Engine(model, torch.optim.AdamW(model.parameters()), precision="bf16-mixed")
+    text = " ".join(str(w.message) for w in caught)
+    assert "0.21x" in text and "precision='fp32'" in text
+    model, _, _ = build_model("gpt", data="synthetic", **CFG)
+    with assumed_speed("cpu", FAST_BF16), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.Engine(model, torch.optim.AdamW(model.parameters()), precision="bf16-mixed")
+
+
+# ---------------------------------------------------------------- precision="auto"
+
+
+@pytest.mark.parametrize(("speedups", "mode"), [(SLOW_BF16, "fp32"), (FAST_BF16, "bf16-mixed")])
+def test_precision_auto_trains_in_the_mode_the_ratio_makes_fastest(speedups, mode, tmp_path):
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+    engine = memfit.Engine(model, torch.optim.AdamW(model.parameters()), precision="auto")
+    assert engine.settings.precision == "auto"
+    with assumed_speed("cpu", speedups):
+        engine.train_step(batch_fn(4, generator=0), loss_fn)
+    assert engine.settings.precision == mode and engine.policy.mode == mode
+    assert engine.auto.precision_choice.mode == mode
+    engine.save(tmp_path / "ck.pt")
+    # Resumed: the saved choice, without measuring again (the ratio now says otherwise).
+    torch.manual_seed(0)
+    model2, _, _ = build_model("gpt", data="synthetic", **CFG)
+    other = FAST_BF16 if speedups is SLOW_BF16 else SLOW_BF16
+    with assumed_speed("cpu", other), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = memfit.Engine.resume(
+            tmp_path / "ck.pt", model2, torch.optim.AdamW(model2.parameters())
+        )
+        assert resumed.settings.precision == mode
+        batch = batch_fn(4, generator=1)
+        assert_bitwise(resumed.train_step(batch, loss_fn), engine.train_step(batch, loss_fn))
+
+
+def test_precision_auto_in_fp32_trains_bitwise_as_fp32() -> None:
+    losses = []
+    for precision in ("fp32", "auto"):
+        torch.manual_seed(0)
+        model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+        engine = memfit.Engine(model, torch.optim.AdamW(model.parameters()), precision=precision)
+        with assumed_speed("cpu", SLOW_BF16):
+            losses.append([engine.train_step(batch_fn(4, generator=i), loss_fn) for i in range(3)])
+    for a, b in zip(*losses):
+        assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------- micro_batch="auto"
+
+
+def test_micro_batch_auto_keeps_the_global_batch_and_fits_the_budget() -> None:
+    budget = int(0.6 * _plain_peak("fp32", 8))
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+    engine = memfit.Engine(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        precision="fp32",
+        micro_batch="auto",
+        memory_budget=budget,
+    )
+    batches = [batch_fn(8, generator=i) for i in range(2)]
+    auto_losses = [engine.train_step(b, loss_fn) for b in batches]
+    choice = engine.auto.split_choice
+    assert choice.micro_batch * choice.accumulation_steps == 8
+    assert engine.settings.accumulation_steps == choice.accumulation_steps > 1
+    assert choice.predicted_peak_bytes <= budget
+    # The same training as the split given by hand, bitwise (fp32 on CPU).
+    torch.manual_seed(0)
+    model2, _, _ = build_model("gpt", data="synthetic", **CFG)
+    by_hand = memfit.Engine(
+        model2,
+        torch.optim.AdamW(model2.parameters()),
+        precision="fp32",
+        memory_budget=budget,
+        accumulation_steps=choice.accumulation_steps,
+    )
+    for b, loss in zip(batches, auto_losses):
+        assert_bitwise(by_hand.train_step(b, loss_fn), loss)
+
+
+def test_micro_batch_auto_refuses_what_it_cannot_use() -> None:
+    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="chooses accumulation_steps itself"):
+        memfit.Engine(model, opt, micro_batch="auto", accumulation_steps=2)
+    with pytest.raises(ConfigError, match="takes 'auto' or None"):
+        memfit.Engine(model, opt, micro_batch=4)
+    engine = memfit.Engine(model, opt, precision="fp32", micro_batch="auto", memory_budget=2**30)
+    with pytest.raises(ConfigError, match="split already"):
+        engine.backward(batch_fn(2, generator=0), loss_fn)
+
+
+def test_micro_batch_auto_with_a_budget_nothing_meets_says_the_least() -> None:
+    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+    engine = memfit.Engine(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        precision="fp32",
+        micro_batch="auto",
+        memory_budget=1024,
+    )
+    with pytest.raises(BudgetError, match="smallest budget that would fit"):
+        engine.train_step(batch_fn(8, generator=0), loss_fn)
+
+
+# ---------------------------------------------------------------- the search
+
+
+def test_split_choices_make_the_global_batch_and_bad_ones_list_valid_choices() -> None:
+    assert split_choices(12) == [(12, 1), (6, 2), (4, 3), (3, 4), (2, 6), (1, 12)]
+    assert split_choices(16, world_size=4) == [(4, 1), (2, 2), (1, 4)]
+    with pytest.raises(ConfigError, match="valid choices near it: .*15.*18"):
+        split_choices(16, world_size=3)
+    with pytest.raises(ConfigError, match="positive multiple"):
+        split_choices(0)
+    model_fn, batch_fn, loss_fn = _parts()
+    with pytest.raises(ConfigError, match="world_size=3"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=16, world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("speedups", "expected"), [(SLOW_BF16, {"fp32"}), (FAST_BF16, {"bf16-mixed", "bf16-master"})]
+)
+def test_the_tuner_chooses_fp32_where_bf16_is_slow_and_bf16_where_it_is_fast(
+    speedups, expected
+) -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    # Every precision fits without checkpointing: the ratio alone decides.
+    budget = int(_plain_peak("fp32", 8))
+    with assumed_speed("cpu", speedups):
+        res = memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, measure_top=0)
+    assert res.best.precision in expected
+    assert res.best.fits and res.best.predicted_peak_bytes <= budget
+    assert res.best.micro_batch * res.best.accumulation_steps == 8
+    assert res.speedups["bf16-mixed"] == pytest.approx(speedups[torch.bfloat16])
+    assert not res.speed_measured
+    # Every precision, strategy and split was considered, ranked by prediction.
+    assert {r.precision for r in res.rows} == {"fp32", "bf16-mixed", "bf16-master"}
+    assert {r.checkpoint for r in res.rows} >= {"none", "full", "sqrt"}
+    assert [r.rank for r in res.rows] == list(range(len(res.rows)))
+    fitting = [r.predicted_step_seconds for r in res.rows if r.fits]
+    assert fitting[0] == min(fitting) or fitting[0] <= 1.05 * min(fitting)
+
+
+def test_nothing_fits_gives_the_smallest_budget_that_would_and_that_budget_fits() -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    with assumed_speed("cpu", FAST_BF16):
+        with pytest.raises(BudgetError, match="smallest budget that would fit") as info:
+            memfit.tune(model_fn, batch_fn, loss_fn, budget=1024, global_batch=8, measure_top=0)
+        ranked = rank_candidates(model_fn, batch_fn, loss_fn, budget=1024, global_batch=8)
+        least = min(c.predicted_peak_bytes for c in ranked if c.predicted_peak_bytes)
+        assert memfit.format_bytes(least) in str(info.value)
+        res = memfit.tune(
+            model_fn, batch_fn, loss_fn, budget=int(least), global_batch=8, measure_top=0
+        )
+    assert res.best.predicted_peak_bytes <= int(least)
+
+
+def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end() -> None:
+    model_fn, batch_fn, real_loss = _parts()
+    budget = int(0.7 * _plain_peak("fp32", 8))
+    calls = {"oom": 0}
+
+    def loss_fn(model, batch):
+        # The first trial (the predicted best) runs out of memory on its first real step.
+        if not _is_fake(batch) and calls["oom"] == 0:
+            calls["oom"] += 1
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return real_loss(model, batch)
+
+    with assumed_speed("cpu", FAST_BF16):
+        res = memfit.tune(
+            model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, measure_top=2, steps=1
+        )
+    failed = [r for r in res.rows if r.error and "OutOfMemoryError" in r.error]
+    assert [r.rank for r in failed] == [0] and calls["oom"] == 1
+    measured = [r for r in res.rows if r.measured_step_seconds is not None]
+    assert len(measured) >= 2 and res.best in measured
+    assert res.best.measured_peak_bytes <= budget
+    for r in measured:  # predicted vs measured, both recorded
+        assert r.predicted_peak_bytes and r.measured_peak_bytes > 0
+    assert "out of memory (injected)" in res.summary()
+    assert len(res.advice) == 3 and res.advice[0].startswith("loss scale")
+    json.loads(res.to_json())
+    # .engine builds the choice and trains the global batch in its micro-batches.
+    torch.manual_seed(0)
+    model = model_fn()
+    engine = res.engine(model, torch.optim.AdamW(model.parameters()))
+    assert engine.settings.accumulation_steps == res.best.accumulation_steps
+    assert engine.settings.precision == res.best.precision
+    engine.train_step(batch_fn(8), real_loss)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from memfit.checkpoint.profiler.runner import is_fake
+
+    return is_fake(t)
+
+
+def test_every_trial_failing_is_an_error_that_lists_them() -> None:
+    model_fn, batch_fn, real_loss = _parts()
+
+    def loss_fn(model, batch):
+        if not _is_fake(batch):
+            raise RuntimeError("broken on real data")
+        return real_loss(model, batch)
+
+    with assumed_speed("cpu", FAST_BF16), pytest.raises(BudgetError, match="broken on real data"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=1)
+
+
+# ---------------------------------------------------------------- advice
+
+
+def test_the_initial_loss_scale_keeps_the_largest_gradient_below_fp16s_max() -> None:
+    scale = initial_loss_scale(GradStats(amax=0.5, underflow_fraction=0.0))
+    assert scale == 4096.0  # 0.5 * 4096 * 16 = 32768 <= 65504 < 0.5 * 8192 * 16
+    assert initial_loss_scale(GradStats(amax=1e-12, underflow_fraction=0.5)) == 2.0**24
+    assert initial_loss_scale(GradStats(amax=1e6, underflow_fraction=0.0)) == 1.0
+    text = loss_scale_advice(GradStats(0.5, 0.25), "fp16-mixed")
+    assert "init_scale=4096" in text and "25.0%" in text
+    assert "none needed" in loss_scale_advice(GradStats(0.5, 0.0), "bf16-mixed")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_memfit_tune_prints_the_choice_as_json(capsys) -> None:
+    args = ["tune", *(f"--set={k}={v}" for k, v in CFG.items()), "--global-batch", "8"]
+    with assumed_speed("cpu", SLOW_BF16):
+        budget = str(int(0.5 * _plain_peak("fp32", 8)))
+        assert main([*args, "--budget", budget, "--measure-top", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["precision"] == "fp32"
+    assert out["best"]["micro_batch"] * out["best"]["accumulation_steps"] == 8
+    assert out["rows"] and out["advice"]
+
+
+def test_memfit_tune_bad_input_exits_2_or_1(capsys) -> None:
+    base = ["tune", *(f"--set={k}={v}" for k, v in CFG.items()), "--measure-top", "0"]
+    assert main([*base, "--budget", "1MiB", "--world-size", "3", "--global-batch", "16"]) == 2
+    assert "valid choices near it" in capsys.readouterr().err
+    assert main([*base, "--budget", "1KiB"]) == 1
+    assert "smallest budget that would fit" in capsys.readouterr().err
+
+
+TRAIN = [
+    "train",
+    *(f"--set={k}={v}" for k, v in CFG.items()),
+    "--data=synthetic",
+    "--steps=2",
+    "--batch-size=8",
+    "--eval-every=2",
+    "--eval-batches=1",
+    "--log-every=1",
+]
+
+
+def test_memfit_train_defaults_to_auto_and_trains_in_the_mode_chosen(tmp_path, capsys) -> None:
+    with assumed_speed("cpu", SLOW_BF16):
+        assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "precision auto: fp32" in out
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert config["precision"] == "auto" and summary["precision"] == "fp32"
+
+
+def test_memfit_train_tune_saves_the_choice_and_refuses_what_it_chooses(tmp_path, capsys):
+    budget = str(int(0.5 * _plain_peak("fp32", 8)))
+    run = tmp_path / "run"
+    with assumed_speed("cpu", FAST_BF16):
+        assert main([*TRAIN, "--tune", "--budget", budget, "--out", str(run)]) == 0
+    config = json.loads((run / "config.json").read_text())
+    tuned = json.loads((run / "tune.json").read_text())
+    best = tuned["best"]
+    assert config["tune"] is True
+    assert config["precision"] == best["precision"] != "auto"
+    assert config["accumulation"] == best["accumulation_steps"]
+    assert best["micro_batch"] * best["accumulation_steps"] == 8
+    assert "advice: loss scale" in capsys.readouterr().out
+    # Resumed: the saved choice, not tuned again.
+    assert main([*TRAIN, "--steps=3", "--resume", str(run)]) == 0
+    assert json.loads((run / "tune.json").read_text()) == tuned
+    for extra, message in (
+        (["--tune", "--accumulation=2", "--budget", budget], "--tune chooses --accumulation"),
+        (["--tune"], "--tune needs --budget"),
+    ):
+        out = tmp_path / "refused"
+        assert main([*TRAIN, *extra, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_a_model_that_cannot_run_on_meta_tensors_gets_the_estimators_advice() -> None:
+    _, batch_fn, loss_fn = _parts()
+
+    def model_fn():
+        model = build_model("gpt", data="synthetic", **CFG).model
+        model.scale = float(torch.ones(1).sum().item())  # reads a value: no meta tensor can
+        return model
+
+    with pytest.raises(ConfigError, match="smaller real instance"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=0)
