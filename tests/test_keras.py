@@ -200,3 +200,61 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_as_loss_scaler(
     # halved on each overflow, doubled after three finite steps in a row
     assert keras_scales == [64, 64, 32, 32, 32, 64, 64, 32, 32, 32, 64, 64]
     assert scaler.stats.skipped == len(bad)
+
+
+TORCH_BACKEND = """
+import os
+os.environ["KERAS_BACKEND"] = "torch"
+import keras, torch, memfit, memfit.keras as mk
+
+def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="gelu")(keras.layers.Dense(32)(inputs))
+    return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.LayerNormalization()(x)))
+
+g = torch.Generator().manual_seed(0)
+batch = (torch.rand(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
+def loss_fn(model, b):
+    return torch.nn.functional.cross_entropy(model(b[0]), b[1])
+
+model = build()
+assert isinstance(model, torch.nn.Module)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+engine = memfit.Engine(model, opt, precision="fp32")
+by_engine = [engine.train_step(batch, loss_fn) for _ in range(3)]
+model = build()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+by_hand = []
+for _ in range(3):
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    by_hand.append(loss.detach())
+print("same", all(torch.equal(a, b) for a, b in zip(by_engine, by_hand)))
+with mk.precision("bf16-mixed"):
+    mixed = build()
+print("dtypes", ",".join(layer.compute_dtype for layer in mixed.layers))
+try:
+    memfit.plan(model, (batch[0],))
+except memfit.PlanError as exc:
+    print("plan:", exc)
+try:
+    mk.plan(model, batch[0].numpy(), batch[1].numpy(), "sparse_categorical_crossentropy")
+except memfit.ConfigError as exc:
+    print("keras plan:", exc)
+"""
+
+
+def test_keras_on_the_torch_backend_trains_with_the_engine_and_refuses_plans_clearly() -> None:
+    """Keras layers on the torch backend are torch modules whose variables sit in one
+    ParameterDict: memfit.Engine trains such a model exactly as a hand loop does, the
+    precision scope sets Keras's policies, and both planners say why they cannot plan."""
+    out = _run(TORCH_BACKEND)
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert lines["same"] == "True"
+    # the input layer, two Dense layers in bfloat16; the LayerNorm and the head in float32
+    assert lines["dtypes"] == "bfloat16,bfloat16,bfloat16,float32,float32"
+    assert "Keras model on the torch backend" in lines["plan:"]
+    assert "Keras runs on 'torch'" in lines["keras"]

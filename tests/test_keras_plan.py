@@ -88,10 +88,11 @@ def test_a_tight_budget_recomputes_and_its_peak_is_predicted_within_10_and_20_pe
     planned = mk.apply_plan(model, plan)
     measured = mk.measure_step(planned, x, y, LOSS).peak_bytes
     assert measured < 0.75 * measured_none
-    print(
-        "peaks", unplanned.predicted_peak_bytes, measured_none, plan.predicted_peak_bytes, measured
-    )
     assert abs(plan.predicted_peak_bytes / measured - 1) < 0.20
+    # Under tf.function (as model.fit runs) the plan saves memory too.
+    compiled_none = mk.measure_step(model, x, y, LOSS, compiled=True).peak_bytes
+    compiled = mk.measure_step(planned, x, y, LOSS, compiled=True).peak_bytes
+    assert compiled < 0.8 * compiled_none
 
 
 def test_the_plan_is_memfit_plan_with_summary_json_and_frontier() -> None:

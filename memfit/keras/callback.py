@@ -193,7 +193,7 @@ class MonitorCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.steps += 1
         self._since_steps += 1
-        self._loss = None if not logs or "loss" not in logs else float(logs["loss"])
+        self._logs = logs  # read at the log step only: reading a value syncs
         if self.steps % self.log_every == 0:
             self._log()
 
@@ -213,8 +213,9 @@ class MonitorCallback(keras.callbacks.Callback):
             "time/step_seconds": seconds / self._since_steps,
             "lr": float(keras.ops.convert_to_numpy(optimizer.learning_rate)),
         }
-        if self._loss is not None:
-            metrics["loss"] = self._loss
+        logs = getattr(self, "_logs", None)
+        if logs and "loss" in logs:
+            metrics["loss"] = float(keras.ops.convert_to_numpy(logs["loss"]))
         if state.scale is not None:
             self._window.update(self.steps, self.skipped)
             metrics.update(
