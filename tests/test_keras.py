@@ -258,3 +258,30 @@ def test_keras_on_the_torch_backend_trains_with_the_engine_and_refuses_plans_cle
     assert lines["dtypes"] == "bfloat16,bfloat16,bfloat16,float32,float32"
     assert "Keras model on the torch backend" in lines["plan:"]
     assert "Keras runs on 'torch'" in lines["keras"]
+
+
+def test_islands_of_a_sequential_built_later_and_of_a_subclassed_model() -> None:
+    with mk.precision("bf16-mixed") as scope:
+        seq = keras.Sequential(
+            [
+                keras.layers.Dense(4),
+                keras.layers.LayerNormalization(name="ln"),
+                keras.layers.Dense(2),
+            ]
+        )
+
+        class Net(keras.Model):
+            def __init__(self) -> None:
+                super().__init__(name="net")
+                self.a = keras.layers.Dense(4)
+                self.b = keras.layers.Dense(2, name="last")
+
+            def call(self, x: object) -> object:
+                return self.b(self.a(x))
+
+        net = Net()
+    # no input shape yet: the islands are the normalization and the last layer added
+    assert [layer.compute_dtype for layer in seq.layers] == ["bfloat16", "float32", "float32"]
+    assert scope.islands["net"] == ["last"]
+    assert (net.a.compute_dtype, net.b.compute_dtype) == ("bfloat16", "float32")
+    assert seq(np.ones((2, 3), np.float32)).dtype == tf.float32
