@@ -11,7 +11,7 @@ STAMP := $(VENV)/.memfit-installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,plot,tensorboard,hf,integrations]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,plot,tensorboard,hf,integrations,keras]'
 	touch $(STAMP)
 
 install: $(STAMP)

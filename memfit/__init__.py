@@ -56,3 +56,13 @@ __all__ = [
     "remove_precision",
     "tune",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # memfit.keras (the Keras front end, extra memfit[keras]) on first use, so that
+    # `import memfit` never imports TensorFlow or Keras.
+    if name == "keras":
+        import importlib
+
+        return importlib.import_module("memfit.keras")
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

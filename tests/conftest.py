@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# TensorFlow (the Keras tests): quiet, and its CPU allocator counting every tensor. Set
+# before any test imports it (tensorboard may import it first, in another test file).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 
 @pytest.fixture(scope="module")

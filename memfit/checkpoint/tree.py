@@ -304,6 +304,16 @@ def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree
     consider(model, "", False)
     extra_names = [str(n) for n in (extra or [])]
     if not names and not extra_names:
+        if type(model).__module__.startswith("keras."):
+            # Keras on its torch backend keeps every variable in one ParameterDict and does
+            # not register its layers as submodules: there is nothing to walk.
+            raise PlanError(
+                f"{type(model).__name__} is a Keras model on the torch backend: its layers are "
+                "not torch submodules (Keras holds its variables in one ParameterDict), so "
+                "memfit cannot plan its checkpointing. memfit.Engine trains it (precision, "
+                "loss scaling, accumulation); for a plan, run Keras on TensorFlow and use "
+                "memfit.keras.plan (docs/keras.md)."
+            )
         children = [f"{n} ({type(m).__name__})" for n, m in model.named_children()][:8]
         listing = f" Its top-level modules: {', '.join(children)}." if children else ""
         raise PlanError(

@@ -39,7 +39,7 @@ from memfit.checkpoint.solvers.fixed import parse_strategy
 from memfit.errors import ConfigError
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
-from memfit.monitor.metrics import OverflowWindow, memory_metrics
+from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
 from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
 from memfit.nested import map_tensors
@@ -287,16 +287,7 @@ class RunMetrics:
         """The plan's prediction and cost, and the planned forward and backward measured at
         train begin. No tensor is read."""
         plan = self.run.result.plan
-        out = {
-            "plan/predicted_peak_bytes": float(plan.predicted_peak_bytes),
-            "plan/static_bytes": float(plan.static_bytes),
-            "plan/kept_bytes": float(plan.kept_bytes),
-            "plan/transient_bytes": float(plan.transient_bytes),
-            "plan/recomputed_units": float(sum(d != "keep" for d in plan.decisions.values())),
-            "plan/recompute_flops": float(plan.recompute_flops),
-        }
-        if plan.budget_bytes is not None:
-            out["plan/budget_bytes"] = float(plan.budget_bytes)
+        out = plan_metrics(plan)
         if self.run.step_flops > 0:
             out["recompute/overhead"] = recompute_overhead_from_flops(
                 plan.recompute_flops, self.run.step_flops

@@ -56,6 +56,7 @@ __all__ = [
     "gradient_underflow",
     "memory_metrics",
     "near_fp16_limit",
+    "plan_metrics",
     "recompute_overhead_from_flops",
     "recompute_overhead_from_time",
     "suggest_initial_scale",
@@ -615,3 +616,24 @@ def plan_check_metrics(check: Any) -> dict[str, float]:
         "plan/measured_peak_bytes": float(check.measured_peak_bytes),
         "plan/replanned": float(check.replanned),
     }
+
+
+def plan_metrics(plan: Any) -> dict[str, float]:
+    """A checkpoint :class:`memfit.Plan`'s prediction and cost as metrics (``plan/...``),
+    for the callbacks of other training loops. No tensors are touched.
+
+    Example::
+
+        metrics.update(plan_metrics(plan))   # {"plan/predicted_peak_bytes": ..., ...}
+    """
+    out = {
+        "plan/predicted_peak_bytes": float(plan.predicted_peak_bytes),
+        "plan/static_bytes": float(plan.static_bytes),
+        "plan/kept_bytes": float(plan.kept_bytes),
+        "plan/transient_bytes": float(plan.transient_bytes),
+        "plan/recomputed_units": float(sum(d != "keep" for d in plan.decisions.values())),
+        "plan/recompute_flops": float(plan.recompute_flops),
+    }
+    if plan.budget_bytes is not None:
+        out["plan/budget_bytes"] = float(plan.budget_bytes)
+    return out

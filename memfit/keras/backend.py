@@ -1,0 +1,74 @@
+"""TensorFlow and Keras for ``memfit.keras``, imported here only, with the extra named when
+they are missing.
+
+``memfit`` itself never imports TensorFlow: the modules of ``memfit.keras`` import this one,
+and ``memfit.keras`` imports them on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from memfit.errors import ConfigError
+
+#: The extra that installs what memfit.keras needs.
+EXTRA = "keras"
+INSTALL = f"pip install 'memfit[{EXTRA}]'"
+
+if importlib.util.find_spec("keras") is None:
+    raise ConfigError(
+        f"memfit.keras needs Keras 3 and TensorFlow, not installed here; install memfit's "
+        f"'{EXTRA}' extra: {INSTALL}"
+    )
+
+#: Set before TensorFlow starts: its CPU allocator then keeps statistics of every tensor
+#: (``tf.config.experimental.get_memory_info("CPU:0")``), which the profile and the step
+#: measurement read. Without it TensorFlow 2.21 counts only the tensors oneDNN's allocator
+#: serves (256 KiB and larger), and without oneDNN none. A value the user set is kept.
+BFC_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+if "tensorflow" not in sys.modules:
+    os.environ.setdefault(BFC_VARIABLE, "true")
+
+import keras  # noqa: E402
+
+if int(keras.__version__.split(".")[0]) < 3:
+    raise ConfigError(
+        f"memfit.keras needs Keras 3, found keras {keras.__version__}; upgrade it: {INSTALL}"
+    )
+
+
+def counts_every_tensor() -> bool:
+    """Whether TensorFlow's CPU allocator counts every tensor (its BFC allocator is on)."""
+    return os.environ.get(BFC_VARIABLE, "").lower() in ("1", "true")
+
+
+def tensorflow(feature: str) -> Any:
+    """The ``tensorflow`` module, for what needs Keras on its TensorFlow backend.
+
+    Raises a ConfigError naming ``feature`` when Keras runs on another backend (set with
+    ``KERAS_BACKEND`` before Keras is imported) or TensorFlow is not installed.
+
+    Example::
+
+        tf = tensorflow("memfit.keras.plan")
+    """
+    name = keras.backend.backend()
+    if name != "tensorflow":
+        hint = (
+            " On the torch backend Keras layers are torch modules: plan and train them with "
+            "memfit's PyTorch path (memfit.plan, memfit.Engine; docs/keras.md says what works)."
+            if name == "torch"
+            else ""
+        )
+        raise ConfigError(
+            f"{feature} needs Keras on its TensorFlow backend, but Keras runs on {name!r} "
+            f"(KERAS_BACKEND). Set KERAS_BACKEND=tensorflow before Keras is imported.{hint}"
+        )
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ConfigError(f"{feature} needs TensorFlow, not installed here: {INSTALL}")
+    import tensorflow as tf
+
+    return tf
