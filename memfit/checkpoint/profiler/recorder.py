@@ -305,7 +305,15 @@ class Recorder:
             state.ok = False
         state.last_out = output if isinstance(output, torch.Tensor) else None
         if isinstance(output, torch.Tensor) and k < state.n - 1:
-            self.chain_outputs[storage_of(output)[0]] = (where[0], k)
+            key, _, ref = storage_of(output)
+            self.chain_outputs[key] = (where[0], k)
+            # A key is a storage's address: once the storage is freed, another tensor may
+            # get it, and would pass for this output used out of turn (which made whether a
+            # chain runs in segments vary from run to run). The entry dies with the storage.
+            try:
+                weakref.finalize(ref, self.chain_outputs.pop, key, None)
+            except TypeError:
+                pass  # a tensor without a plain storage: keyed by the tensor's own id
         state.expected = (k + 1) % state.n
         if k == state.n - 1:
             state.passes += 1
