@@ -202,10 +202,50 @@ def _monitored(directory: Path) -> dict[str, Any]:
     return {"metrics": sorted(engine.metrics), "log_dir": engine.log_dir is not None}
 
 
+def _own_wrapping() -> dict[str, float]:
+    """Models wrapped by hand (DDP's defaults; fully_shard on the blocks and the root)
+    train as parallelize's do."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    by_hand = toy_model()
+    for block in by_hand.blocks:
+        fully_shard(block)
+    fully_shard(by_hand)
+    models = {
+        "ddp": (DistributedDataParallel(toy_model()), _parallel("ddp", "fp32")),
+        "fsdp": (by_hand, _parallel("fsdp", "fp32")),
+    }
+    out = {}
+    for kind, pair in models.items():
+        weights = []
+        for model in pair:
+            _train(_engine(model, "fp32"), range(3), kind, feed_short=False)
+            weights.append(full_weights(model))
+        out[kind] = _max_diff(*weights)
+    return out
+
+
+def _too_many_skips() -> int | None:
+    """Rank 1's gradient shard overflows every step: the step at which each rank raises
+    NonFiniteError (max_consecutive_skips=2)."""
+    model = _parallel("fsdp", "fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = memfit.Engine(model, optimizer, precision="fp32", max_consecutive_skips=2)
+    try:
+        for step in range(4):
+            engine.train_step(shard_batch(toy_batch(step, 8, (6,))), toy_loss)
+    except memfit.NonFiniteError:
+        return engine.steps
+    return None
+
+
 def _all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {f"{k}/{p}": _case(k, p, directory) for k, p, _ in CASES}
     out["errors"] = _errors(directory)
     out["monitored"] = _monitored(directory)
+    out["own_wrapping"] = _own_wrapping()
+    out["too_many_skips"] = _too_many_skips()
     return out
 
 
@@ -234,6 +274,8 @@ def test_ddp_and_fsdp2_match_one_process_skip_together_and_resume(tmp_path: Path
             assert r0["sharded_dir"], name
         else:
             assert r0["local_param_bytes"] == r0["full_param_bytes"], name
+    assert ranks[0]["own_wrapping"] == {"ddp": 0.0, "fsdp": 0.0}
+    assert [r["too_many_skips"] for r in ranks] == [2, 2]  # both ranks, the same step
     monitored = [r["monitored"] for r in ranks]
     assert [m["log_dir"] for m in monitored] == [True, False]
     assert {"grad/norm_total", "grad/norm_median", "loss"} <= set(monitored[0]["metrics"])

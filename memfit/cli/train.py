@@ -241,8 +241,9 @@ def _launch(nproc: int) -> int:
     try:
         torchrun.main(command)
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
-        print(f"memfit train --nproc {nproc}: {type(exc).__name__}: a rank failed")
-        return 1
+        codes = [f.exitcode for f in getattr(exc, "failures", {}).values()]
+        print(f"memfit train --nproc {nproc}: a rank failed (exit codes {codes})")
+        return max((c for c in codes if c > 0), default=1)  # a usage error stays 2
     return 0
 
 

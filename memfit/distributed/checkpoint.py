@@ -102,12 +102,18 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-    _barrier()
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+        _barrier()
+        if world.rank == 0:
+            state["shards"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+            atomic_save(state, tmp / META)
+    except BaseException:
+        if world.rank == 0:  # a failed save leaves the previous checkpoint and nothing else
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if world.rank == 0:
-        state["shards"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-        atomic_save(state, tmp / META)
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():

@@ -17,9 +17,10 @@ measurement, and the step's peak is the highest of theirs. Between the calls onl
 user's code runs; what the Engine holds then (the gradients so far) is counted at the start
 of the next call.
 
-**Data parallel** (not supported yet): gradients would be all-reduced only in the last
-micro-batch's backward (``no_sync`` before it), known from ``accumulation_steps``, and at
-``step()`` for a step that ends early; ``Engine.backward`` marks where.
+**Data parallel** (DDP, FSDP2; :mod:`memfit.engine.parallel`): gradients are reduced only
+in the last micro-batch's backward (``no_sync`` / ``set_requires_gradient_sync(False)``
+before it), known from ``accumulation_steps`` or ``train_step``'s split; a DDP step that
+ends early is averaged at ``step()``.
 
 Nothing here takes the Engine: it is given the model, the optimizer and the work to run.
 """
