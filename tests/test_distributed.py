@@ -374,6 +374,22 @@ def test_cli_refuses_a_global_batch_the_ranks_cannot_share() -> None:
     _check_distributed({**settings, "batch_size": 8}, 2, check_global_batch)
 
 
+def test_cli_nproc_launches_the_command_it_was_given(monkeypatch, tmp_path: Path) -> None:
+    from torch.distributed import run as torchrun
+
+    from memfit.cli.main import main
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(torchrun, "main", lambda command: launched.append(list(command)))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = str(tmp_path / "run")
+    assert main(["train", "--nproc", "2", "--steps", "1", "--out", out]) == 0
+    assert main(["train", "--nproc=2", "--steps", "1"]) == 0
+    assert launched[0][-7:] == ["-m", "memfit", "train", "--steps", "1", "--out", out]
+    assert launched[1][-5:] == ["-m", "memfit", "train", "--steps", "1"]
+    assert all("--nproc-per-node" in c and "--nproc" not in c for c in launched)
+
+
 def _auto_fp16(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     """precision="auto" choosing fp16-mixed (as on a GPU without bf16) under FSDP2, with an
     overflow in rank 1's shard only."""
