@@ -372,3 +372,64 @@ def test_cli_refuses_a_global_batch_the_ranks_cannot_share() -> None:
             {**settings, "batch_size": 8, "precision": "bf16-master"}, 2, check_global_batch
         )
     _check_distributed({**settings, "batch_size": 8}, 2, check_global_batch)
+
+
+def test_cli_nproc_launches_the_command_it_was_given(monkeypatch, tmp_path: Path) -> None:
+    from torch.distributed import run as torchrun
+
+    from memfit.cli.main import main
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(torchrun, "main", lambda command: launched.append(list(command)))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = str(tmp_path / "run")
+    assert main(["train", "--nproc", "2", "--steps", "1", "--out", out]) == 0
+    assert main(["train", "--nproc=2", "--steps", "1"]) == 0
+    assert launched[0][-7:] == ["-m", "memfit", "train", "--steps", "1", "--out", out]
+    assert launched[1][-5:] == ["-m", "memfit", "train", "--steps", "1"]
+    assert all("--nproc-per-node" in c and "--nproc" not in c for c in launched)
+
+
+def _auto_fp16(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
+    """precision="auto" choosing fp16-mixed (as on a GPU without bf16) under FSDP2, with an
+    overflow in rank 1's shard only."""
+    import memfit.precision.speed as speed
+
+    speed.auto_candidates = lambda device: ("fp32", "fp16-mixed")  # this process only
+    model = _parallel("fsdp", "fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = memfit.Engine(model, optimizer, precision="auto", monitor=False, log_every=1000)
+    with speed.assumed_speed("cpu", {torch.float16: 2.0}):
+        for step in (0, SPIKE):
+            engine.train_step(shard_batch(_batch(step)), toy_loss)
+    from memfit.distributed.collectives import all_reduce_max
+
+    return {
+        "precision": engine.settings.precision,
+        "applied": engine.applied_steps,
+        # The scaler made for fp16 decides its skips with the other ranks.
+        "reduced": engine.scaler._found_inf_hook is all_reduce_max,
+    }
+
+
+def test_precision_auto_choosing_fp16_decides_skips_on_every_rank(tmp_path: Path) -> None:
+    r0, r1 = results(launch(_auto_fp16, tmp_path))
+    assert r0["precision"] == r1["precision"] == "fp16-mixed"
+    assert r0["reduced"] and r1["reduced"]
+    assert r0["applied"] == r1["applied"] == 1  # the overflowed step skipped on both ranks
+
+
+def _refused_plan(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
+    model = toy_model()
+    try:
+        memfit.parallelize(model, data_parallel="ddp", precision="bf16-mixed", checkpoint="sqrt")
+    except ConfigError as exc:
+        error = str(exc)
+    patched = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    return {"error": error, "patched": patched}
+
+
+def test_parallelize_refusing_a_checkpoint_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    (r0,) = results(launch(_refused_plan, tmp_path, world_size=1))
+    assert "takes a Plan" in r0["error"]
+    assert r0["patched"] == []

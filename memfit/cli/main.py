@@ -33,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command line as given (not sys.argv when called as main([...])): --nproc runs it again.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.run(args) or 0)
     except (UsageError, ConfigError) as exc:

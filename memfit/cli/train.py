@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.distributed import init_from_env
 
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch(args.nproc)
+        return _launch(args.nproc, args.argv)
     world = init_from_env()
     console = Console(stderr=False, quiet=world.rank > 0)
     try:
@@ -225,14 +225,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(nproc: int) -> int:
-    """Run this same command on ``nproc`` processes under torchrun's launcher."""
-    import sys
-
+def _launch(nproc: int, given: list[str]) -> int:
+    """Run this same command (``given``: its arguments) on ``nproc`` processes under
+    torchrun's launcher."""
     from torch.distributed import run as torchrun
 
     argv, skip = [], False
-    for arg in sys.argv[1:]:
+    for arg in given:
         if skip or arg == "--nproc" or arg.startswith("--nproc="):
             skip = arg == "--nproc"
             continue

@@ -160,17 +160,21 @@ def parallelize(
     policy = PrecisionPolicy.of(precision)
     check_policy(data_parallel, policy)
     _check_no_optimizer(model)
-    islands = apply_precision(model, islands_policy(policy))
-    if checkpoint is not None and not (isinstance(checkpoint, str) and checkpoint == "none"):
-        from memfit.checkpoint.apply import apply_plan
+    planned = checkpoint is not None and not (isinstance(checkpoint, str) and checkpoint == "none")
+    if planned:
         from memfit.checkpoint.plan import Plan
 
+        # Checked before anything is applied: a refused call leaves the model as it was.
         if not isinstance(checkpoint, Plan):
             raise ConfigError(
                 f"parallelize(checkpoint=...) takes a Plan, got {checkpoint!r}: make one for a "
                 "rank's micro-batch with memfit.plan(model, example_inputs, strategy=..., "
                 "budget=...) before parallelize (or pass checkpoint= to the Engine)"
             )
+    islands = apply_precision(model, islands_policy(policy))
+    if planned:
+        from memfit.checkpoint.apply import apply_plan
+
         apply_plan(model, checkpoint)
     if data_parallel == "ddp":
         if device_ids is None:

@@ -106,6 +106,10 @@ def resolve_precision(engine: Engine) -> None:
     )
     if policy.loss_scaling and auto.default_scaler:
         engine.scaler = LossScaler()
+        if parallel is not None:  # the new scaler's skips must be decided by every rank
+            from memfit.distributed.collectives import all_reduce_max
+
+            engine.scaler.register_found_inf_hook(all_reduce_max)
     auto.precision_choice = choice
     auto.precision = False
 
