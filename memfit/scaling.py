@@ -65,7 +65,8 @@ def _along(a: Any, b: Any, t: float) -> Any:
     if isinstance(a, list | tuple):
         if type(a) is not type(b) or len(a) != len(b):
             raise NotAffine("sequences of different lengths")
-        return type(a)(_along(x, y, t) for x, y in zip(a, b))
+        values = [_along(x, y, t) for x, y in zip(a, b)]
+        return type(a)(*values) if hasattr(a, "_fields") else type(a)(values)  # NamedTuple
     if a is b or a == b:
         return a
     raise NotAffine(f"{type(a).__name__} values differ")

@@ -203,3 +203,21 @@ def test_fsdp_ranks_fit_a_model_one_device_cannot() -> None:
     assert row.static_bytes < one.rows[0].static_bytes / 4
     with pytest.raises(ConfigError, match="data_parallel"):
         memfit.capacity(_family, INPUTS, sizes=[(1, 32)], data_parallel="zero", **kw)
+
+
+def test_affine_profile_moves_numbers_and_refuses_other_differences() -> None:
+    from typing import NamedTuple
+
+    from memfit.scaling import NotAffine, affine_profile
+
+    class Row(NamedTuple):
+        bytes: int
+        name: str
+
+    low, high = [Row(10, "a"), (1.0, 2.0)], [Row(30, "a"), (2.0, 2.0)]
+    assert affine_profile(low, high, 8, 2, 4) == [Row(70, "a"), (4.0, 2.0)]
+    assert affine_profile(low, high, 0, 2, 4)[0].bytes == 0  # never below zero
+    with pytest.raises(NotAffine):
+        affine_profile([Row(1, "a")], [Row(2, "b")], 3, 1, 2)
+    with pytest.raises(NotAffine):
+        affine_profile([1, 2], [1, 2, 3], 3, 1, 2)

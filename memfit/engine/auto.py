@@ -167,9 +167,15 @@ def resolve_micro_batch(engine: Engine, batch: Batch, loss_fn: Any) -> None:
         optimizer_fn=lambda params: type(optimizer)(params, **_plain_defaults(optimizer)),
         device=engine.device,
     )
-    if not ranked or not ranked[0].fits:
+    best = ranked[0] if ranked and ranked[0].fits else None
+    if engine.parallel is not None:
+        # Each rank ranked with its own measured speed, and near ties may fall either way:
+        # every rank splits as rank 0 chose (and all raise together when nothing fits).
+        from memfit.distributed.collectives import from_rank0
+
+        best = from_rank0(best)
+    if best is None:
         raise nothing_fits(ranked, budget)
-    best = ranked[0]
     engine.settings.accumulation_steps = best.accumulation_steps
     auto.split_choice = best
     auto.micro_batch = False
