@@ -75,6 +75,25 @@ def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) ->
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
 
 
+def add_model_choice(p: argparse.ArgumentParser, set_help: str) -> None:
+    """``--model`` and ``--set KEY=VALUE`` (into ``args.overrides``), for the subcommands
+    that build a model without training it (``estimate``, ``tune``).
+
+    Example::
+
+        add_model_choice(parser, "a built-in model's config field (repeatable)")
+    """
+    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=set_help,
+    )
+
+
 def pick_device(name: str | None) -> torch.device:
     """``--device``'s value, checked to be a device this machine has; without one, cuda
     when it is available and cpu otherwise. A usage error names what is wrong.

@@ -29,6 +29,7 @@ import torch
 
 from memfit.cli.common import (
     UsageError,
+    add_model_choice,
     load_factory,
     model_config_cls,
     parse_overrides,
@@ -53,14 +54,8 @@ def add_parser(sub: Any) -> None:
         "checkpoint strategy on fake tensors (no weights are allocated), whether it fits "
         "--device-memory, and the largest micro-batch that does.",
     )
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a built-in model's config field, or a Hugging Face config attribute (repeatable)",
+    add_model_choice(
+        p, "a built-in model's config field, or a Hugging Face config attribute (repeatable)"
     )
     p.add_argument(
         "--hf-config",

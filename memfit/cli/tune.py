@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
+    add_model_choice,
     builtin_model,
     load_factory,
     model_config_cls,
@@ -34,15 +35,7 @@ def add_parser(sub: Any) -> None:
         "memory budget and a global batch on fake tensors, measure the best few on real "
         "steps, and print the choice with tuning advice.",
     )
-    p.add_argument("--model", default="gpt", help="gpt | resnet | lstm (default: gpt)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a built-in model's config field, e.g. --set n_layer=8 (repeatable)",
-    )
+    add_model_choice(p, "a built-in model's config field, e.g. --set n_layer=8 (repeatable)")
     p.add_argument(
         "--factory",
         default=None,
