@@ -133,8 +133,8 @@ def main() -> None:
 
     for c in configs:
         c.times = []
-    for _ in range(args.rounds):
-        for c in configs:
+    for r in range(args.rounds):  # the order rotated each round, as the tuner times trials
+        for c in configs[r % len(configs) :] + configs[: r % len(configs)]:
             start = time.perf_counter()
             c.engine.train_step(c.batch, loss_fn)
             c.times.append(time.perf_counter() - start)

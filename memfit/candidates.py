@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.estimate import STRATEGIES, estimate_cells
 from memfit.precision.policy import PrecisionPolicy
@@ -44,6 +45,7 @@ __all__ = [
     "meta_clone",
     "nothing_fits",
     "rank_candidates",
+    "rank_layout",
     "split_choices",
 ]
 
@@ -134,6 +136,23 @@ def meta_clone(model: nn.Module) -> nn.Module:
         ) from exc
 
 
+def rank_layout(world_size: int, data_parallel: str | None) -> RankLayout:
+    """One rank's layout: ``data_parallel`` over ``world_size`` ranks (``"ddp"`` when
+    more than one rank is named without a kind); ConfigError for a kind without ranks.
+
+    Example::
+
+        rank_layout(8, "fsdp")   # RankLayout(kind="fsdp", world_size=8)
+    """
+    if data_parallel is not None and world_size == 1:
+        raise ConfigError(
+            f"data_parallel={data_parallel!r} needs world_size > 1 (the ranks it spreads the "
+            "step over); give world_size, or drop data_parallel for one process"
+        )
+    kind = data_parallel or ("ddp" if world_size > 1 else None)
+    return RankLayout(kind, world_size)
+
+
 def _rate(speed: MatmulSpeed, precision: str) -> float:
     return speed.rate(PrecisionPolicy.of(precision).compute_dtype)
 
@@ -146,6 +165,7 @@ def rank_candidates(
     budget: int,
     global_batch: int,
     world_size: int = 1,
+    data_parallel: str | None = None,
     precisions: Sequence[str] | None = None,
     strategies: Sequence[str] = STRATEGIES,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
@@ -156,6 +176,8 @@ def rank_candidates(
     ``budget`` first, fastest first (ties: the larger micro-batch, then less recompute).
 
     ``speed``: the FLOP rates per dtype (default: the matmul probe on ``device``).
+    ``world_size`` > 1: every peak is one rank's, under ``data_parallel`` (``"ddp"``, the
+    default there, or ``"fsdp"``: :class:`~memfit.checkpoint.step_memory.RankLayout`).
 
     Example::
 
@@ -163,12 +185,19 @@ def rank_candidates(
     """
     modes = [PrecisionPolicy.of(p).mode for p in (precisions or DEFAULT_PRECISIONS)]
     splits = split_choices(global_batch, world_size)
+    layout = rank_layout(world_size, data_parallel)
     if speed is None:
         dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
         speed = matmul_speed(device, tuple(sorted(dtypes, key=str)))
     cells = [(p, m, s, a) for p in modes for m, a in splits for s in strategies]
     found = estimate_cells(
-        model_fn, batch_fn, cells, loss_fn=loss_fn, optimizer_fn=optimizer_fn, budget=budget
+        model_fn,
+        batch_fn,
+        cells,
+        loss_fn=loss_fn,
+        optimizer_fn=optimizer_fn,
+        budget=budget,
+        layout=layout,
     )
     out: list[Candidate] = []
     fitting_plain: set[tuple[str, int]] = set()

@@ -26,7 +26,7 @@ from memfit.precision.speed import (
     measure_matmul_speed,
 )
 from memfit.tuning.advice import initial_loss_scale, loss_scale_advice
-from memfit.tuning.trials import GradStats
+from memfit.tuning.trials import GradStats, time_in_rounds
 from tests.engine_cases import assert_bitwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -302,6 +302,151 @@ def test_every_trial_failing_is_an_error_that_lists_them() -> None:
         memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=1)
 
 
+class _Timed:
+    """Stands in for a Trial in the round-robin: records when it was timed."""
+
+    def __init__(self, name: str, log: list[str], fail_at: int | None = None) -> None:
+        self.name, self.log, self.fail_at = name, log, fail_at
+        self.error: str | None = None
+        self.calls = 0
+
+    def time_step(self) -> float:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("step broke\nsecond line")
+        self.log.append(self.name)
+        return 0.0
+
+
+def test_trials_are_timed_in_rotated_rounds_and_a_failing_one_drops_out() -> None:
+    log: list[str] = []
+    a, b, c = _Timed("a", log), _Timed("b", log, fail_at=2), _Timed("c", log)
+    time_in_rounds([a, b, c], rounds=3)
+    # a b c, then b c a (b fails on its second step), then c a (b timed no more)
+    assert log == ["a", "b", "c", "c", "a", "c", "a"]
+    assert b.error == "RuntimeError: step broke" and b.calls == 2
+    assert a.error is None and c.error is None
+
+
+def test_a_trial_whose_timed_step_raises_is_a_row_and_the_others_decide() -> None:
+    model_fn, batch_fn, real_loss = _parts()
+    budget = int(0.7 * _plain_peak("fp32", 8))
+    models: list[int] = []  # the real models seen, in the order the trials built them
+
+    def loss_fn(model, batch):
+        if not _is_fake(batch):
+            if id(model) not in models:
+                models.append(id(model))
+            # On the CPU the trials are built one after another and then timed in
+            # rounds: the first model's step after the second was built is its first
+            # timed one.
+            if id(model) == models[0] and len(models) > 1:
+                raise RuntimeError("broke while timed")
+        return real_loss(model, batch)
+
+    with assumed_speed("cpu", FAST_BF16):
+        res = memfit.tune(
+            model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, measure_top=2, steps=2
+        )
+    broken = [r for r in res.rows if r.error and "broke while timed" in r.error]
+    assert len(broken) == 1
+    assert broken[0].measured_peak_bytes is not None and broken[0].measured_step_seconds is None
+    assert res.best is not broken[0] and res.best.measured_step_seconds is not None
+
+
+def test_tuning_for_fsdp_ranks_predicts_one_ranks_share_and_trials_do_not_judge_it() -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    with assumed_speed("cpu", FAST_BF16):
+        one = rank_candidates(
+            model_fn, batch_fn, loss_fn, budget=2**40, global_batch=8, strategies=["none"]
+        )
+        ddp, fsdp = (
+            rank_candidates(
+                model_fn,
+                batch_fn,
+                loss_fn,
+                budget=2**40,
+                global_batch=8,
+                world_size=4,
+                data_parallel=kind,
+                strategies=["none"],
+            )
+            for kind in (None, "fsdp")
+        )
+    by_cell = {
+        k: {(c.precision, c.micro_batch): c for c in r}
+        for k, r in (("one", one), ("ddp", ddp), ("fsdp", fsdp))
+    }
+    for key, c in by_cell["fsdp"].items():
+        # A rank of 4 trains a quarter of the batch; FSDP2 also holds a quarter of the state.
+        assert key[1] * c.accumulation_steps == 2
+        assert c.predicted_peak_bytes < by_cell["ddp"][key].predicted_peak_bytes
+    assert (
+        by_cell["ddp"][("fp32", 2)].predicted_peak_bytes
+        < by_cell["one"][("fp32", 8)].predicted_peak_bytes
+    )
+    # A budget only an FSDP2 rank fits: below every DDP rank's peak, checkpointed or not.
+    with assumed_speed("cpu", FAST_BF16):
+        every_ddp = rank_candidates(
+            model_fn, batch_fn, loss_fn, budget=2**40, global_batch=8, world_size=4
+        )
+    budget = int(0.97 * min(c.predicted_peak_bytes for c in every_ddp))
+    assert min(c.predicted_peak_bytes for c in fsdp) < budget
+    with assumed_speed("cpu", FAST_BF16):
+        res = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            global_batch=8,
+            world_size=4,
+            data_parallel="fsdp",
+            measure_top=1,
+            steps=1,
+        )
+        with pytest.raises(BudgetError, match="nothing fits"):
+            memfit.tune(
+                model_fn,
+                batch_fn,
+                loss_fn,
+                budget=budget,
+                global_batch=8,
+                world_size=4,
+                measure_top=0,
+            )
+    assert res.data_parallel == "fsdp" and res.best.fits
+    # The trial held the whole model in one process: over the rank's budget, yet chosen.
+    assert res.best.measured_peak_bytes > budget and res.best.error is None
+    assert "over 4 ranks (fsdp)" in res.summary()
+    assert json.loads(res.to_json())["data_parallel"] == "fsdp"
+    # The choice is applied by parallelize (the plan, one rank's), then the Engine.
+    kwargs = res.parallelize_kwargs()
+    assert kwargs["data_parallel"] == "fsdp" and kwargs["precision"] == res.best.precision
+    assert (kwargs["checkpoint"] is None) == (res.best.checkpoint == "none")
+    assert res.engine_kwargs() == {
+        "precision": res.best.precision,
+        "accumulation_steps": res.best.accumulation_steps,
+    }
+    with pytest.raises(ConfigError, match="init_process_group"):
+        res.parallelize(model_fn())  # no process group here
+    with assumed_speed("cpu", FAST_BF16):
+        alone = memfit.tune(
+            model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=8, measure_top=0
+        )
+    with pytest.raises(ConfigError, match="tuned for one process"):
+        alone.parallelize_kwargs()
+    with pytest.raises(ConfigError, match="needs world_size > 1"):
+        memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            global_batch=8,
+            data_parallel="fsdp",
+            measure_top=0,
+        )
+
+
 # ---------------------------------------------------------------- advice
 
 
@@ -335,6 +480,8 @@ def test_memfit_tune_bad_input_exits_2_or_1(capsys) -> None:
     assert "valid choices near it" in capsys.readouterr().err
     assert main([*base, "--budget", "1KiB"]) == 1
     assert "smallest budget that would fit" in capsys.readouterr().err
+    assert main([*base, "--budget", "1MiB", "--data-parallel", "fsdp"]) == 2
+    assert "needs world_size > 1" in capsys.readouterr().err
 
 
 TRAIN = [

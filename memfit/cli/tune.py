@@ -53,12 +53,20 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument(
+        "--data-parallel",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="how the ranks share the model (default with --world-size > 1: ddp)",
+    )
+    p.add_argument(
         "--measure-top",
         type=int,
         default=3,
         help="candidates measured on real steps (default: 3; 0: by prediction alone)",
     )
-    p.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: 3)")
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps per measured trial (default: 5)"
+    )
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and data")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -105,6 +113,7 @@ def compute(args: argparse.Namespace) -> TuneResult:
         global_batch=args.global_batch,
         precisions=precisions,
         world_size=args.world_size,
+        data_parallel=args.data_parallel,
         measure_top=args.measure_top,
         steps=args.steps,
         device=device,

@@ -8,38 +8,49 @@ from typing import Any
 
 from torch import nn
 
-from memfit.checkpoint.plan import Plan
+from memfit.candidates import Candidate
+from memfit.errors import ConfigError
 from memfit.units import format_bytes
+
+
+def _of_candidate(name: str, doc: str) -> Any:
+    """A read-only attribute of the row taken from its candidate."""
+    return property(lambda row: getattr(row.candidate, name), doc=doc)
 
 
 @dataclass
 class TuneRow:
-    """One setting the tuner considered: what the estimator predicted and, for those
-    measured on real steps, what the allocator and the clock saw."""
+    """One setting the tuner considered: the candidate with the estimator's predictions
+    and, for those measured on real steps, what the allocator and the clock saw."""
 
-    precision: str
-    checkpoint: str
-    """``none``, ``full``, ``sqrt`` or ``optimal`` (planned at the budget by the Engine)."""
-    micro_batch: int
-    accumulation_steps: int
-    predicted_peak_bytes: float | None
-    """The estimator's peak (None when the strategy has no plan under the budget)."""
-    predicted_step_seconds: float | None
-    """Counted FLOPs over the probe's FLOP rate of the precision."""
-    recompute_fraction: float | None
-    fits: bool
-    """Whether the predicted peak fits the budget."""
+    candidate: Candidate
     rank: int
     """Its place by prediction (0: predicted best)."""
     measured_peak_bytes: int | None = None
     """The allocator's peak of a real step (None: not measured)."""
     measured_step_seconds: float | None = None
-    """The fastest of the timed steps (a shared machine's bursts only slow steps down)."""
+    """The median of the timed steps, timed in rounds beside the other trials."""
     error: str | None = None
     """Why a measured trial failed (out of memory, an exception), or why it does not count
     (over the budget as measured)."""
-    plan: Plan | None = field(default=None, repr=False, compare=False)
-    """The plan the estimator made for it (``optimal``; the Engine plans the real model)."""
+
+    precision = _of_candidate("precision", "The precision mode.")
+    checkpoint = _of_candidate(
+        "checkpoint", "``none``, ``full``, ``sqrt`` or ``optimal`` (planned at the budget)."
+    )
+    micro_batch = _of_candidate("micro_batch", "Samples per micro-batch.")
+    accumulation_steps = _of_candidate("accumulation_steps", "Micro-batches per step.")
+    predicted_peak_bytes = _of_candidate(
+        "predicted_peak_bytes", "The estimator's peak (None: no plan under the budget)."
+    )
+    predicted_step_seconds = _of_candidate(
+        "predicted_step_seconds", "Counted FLOPs over the probe's FLOP rate of the precision."
+    )
+    recompute_fraction = _of_candidate("recompute_fraction", "Recomputed share of a forward.")
+    fits = _of_candidate("fits", "Whether the predicted peak fits the budget.")
+    plan = _of_candidate(
+        "plan", "The estimator's plan (``optimal``; the Engine plans the real model)."
+    )
 
     @property
     def measured(self) -> bool:
@@ -87,6 +98,8 @@ class TuneResult:
     budget: int
     global_batch: int
     world_size: int
+    data_parallel: str | None = None
+    """How the ranks share the model (``"ddp"``, ``"fsdp"``; None: one process)."""
     advice: list[str] = field(default_factory=list)
     """Tuning advice: loss scale, checkpoint interval, micro-batch and accumulation."""
     speedups: dict[str, float] = field(default_factory=dict)
@@ -99,7 +112,13 @@ class TuneResult:
         return self.budget if self.best.checkpoint == "optimal" else None
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The Engine arguments of the choice: precision, checkpoint, budget, accumulation."""
+        """The Engine arguments of the choice: precision, checkpoint, budget, accumulation
+        (over ranks, precision and accumulation: :meth:`parallelize` applies the plan)."""
+        if self.world_size > 1:
+            return {
+                "precision": self.best.precision,
+                "accumulation_steps": self.best.accumulation_steps,
+            }
         return {
             "precision": self.best.precision,
             "checkpoint": self.best.checkpoint,
@@ -107,10 +126,40 @@ class TuneResult:
             "accumulation_steps": self.best.accumulation_steps,
         }
 
+    def parallelize_kwargs(self) -> dict[str, Any]:
+        """``memfit.parallelize`` arguments of a choice tuned for ranks: the kind, the
+        precision, and the estimator's plan for one rank (None for ``none``)."""
+        if self.world_size == 1:
+            raise ConfigError(
+                "this choice was tuned for one process; tune with world_size=N (and "
+                "data_parallel='ddp' or 'fsdp') to make a data-parallel one"
+            )
+        plan = self.best.plan if self.best.checkpoint != "none" else None
+        return {
+            "data_parallel": self.data_parallel,
+            "precision": self.best.precision,
+            "checkpoint": plan,
+        }
+
+    def parallelize(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        """``memfit.parallelize(model, ...)`` with the choice, inside an initialized
+        process group; then build the optimizer on the returned model and call
+        :meth:`engine`. ``kwargs``: ``mesh``, ``units``, ``device_ids``.
+
+        Example::
+
+            model = res.parallelize(model)
+            engine = res.engine(model, torch.optim.AdamW(model.parameters()))
+        """
+        from memfit.distributed import parallelize
+
+        return parallelize(model, **{**self.parallelize_kwargs(), **kwargs})
+
     def engine(self, model: nn.Module, optimizer: Any, **kwargs: Any) -> Any:
         """The Engine with the choice; ``train_step`` then takes batches of
         ``global_batch // world_size`` samples and splits them into the chosen micro-batches.
-        ``kwargs``: any other Engine argument (clipping, scheduler, logging).
+        ``kwargs``: any other Engine argument (clipping, scheduler, logging). Tuned for
+        ranks: ``model`` is the one :meth:`parallelize` returned.
 
         Example::
 
@@ -125,6 +174,7 @@ class TuneResult:
             "budget": self.budget,
             "global_batch": self.global_batch,
             "world_size": self.world_size,
+            "data_parallel": self.data_parallel,
             "best": self.best.to_dict(),
             "rows": [r.to_dict() for r in self.rows],
             "advice": list(self.advice),
@@ -167,7 +217,8 @@ class TuneResult:
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = [
             f"tuned for budget {format_bytes(self.budget)}, global batch {self.global_batch}"
-            f"{f' over {self.world_size} ranks' if self.world_size > 1 else ''}: "
+            f"{f' over {self.world_size} ranks ({self.data_parallel})' if self.world_size > 1 else ''}"
+            ": "
             f"{len(self.rows)} candidates, {sum(r.measured for r in self.rows)} measured"
         ]
         lines += [

@@ -1,26 +1,36 @@
-"""A measured trial: a candidate trained for a few real steps on a fresh model.
+"""Measured trials: candidates trained for a few real steps on fresh models.
 
-The trial builds the model and optimizer afresh (the same seed every trial), makes the
+A trial builds the model and optimizer afresh (the same seed every trial), makes the
 Engine the candidate names, runs a warm-up step (planning, the closed loop, the
-optimizer's lazily made state), measures the next step's peak with the allocator
-(:mod:`memfit.allocator`) and then times ``steps`` steps, keeping the fastest: on a shared
-machine another process's burst slows some steps, never speeds one up, so the fastest is
-the setting's own speed (the matmul probe keeps its fastest run for the same reason). The gradients of
-one more micro-batch are read for the loss-scale advice. A trial that runs out of memory
-or raises is caught by the tuner and recorded; the caller's random state is left as it was.
+optimizer's lazily made state) and measures the next step's peak with the allocator
+(:mod:`memfit.allocator`). Then it is timed, one step at a time (:meth:`Trial.time_step`).
+
+The tuner times the trials that succeed side by side, in interleaved rounds: each round
+times one step of every trial, in an order rotated from round to round, so a busy moment
+of a shared machine slows all of them alike instead of deciding between them
+(:func:`time_in_rounds`). The median over the rounds is the trial's step time. On a CUDA
+device the trials are measured one after another instead: a trial's peak is read from
+the device's own allocator, so no other trial's tensors may be there, and a dedicated GPU
+times its steps steadily.
+
+When it is closed, a trial reads the gradients of one more micro-batch for the
+loss-scale advice. A trial that runs out of memory or raises is caught by the tuner and
+recorded; the caller's random state is left as it was.
 
 Example::
 
-    outcome = run_trial(model_fn, batch_fn, loss_fn, None, row, budget, steps=3, device="cpu")
-    outcome.peak_bytes, outcome.step_seconds
+    trial = Trial.start(model_fn, batch_fn, loss_fn, None, row, budget, device=torch.device("cpu"))
+    trial.peak_bytes, trial.time_step()
+    grads = trial.close()
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,13 +49,6 @@ class GradStats:
     """The largest absolute gradient value."""
     underflow_fraction: float
     """The share of nonzero gradient values below fp16's smallest (2^-24) at scale 1."""
-
-
-@dataclass(frozen=True)
-class TrialOutcome:
-    peak_bytes: int
-    step_seconds: float
-    grads: GradStats | None
 
 
 def _sync(device: torch.device) -> None:
@@ -69,62 +72,149 @@ def grad_stats(grads: list[torch.Tensor], scale: float = 1.0) -> GradStats | Non
     return GradStats(float(values.max()), tiny)
 
 
-def run_trial(
-    model_fn: Callable[[], nn.Module],
-    batch_fn: Callable[[int], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
-    row: TuneRow,
-    budget: int,
-    *,
-    steps: int,
-    device: torch.device,
-    seed: int = 0,
-) -> TrialOutcome:
-    """Train ``row``'s setting for ``1 + 1 + steps`` steps and one more micro-batch.
+@dataclass
+class Trial:
+    """One candidate's Engine after its warm-up and measured steps, ready to be timed."""
 
-    Raises whatever the model, the Engine or the allocator raises (the tuner records it).
-    """
-    devices = [device.index or 0] if device.type == "cuda" else []
-    held: list[Engine] = []  # closed and dropped at the end, whatever happened
-    try:
-        with torch.random.fork_rng(devices=devices, device_type="cuda"):
-            torch.manual_seed(seed)
-            model = model_fn().to(device)
-            optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
-            engine = Engine(
-                model,
-                optimizer,
-                precision=row.precision,
-                checkpoint=row.checkpoint,
-                memory_budget=budget if row.checkpoint == "optimal" else None,
-                accumulation_steps=row.accumulation_steps,
-                monitor=False,
-                log_every=10**9,
-            )
-            held.append(engine)
-            batch = batch_fn(row.micro_batch * row.accumulation_steps)
-            engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state
-            _sync(device)
-            live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), batch]
-            peak = allocator_peak(lambda: engine.train_step(batch, loss_fn), live, device)
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.train_step(batch, loss_fn)
+    row: TuneRow
+    engine: Engine
+    batch: Any
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    device: torch.device
+    peak_bytes: int
+    """The allocator's peak of the step after the warm-up."""
+    seconds: list[float] = field(default_factory=list)
+    """The timed steps so far, in seconds."""
+    error: str | None = None
+    """Why a timed step failed (the trial is then timed no more)."""
+
+    @classmethod
+    def start(
+        cls,
+        model_fn: Callable[[], nn.Module],
+        batch_fn: Callable[[int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
+        row: TuneRow,
+        budget: int,
+        *,
+        device: torch.device,
+        seed: int = 0,
+        estimated_plan: bool = False,
+    ) -> Trial:
+        """Build ``row``'s setting on a fresh model, run a warm-up step and measure the
+        next one's peak. An ``optimal`` row is planned by the Engine at ``budget``, or
+        with ``estimated_plan`` takes the estimator's plan (one rank's plan, where this
+        process cannot stand for the rank's memory). Raises whatever the model, the
+        Engine or the allocator raises (the tuner records it); nothing is left held then."""
+        checkpoint: Any = row.checkpoint
+        if estimated_plan and row.checkpoint == "optimal" and row.plan is not None:
+            checkpoint = row.plan
+        engine = None
+        try:
+            with torch.random.fork_rng(devices=_cuda_index(device), device_type="cuda"):
+                torch.manual_seed(seed)
+                model = model_fn().to(device)
+                optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
+                engine = Engine(
+                    model,
+                    optimizer,
+                    precision=row.precision,
+                    checkpoint=checkpoint,
+                    memory_budget=budget if checkpoint == "optimal" else None,
+                    accumulation_steps=row.accumulation_steps,
+                    monitor=False,
+                    log_every=10**9,
+                )
+                batch = batch_fn(row.micro_batch * row.accumulation_steps)
+                engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state
                 _sync(device)
-                times.append(time.perf_counter() - start)
-            micro = split_batch(batch, row.accumulation_steps)[0]
-            engine.backward(micro, loss_fn)
-            stats = grad_stats(
-                [p.grad for p in engine.params if p.grad is not None], engine.scaler.get_scale()
-            )
-            engine.step()
-        return TrialOutcome(peak.peak_bytes, min(times), stats)
-    finally:
-        for e in held:
-            e.close()
-        held.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+                live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer)]
+                peak = allocator_peak(
+                    lambda: engine.train_step(batch, loss_fn), [*live, batch], device
+                )
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            _release(device)
+            raise
+        return cls(row, engine, batch, loss_fn, device, int(peak.peak_bytes))
+
+    def time_step(self) -> float:
+        """Time one training step; the seconds are also kept in :attr:`seconds`."""
+        start = time.perf_counter()
+        self.engine.train_step(self.batch, self.loss_fn)
+        _sync(self.device)
+        self.seconds.append(time.perf_counter() - start)
+        return self.seconds[-1]
+
+    @property
+    def median_seconds(self) -> float:
+        """The median of the timed steps."""
+        return statistics.median(self.seconds)
+
+    def close(self) -> GradStats | None:
+        """Read one more micro-batch's unscaled gradients (None when the trial failed or
+        the read raised: they only feed the advice), then release the Engine.
+
+        Example::
+
+            stats = trial.close()
+        """
+        try:
+            if self.error is not None:
+                return None
+            micro = split_batch(self.batch, self.row.accumulation_steps)[0]
+            self.engine.backward(micro, self.loss_fn)
+            grads = [p.grad for p in self.engine.params if p.grad is not None]
+            stats = grad_stats(grads, self.engine.scaler.get_scale())
+            self.engine.step()
+            return stats
+        except Exception:
+            return None
+        finally:
+            self.engine.close()
+            _release(self.device)
+
+
+def time_in_rounds(trials: Sequence[Trial], rounds: int) -> None:
+    """Time ``rounds`` steps of every trial, one step of each per round, the order rotated
+    by one each round (so no trial always runs right after the same other one). A trial
+    whose step raises keeps the reason in ``error`` and is timed no more.
+
+    Example::
+
+        time_in_rounds([a, b, c], rounds=5)   # a b c, b c a, c a b, a b c, b c a
+        min(trials, key=lambda t: t.median_seconds)
+    """
+    for r in range(rounds):
+        for i in range(len(trials)):
+            trial = trials[(i + r) % len(trials)]
+            if trial.error is not None:
+                continue
+            try:
+                trial.time_step()
+            except Exception as exc:  # recorded on the trial; the others go on
+                trial.error = first_line(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 200 characters (a table cell)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def holds_trials(device: torch.device) -> bool:
+    """Whether trials on ``device`` are kept alive and timed side by side (the CPU), or
+    measured and released one after another (CUDA: see the module's docstring)."""
+    return device.type != "cuda"
+
+
+def _cuda_index(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

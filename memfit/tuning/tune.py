@@ -5,7 +5,7 @@
    nothing real is allocated, so no candidate runs out of memory there.
 2. **Measure**: ``measure_top`` splits of the global batch, each with its best predicted
    setting, train a few real steps each (:mod:`memfit.tuning.trials`): the allocator's
-   peak and the fastest step time. The splits predicted within 1.5x of the fastest go
+   peak, then the median step time of rounds timed side by side. The splits predicted within 1.5x of the fastest go
    first, the largest micro-batch first (the count leaves out what makes small
    micro-batches slow). A trial that runs out of memory, raises, or peaks over the budget
    is recorded in its row and the split's next setting is measured in its place.
@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates
+from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates, rank_layout
 from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import matmul_speed
 from memfit.tuning.advice import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
-from memfit.tuning.trials import GradStats, run_trial
+from memfit.tuning.trials import GradStats, Trial, first_line, holds_trials, time_in_rounds
 from memfit.units import parse_bytes
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -57,8 +57,9 @@ def tune(
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     precisions: Sequence[str] | None = None,
     world_size: int = 1,
+    data_parallel: str | None = None,
     measure_top: int = 3,
-    steps: int = 3,
+    steps: int = 5,
     device: str | torch.device | None = None,
 ) -> TuneResult:
     """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
@@ -75,7 +76,12 @@ def tune(
             ``micro_batch x accumulation_steps x world_size == global_batch`` is tried.
         optimizer_fn: ``params -> optimizer`` (default ``torch.optim.AdamW``).
         precisions: the modes to compare (default fp32, bf16-mixed, bf16-master).
-        world_size: data-parallel ranks; the trials run one rank's share.
+        world_size: data-parallel ranks: the predicted peaks are one rank's (under
+            ``data_parallel``), and each trial trains one rank's share of the batch in
+            this process.
+        data_parallel: ``"ddp"`` (the default with ``world_size`` > 1) or ``"fsdp"``. A
+            trial in one process holds the whole model, not an FSDP2 shard, so under
+            ``"fsdp"`` its measured peak is recorded but the fit is the prediction's.
         measure_top: how many candidates to measure on real steps (0: choose by
             prediction alone).
         steps: timed steps per trial (after a warm-up and a measured step).
@@ -108,55 +114,50 @@ def tune(
         budget=limit,
         global_batch=global_batch,
         world_size=world_size,
+        data_parallel=data_parallel,
         precisions=modes,
         optimizer_fn=optimizer_fn,
         device=where,
         speed=speed,
     )
+    # A one-process trial of an FSDP2 rank holds every weight, not its shard: its peak
+    # says nothing of the rank's, so only the prediction judges the fit there.
+    layout = rank_layout(world_size, data_parallel)
+    judged = layout.kind != "fsdp"
     if not any(c.fits for c in ranked):
         raise nothing_fits(ranked, limit)
-    rows = [
-        TuneRow(
-            c.precision,
-            c.checkpoint,
-            c.micro_batch,
-            c.accumulation_steps,
-            c.predicted_peak_bytes,
-            c.predicted_step_seconds,
-            c.recompute_fraction,
-            c.fits,
-            rank,
-            plan=c.plan,
-        )
-        for rank, c in enumerate(ranked)
-    ]
+    rows = [TuneRow(c, rank) for rank, c in enumerate(ranked)]
     grads: dict[int, GradStats | None] = {}
     good: list[TuneRow] = []
+    held: list[Trial] = []  # trials timed side by side once the measured ones are chosen
     groups = _measure_order(rows)
     tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
     # Where every split's first settings failed, more are tried in the order of
     # prediction until one succeeds: a failed trial never ends the search (a loss that
     # fails on every real batch ends it after FALLBACK_TRIALS more).
     groups.append([r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS])
-    for group in groups:
-        if len(good) >= measure_top:
-            break
-        for row in group if group is groups[-1] and not good else group[:ATTEMPTS_PER_SPLIT]:
-            try:
-                outcome = run_trial(
-                    model_fn, batch_fn, loss_fn, optimizer_fn, row, limit, steps=steps, device=where
-                )
-            except Exception as exc:  # out of memory, a bad plan: recorded, never fatal
-                row.error = _first_line(exc)
-                continue
-            row.measured_peak_bytes = outcome.peak_bytes
-            row.measured_step_seconds = outcome.step_seconds
-            grads[row.rank] = outcome.grads
-            if outcome.peak_bytes > limit:
-                row.error = "over the budget as measured"
-                continue
-            good.append(row)
-            break
+    try:
+        for group in groups:
+            if len(good) >= measure_top:
+                break
+            for row in group if group is groups[-1] and not good else group[:ATTEMPTS_PER_SPLIT]:
+                trial = _start(row, model_fn, batch_fn, loss_fn, optimizer_fn, limit, judged, where)
+                if trial is None:
+                    continue
+                good.append(row)
+                if not holds_trials(where):  # measured alone, then released
+                    time_in_rounds([trial], steps)
+                    _record_time(trial, good)
+                    grads[row.rank] = trial.close()
+                else:
+                    held.append(trial)
+                break
+        time_in_rounds(held, steps)
+        for trial in held:
+            _record_time(trial, good)
+    finally:
+        for trial in held:
+            grads[trial.row.rank] = trial.close()
     if measure_top and not good:
         failed = [r for r in rows if r.error]
         raise BudgetError(
@@ -173,6 +174,7 @@ def tune(
         limit,
         int(global_batch),
         int(world_size),
+        layout.kind,
         speedups={m: speed.speedup(PrecisionPolicy.of(m).compute_dtype) for m in modes},
         speed_measured=speed.measured,
     )
@@ -211,10 +213,47 @@ def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
     return [groups[m] for m in order]
 
 
-def _first_line(exc: Exception) -> str:
-    """``Type: first line of the message``, at most 200 characters (a table cell)."""
-    lines = str(exc).splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+def _start(
+    row: TuneRow,
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    loss_fn: LossFn,
+    optimizer_fn: Any,
+    limit: int,
+    judged: bool,
+    device: torch.device,
+) -> Trial | None:
+    """``row``'s trial after its measured step, or None with the reason in ``row.error``
+    (it raised, ran out of memory, or, where ``judged``, peaked over ``limit``)."""
+    try:
+        trial = Trial.start(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            optimizer_fn,
+            row,
+            limit,
+            device=device,
+            estimated_plan=not judged,
+        )
+    except Exception as exc:  # out of memory, a bad plan: recorded, never fatal
+        row.error = first_line(exc)
+        return None
+    row.measured_peak_bytes = trial.peak_bytes
+    if judged and trial.peak_bytes > limit:
+        row.error = "over the budget as measured"
+        trial.close()
+        return None
+    return trial
+
+
+def _record_time(trial: Trial, good: list[TuneRow]) -> None:
+    """The trial's median step time into its row, or its error (and out of ``good``)."""
+    if trial.error is None:
+        trial.row.measured_step_seconds = trial.median_seconds
+    else:
+        trial.row.error = trial.error
+        good.remove(trial.row)
 
 
 def _units(row: TuneRow) -> int | None:
