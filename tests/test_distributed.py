@@ -323,6 +323,33 @@ def test_a_failing_rank_stops_the_other_with_its_name(tmp_path: Path) -> None:
     assert "rank 1 failed (ValueError: a corrupt sample" in r0["error"]
 
 
+def _failing_save(rank: int, world_size: int, directory: Path) -> None:
+    import memfit.distributed.checkpoint as ckpt
+
+    model = memfit.parallelize(toy_model(), data_parallel="ddp")
+    engine = _engine(model, "fp32")
+    engine.train_step(shard_batch(_batch(0)), toy_loss)
+    engine.save(directory / "good.pt")
+    if rank == 0:
+
+        def full_disk(state: Any, path: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        ckpt.atomic_save = full_disk
+    engine.save(directory / "second.pt")
+
+
+def test_a_failed_save_on_rank_0_stops_the_others_at_once(tmp_path: Path) -> None:
+    # Before, the other rank waited at a barrier for the process group's timeout (300 s,
+    # longer than this launch waits).
+    r0, r1 = launch(_failing_save, tmp_path, timeout=90)
+    assert r0["type"] == "OSError" and "No space left" in r0["error"]
+    assert r1["type"] == "DistributedError", r1
+    assert "rank 0 failed to write the checkpoint" in r1["error"]
+    assert "No space left on device" in r1["error"]
+    assert (tmp_path / "good.pt").exists() and not (tmp_path / "second.pt").exists()
+
+
 def test_bad_input_without_a_process_group() -> None:
     with pytest.raises(ConfigError, match="torchrun.*init_process_group"):
         memfit.parallelize(toy_model(), data_parallel="fsdp")

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from memfit.distributed.collectives import from_rank0
 from memfit.distributed.parallel import local_module
 from memfit.distributed.world import current_world
-from memfit.errors import CheckpointError, ConfigError
+from memfit.errors import CheckpointError, ConfigError, DistributedError
 from memfit.savefile import atomic_save, safe_load
 
 META = "engine.pt"
@@ -52,6 +54,31 @@ def is_sharded(path: str | Path) -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _on_rank0(fn: Callable[[], Any], what: str) -> None:
+    """Run ``fn`` on rank 0 and share how it went, in place of a barrier: a rank waiting
+    at a barrier for a rank 0 that failed would wait for the group's whole timeout.
+    Rank 0 re-raises its own error; every other rank raises DistributedError naming it.
+    """
+    world = current_world()
+    error: str | None = None
+    if world.rank == 0:
+        try:
+            fn()
+        except BaseException as exc:
+            if not world.distributed:
+                raise
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            from_rank0(error)
+            raise
+    if world.distributed:
+        error = from_rank0(error)
+    if error is not None and world.rank != 0:
+        raise DistributedError(
+            f"rank 0 failed to {what} ({error}); rank {world.rank} stopped with it. The "
+            "previous checkpoint is left as it was; fix the error on rank 0 and save again"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -85,9 +112,7 @@ def save_checkpoint(
     state["world_size"] = world.world_size
     state["data_parallel"] = kind
     if kind != "fsdp":
-        if world.rank == 0:
-            atomic_save(state, path)
-        _barrier()
+        _on_rank0(lambda: atomic_save(state, path), f"write the checkpoint {path}")
         return path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -113,14 +138,16 @@ def save_checkpoint(
         if world.rank == 0:  # a failed save leaves the previous checkpoint and nothing else
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if world.rank == 0:
+
+    def replace() -> None:
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+
+    _on_rank0(replace, f"put the checkpoint in place at {path}")
     return path
 
 
