@@ -460,3 +460,27 @@ def test_parallelize_refusing_a_checkpoint_leaves_the_model_as_it_was(tmp_path: 
     (r0,) = results(launch(_refused_plan, tmp_path, world_size=1))
     assert "takes a Plan" in r0["error"]
     assert r0["patched"] == []
+
+
+def test_import_memfit_leaves_dtensor_and_fsdp_unimported() -> None:
+    # They take about a second to import; nothing can be a DTensor or an FSDP2 module
+    # before its module is imported, so memfit's checks do not import them.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memfit, torch\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "assert memfit.distributed.parallel.data_parallel_kind(m) is None\n"
+        "print(sorted(n for n in ('torch.distributed.tensor', 'torch.distributed.fsdp')"
+        " if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    from torch.distributed.tensor import DTensor
+
+    from memfit.distributed.world import loaded_class
+
+    assert loaded_class("torch.distributed.tensor", "DTensor") is DTensor
+    assert loaded_class("no.such.module", "Thing") is None
+    assert loaded_class("torch", "float32") is None  # not a class

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from memfit.distributed.world import current_world
+from memfit.distributed.world import current_world, loaded_class
 from memfit.errors import DistributedError
 
 _FAILED = "memfit/failed/"
@@ -92,7 +91,8 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = total_norm([p.grad for p in params if p.grad is not None])
     """
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
+    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
+    if dtensor is not None and isinstance(norm, dtensor):
         norm = norm.full_tensor()
     return norm
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from memfit.distributed.world import loaded_class
 from memfit.errors import ConfigError, PlanError
 from memfit.precision.apply import apply_precision
 from memfit.precision.policy import PrecisionPolicy
@@ -57,7 +57,8 @@ def data_parallel_kind(model: nn.Module) -> str | None:
     model = getattr(model, "_orig_mod", model)  # inside torch.compile's wrapper
     if isinstance(model, DistributedDataParallel):
         return "ddp"
-    if isinstance(model, FSDPModule):
+    fsdp_module = loaded_class("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is not None and isinstance(model, fsdp_module):
         return "fsdp"
     return None
 
@@ -74,13 +75,15 @@ def local_module(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+def mixed_precision_policy(policy: PrecisionPolicy) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for a memfit precision (module docstring).
 
     Example::
 
         mixed_precision_policy(PrecisionPolicy.of("bf16-master")).param_dtype  # bfloat16
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     param_dtype = policy.compute_dtype if policy.master_weights else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
@@ -186,6 +189,8 @@ def parallelize(
         )
         log.info("parallelize: islands %s, DDP over %d ranks", islands, dist.get_world_size())
         return wrapped
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp_policy = mixed_precision_policy(policy)
     if policy.master_weights:
         for name in islands:

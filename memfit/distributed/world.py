@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -24,6 +25,22 @@ from memfit.nested import map_tensors, tensors
 #: The process group timeout memfit uses when it initializes the group itself: a rank
 #: that stops answering fails the others after this long instead of hanging them.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def loaded_class(module: str, name: str) -> type | None:
+    """``module.name`` if ``module`` is imported already, else None.
+
+    No object of a class exists before its module is imported, so an ``isinstance`` check
+    against DTensor or FSDP2's module needs no import of its own: that import alone takes
+    about a second (``torch.distributed.tensor``), which every ``import memfit`` paid.
+
+    Example::
+
+        dtensor = loaded_class("torch.distributed.tensor", "DTensor")
+        if dtensor is not None and isinstance(t, dtensor): ...
+    """
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
 class World(NamedTuple):

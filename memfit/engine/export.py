@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.distributed.parallel import local_module
-from memfit.distributed.world import current_world
+from memfit.distributed.world import current_world, loaded_class
 from memfit.precision.master import MasterWeights
 from memfit.savefile import atomic_write
 
@@ -52,9 +51,10 @@ def model_state_dict(
     out: dict[str, torch.Tensor] = {}
     # keep_vars gives the Parameter objects themselves, so tied keys find their master too.
     # Under DDP the wrapped module's keys; under FSDP2 the full tensors (every rank calls).
+    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
     for key, value in local_module(unwrap_compiled(model)).state_dict(keep_vars=True).items():
         tensor = masters.get(id(value), value).detach()
-        if isinstance(tensor, DTensor):
+        if dtensor is not None and isinstance(tensor, dtensor):
             tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
