@@ -110,3 +110,32 @@ def test_an_uncompiled_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="compiled model"):
         callback.on_train_begin()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_fit_that_raises_leaves_nothing_wrapped_for_the_next_one(tmp_path: Path) -> None:
+    model = _fp16_model()
+    model.compile(mk.wrap_optimizer(keras.optimizers.SGD(0.01), "fp16-mixed"), "mse")
+    own_step = model.train_step  # a user's own instance-level train_step is kept
+    model.train_step = lambda data: own_step(data)
+    users = model.train_step
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 8), dtype=np.float32)
+    y = rng.random((32, 4), dtype=np.float32)
+
+    def batches():
+        for i in range(4):
+            if i == 2:
+                raise ValueError("a broken batch")
+            yield x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+    first = mk.MonitorCallback(tmp_path / "first", log_every=1)
+    with pytest.raises(Exception, match="a broken batch"):  # TF re-raises it as its own
+        model.fit(batches(), epochs=1, callbacks=[first], verbose=0)
+    assert model.train_step is not users  # Keras ran no on_train_end: still wrapped
+    second = mk.MonitorCallback(tmp_path / "second", log_every=1)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[second], verbose=0)
+    assert model.train_step is users and "apply" not in vars(model.optimizer)
+    log = load_run(tmp_path / "second")
+    _, samples = log.series("throughput/samples_per_second")
+    assert len(samples) == 4 and second.steps == 4
+    assert float(second._samples.numpy()) == 32.0  # counted once a batch, not twice

@@ -108,7 +108,6 @@ class MonitorCallback(keras.callbacks.Callback):
         self._sinks: MultiSink | None = None
         self._window = OverflowWindow()
         self._warned: set[str] = set()
-        self._restore: list[tuple[Any, str, Any]] = []
 
     # ------------------------------------------------------------------ train begin/end
 
@@ -118,6 +117,12 @@ class MonitorCallback(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
             raise ConfigError("MonitorCallback needs a compiled model (model.compile(...))")
+        # Keras calls no on_train_end when fit() raises: what an interrupted run left (this
+        # callback's open sinks, any MonitorCallback's wrappers) is undone first.
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None
+        _unwrap(model, optimizer)
         if self.precision is None:
             self.precision = precision_of(list(model._flatten_layers(include_self=False)))
         check_log_dir(self.log_dir)
@@ -156,19 +161,20 @@ class MonitorCallback(keras.callbacks.Callback):
             self._samples.assign_add(tf.cast(tf.shape(first)[0], tf.int64))
             return train_step(data)
 
-        optimizer.apply = measured_apply
-        model.train_step = counted_train_step
-        self._restore = [(optimizer, "apply", apply), (model, "train_step", train_step)]
+        for owner, name, wrapper in (
+            (optimizer, "apply", measured_apply),
+            (model, "train_step", counted_train_step),
+        ):
+            # What the instance itself held (a user's override, or None: the class's
+            # method) comes back when the wrapper is taken off.
+            wrapper._memfit_replaced = vars(owner).get(name)  # type: ignore[attr-defined]
+            setattr(owner, name, wrapper)
         model.make_train_function(force=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.steps % self.log_every:
             self._log()
-        for owner, name, _ in self._restore:
-            if name in vars(owner):
-                delattr(owner, name)
-        self._restore = []
-        self.model.train_function = None  # made again without the wrappers next time
+        _unwrap(self.model, self.model.optimizer)
         last = self.last_metrics
         self._write(
             SUMMARY,
@@ -255,3 +261,20 @@ class MonitorCallback(keras.callbacks.Callback):
         text = json.dumps({k: finite(v) for k, v in data.items()}, indent=1, allow_nan=False)
         tmp.write_text(text, "utf-8")
         os.replace(tmp, path)
+
+
+def _unwrap(model: Any, optimizer: Any) -> None:
+    """Take a MonitorCallback's wrappers off ``model.train_step`` and ``optimizer.apply``
+    (the class's own methods show again), and have Keras make its train function anew."""
+    found = False
+    for owner, name in ((optimizer, "apply"), (model, "train_step")):
+        wrapper = vars(owner).get(name)
+        if not hasattr(wrapper, "_memfit_replaced"):
+            continue
+        found = True
+        if wrapper._memfit_replaced is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, wrapper._memfit_replaced)
+    if found:
+        model.train_function = None  # made again without the wrappers next time
