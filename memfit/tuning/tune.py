@@ -5,10 +5,11 @@
    nothing real is allocated, so no candidate runs out of memory there.
 2. **Measure**: ``measure_top`` splits of the global batch, each with its best predicted
    setting, train a few real steps each (:mod:`memfit.tuning.trials`): the allocator's
-   peak, then the median step time of rounds timed side by side. The splits predicted within 1.5x of the fastest go
-   first, the largest micro-batch first (the count leaves out what makes small
-   micro-batches slow). A trial that runs out of memory, raises, or peaks over the budget
-   is recorded in its row and the split's next setting is measured in its place.
+   peak, then the median step time of rounds timed side by side. The splits predicted
+   within 1.5x of the fastest go first, the largest micro-batch first (the count leaves
+   out what makes small micro-batches slow). A trial that runs out of memory, raises, or
+   peaks over the budget is recorded in its row and the split's next setting is measured
+   in its place.
 3. **Choose**: the fastest measured candidate within the budget; with ``measure_top=0``
    the predicted best.
 
