@@ -97,6 +97,15 @@ def test_the_model_decides_against_the_probe_with_the_margin() -> None:
     assert choose_from_model(fp16, {"fp32": 3.0, "fp16-mixed": 2.0}).mode == "fp16-mixed"
 
 
+def test_injected_model_seconds_that_cannot_decide_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="positive seconds per mode, got {'fp32': 0}"):
+        with assumed_model_seconds("cpu", {"fp32": 0, "bf16-mixed": 1.0}):
+            pass
+    probe = PrecisionChoice("bf16-mixed", {"fp32": 1.0, "bf16-mixed": 2.7}, True)
+    with pytest.raises(ConfigError, match=r"give none for \['bf16-mixed'\]"):
+        choose_from_model(probe, {"fp32": 1.0, "fp16-mixed": 0.5})
+
+
 def test_the_probe_settles_it_when_far_below_one_or_injected_alone() -> None:
     slow = PrecisionChoice("fp32", {"fp32": 1.0, "bf16-mixed": 0.21}, True)
     assert "0.21x, below 0.5x" in probe_settles(slow, "cpu")

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from memfit.errors import ConfigError
+
 __all__ = [
     "MatmulSpeed",
     "PrecisionChoice",
@@ -336,6 +338,12 @@ def choose_from_model(
         choose_from_model(probe, {"fp32": 1.0, "bf16-mixed": 1.3}).mode   # "fp32"
     """
     low = [m for m in probe.speedups if m != "fp32"][0]
+    missing = [m for m in ("fp32", low) if m not in seconds]
+    if missing:
+        raise ConfigError(
+            f"the model's seconds per mode {dict(seconds)} give none for {missing}; give "
+            f"seconds for every candidate mode ({'fp32'!r} and {low!r} here)"
+        )
     mode = low if seconds["fp32"] / seconds[low] >= AUTO_MARGIN else "fp32"
     times = {"fp32": float(seconds["fp32"]), low: float(seconds[low])}
     return replace(probe, mode=mode, model_seconds=times, model_measured=measured, note="")
@@ -377,7 +385,13 @@ def assumed_model_seconds(device: str, seconds: Mapping[str, float]) -> Iterator
         ):
             engine.train_step(batch, loss_fn)   # fp32: the model is slower in bf16
     """
-    entry = (torch.device(device).type, dict(seconds))
+    bad = {m: s for m, s in seconds.items() if not (isinstance(s, (int, float)) and s > 0)}
+    if bad:
+        raise ConfigError(
+            f"assumed_model_seconds takes positive seconds per mode, got {bad}; e.g. "
+            "{'fp32': 1.0, 'bf16-mixed': 1.3}"
+        )
+    entry = (torch.device(device).type, {m: float(s) for m, s in seconds.items()})
     _ASSUMED_MODEL.append(entry)
     try:
         yield
