@@ -8,7 +8,9 @@
 - :mod:`~memfit.engine.export`: the trained weights (fp32 masters) as a plain state dict;
 - :mod:`~memfit.engine.settings`: its settings and their checks;
 - :mod:`~memfit.engine.batches`: batch sizes and micro-batch splitting;
-- :mod:`~memfit.engine.diagnose`: what to say when steps keep being skipped.
+- :mod:`~memfit.engine.diagnose`: what to say when steps keep being skipped;
+- :mod:`~memfit.engine.auto`: ``precision="auto"`` and ``micro_batch="auto"``, chosen on the
+  first batch (:mod:`~memfit.engine.precision_timing`: the model timed in each mode).
 """
 
 from memfit.engine.batches import batch_size, split_batch

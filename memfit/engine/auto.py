@@ -2,11 +2,16 @@
 
 ``precision="auto"``: the weights stay fp32, so the candidates are the autocast modes
 (``fp32`` and ``bf16-mixed``, or ``fp16-mixed`` with dynamic loss scaling on a GPU without
-bf16: :func:`memfit.precision.speed.auto_candidates`). On the first batch the matmul probe
-measures each candidate's speed on the Engine's device (once per process) and the Engine
-trains in the fastest (a 16-bit mode only when clearly faster). From then on
-``engine.settings.precision`` names the mode chosen, and checkpoints save it: a resumed
-run trains in the same mode without measuring again.
+bf16: :func:`memfit.precision.speed.auto_candidates`). On the first micro-batch, before
+the first plan (which depends on the precision), the model's own forward and backward is
+timed in each candidate (:mod:`memfit.engine.precision_timing`, which leaves training
+bitwise as it was) and the Engine trains in the fastest (a 16-bit mode only when clearly
+faster). The matmul probe comes first: a 16-bit ratio far below 1 settles it on fp32
+without timing. The probe alone decides under DDP/FSDP2 (rank 0's, for every rank),
+where injected probe speeds are given without model seconds (tests), and after an
+out-of-memory error while timing. From then on ``engine.settings.precision`` names the
+mode chosen, and checkpoints save it: a resumed run trains in the same mode without
+measuring again.
 
 ``micro_batch="auto"`` (with ``memory_budget``, or 90% of the device's memory): the first
 ``train_step``'s batch is the global batch; the tuner's search
@@ -24,12 +29,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.batches import Batch, batch_size
+from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.errors import ConfigError
 from memfit.precision.policy import PrecisionPolicy
 
@@ -83,13 +89,8 @@ def auto_policy(
     return policy, AutoRequest(is_auto, micro_batch == AUTO, scaler is None)
 
 
-def resolve_precision(engine: Engine) -> None:
-    """Choose the precision of an ``precision="auto"`` Engine (before its first plan)."""
-    auto: AutoRequest = engine.auto
-    if not auto.precision:
-        return
-    from memfit.precision.apply import apply_precision
-    from memfit.precision.scaler import LossScaler
+def probe_choice(engine: Engine) -> PrecisionChoice:
+    """The matmul probe's choice on the Engine's device (rank 0's under DDP/FSDP2)."""
     from memfit.precision.speed import choose_precision
 
     choice = choose_precision(engine.device)
@@ -97,6 +98,49 @@ def resolve_precision(engine: Engine) -> None:
         from memfit.distributed.collectives import from_rank0
 
         choice = from_rank0(choice)
+    return choice
+
+
+def timed_choice(
+    engine: Engine, probe: PrecisionChoice, micro: Batch, loss_fn: Any
+) -> PrecisionChoice:
+    """The choice remade from the model's own forward and backward of ``micro`` in each
+    candidate mode (:mod:`memfit.engine.precision_timing`); the probe's choice where the
+    model is not timed: data parallel (collectives in the passes would time the slowest
+    rank, differently on each), a probe that settles it (:func:`probe_settles`), or an
+    out-of-memory error while timing (noted). Errors of ``loss_fn`` propagate."""
+    from dataclasses import replace
+
+    from memfit.engine.precision_timing import time_modes
+    from memfit.precision.speed import choose_from_model, model_seconds_assumed, probe_settles
+
+    if engine.parallel is not None:
+        return replace(probe, note="data parallel: rank 0's probe decides for every rank")
+    why = probe_settles(probe, engine.device)
+    if why:
+        return replace(probe, note=why)
+    islands = engine.policy.fp32_islands
+    policies = [PrecisionPolicy(mode, fp32_islands=islands) for mode in probe.speedups]
+    ranges = engine.monitor.ranges
+    try:
+        with ranges.unrecorded() if ranges is not None else contextlib.nullcontext():
+            times = time_modes(engine.model, micro, loss_fn, policies, engine.device)
+    except torch.OutOfMemoryError:
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return replace(probe, note="out of memory timing one micro-batch unplanned")
+    assumed = model_seconds_assumed(engine.device)
+    choice = choose_from_model(probe, assumed or times.seconds, measured=assumed is None)
+    return replace(choice, timing_seconds=times.total_seconds)
+
+
+def set_precision(engine: Engine, choice: PrecisionChoice) -> None:
+    """Train in ``choice.mode`` from now on: the policy, its islands and, for fp16, a
+    dynamic loss scaler (when the Engine made its own)."""
+    from memfit.precision.apply import apply_precision
+    from memfit.precision.scaler import LossScaler
+
+    auto: AutoRequest = engine.auto
     policy = PrecisionPolicy(choice.mode, fp32_islands=engine.policy.fp32_islands)
     engine.policy = policy
     engine.settings.precision = policy.mode
@@ -114,8 +158,9 @@ def resolve_precision(engine: Engine) -> None:
     auto.precision = False
 
 
-def resolve_first(engine: Engine) -> None:
-    """Before the first plan (``prepare``): the precision chosen; ConfigError when a
+def resolve_first(engine: Engine, micro: Batch, loss_fn: Any) -> None:
+    """Before the first plan (``prepare``, on the first micro-batch): an ``"auto"``
+    precision chosen by timing the model on ``micro``; ConfigError when a
     ``micro_batch="auto"`` Engine is fed micro-batches that are split already."""
     if engine.auto.micro_batch:
         raise ConfigError(
@@ -123,21 +168,60 @@ def resolve_first(engine: Engine) -> None:
             "micro-batches fed with backward() (or given to prepare()) are split already. "
             "Call train_step(batch) with the global batch, or drop micro_batch='auto'"
         )
-    resolve_precision(engine)
+    if engine.auto.precision:
+        set_precision(engine, timed_choice(engine, probe_choice(engine), micro, loss_fn))
 
 
 def resolve_micro_batch(engine: Engine, batch: Batch, loss_fn: Any) -> None:
     """Choose how ``train_step`` splits an ``micro_batch="auto"`` Engine's batches, from its
-    first batch (the global batch); the precision is chosen first."""
+    first batch (the global batch). With ``precision="auto"`` too, the split the probe's
+    mode would get gives the micro-batch the model is timed on; a mode the timing changes
+    is then split anew. (Without ``micro_batch="auto"``, ``prepare`` chooses the precision
+    on the first micro-batch.)"""
     auto: AutoRequest = engine.auto
-    resolve_precision(engine)
     if not auto.micro_batch:
         return
-    from memfit.candidates import meta_clone, nothing_fits, rank_candidates
-    from memfit.estimate import STRATEGIES
+    rows = batch_size(batch)
+    if auto.precision:
+        probe = probe_choice(engine)
+        ranked = _ranked_splits(engine, batch, loss_fn, probe.mode)
+        choice = probe
+        if ranked and ranked[0].fits:
+            micro = split_batch(batch, min(rows, ranked[0].accumulation_steps))[0]
+            choice = timed_choice(engine, probe, micro, loss_fn)
+        if choice.mode != probe.mode:
+            ranked = _ranked_splits(engine, batch, loss_fn, choice.mode)
+        set_precision(engine, choice)
+    else:
+        ranked = _ranked_splits(engine, batch, loss_fn, engine.policy.mode)
+    best = ranked[0] if ranked and ranked[0].fits else None
+    if engine.parallel is not None:
+        # Each rank ranked with its own measured speed, and near ties may fall either way:
+        # every rank splits as rank 0 chose (and all raise together when nothing fits).
+        from memfit.distributed.collectives import from_rank0
+
+        best = from_rank0(best)
+    if best is None:
+        from memfit.candidates import nothing_fits
+
+        raise nothing_fits(ranked, engine.settings.memory_budget or _default_budget(engine))
+    engine.settings.accumulation_steps = best.accumulation_steps
+    auto.split_choice = best
+    auto.micro_batch = False
+
+
+def _default_budget(engine: Engine) -> int:
     from memfit.units import device_memory_bytes
 
-    budget = engine.settings.memory_budget or int(0.9 * device_memory_bytes(engine.device))
+    return int(0.9 * device_memory_bytes(engine.device))
+
+
+def _ranked_splits(engine: Engine, batch: Batch, loss_fn: Any, mode: str) -> list[Candidate]:
+    """Every split of ``batch`` under ``mode`` and the checkpoint request, best first."""
+    from memfit.candidates import meta_clone, rank_candidates
+    from memfit.estimate import STRATEGIES
+
+    budget = engine.settings.memory_budget or _default_budget(engine)
     request = engine._checkpoint_request
     if isinstance(request, str) and request != AUTO:
         strategies: tuple[str, ...] = (request,)  # the strategy asked for, at each split
@@ -152,33 +236,19 @@ def resolve_micro_batch(engine: Engine, batch: Batch, loss_fn: Any) -> None:
     rows = batch_size(batch)
 
     def micro(n: int) -> Any:
-        from memfit.engine.batches import split_batch
-
         return split_batch(batch, rows // n)[0] if n < rows else batch
 
-    ranked = rank_candidates(
+    return rank_candidates(
         lambda: meta_clone(model),
         micro,
         loss_fn,
         budget=budget,
         global_batch=rows,
-        precisions=[engine.policy.mode],
+        precisions=[mode],
         strategies=strategies,
         optimizer_fn=lambda params: type(optimizer)(params, **_plain_defaults(optimizer)),
         device=engine.device,
     )
-    best = ranked[0] if ranked and ranked[0].fits else None
-    if engine.parallel is not None:
-        # Each rank ranked with its own measured speed, and near ties may fall either way:
-        # every rank splits as rank 0 chose (and all raise together when nothing fits).
-        from memfit.distributed.collectives import from_rank0
-
-        best = from_rank0(best)
-    if best is None:
-        raise nothing_fits(ranked, budget)
-    engine.settings.accumulation_steps = best.accumulation_steps
-    auto.split_choice = best
-    auto.micro_batch = False
 
 
 def _plain_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Batches as the Engine sees them: their size along dim 0, and their split into micro-batches."""
+"""Batches as the Engine sees them: their size along dim 0, their split into micro-batches,
+and the loss a micro-batch must give."""
 
 from __future__ import annotations
 
@@ -51,3 +52,21 @@ def batch_size(batch: Batch) -> int:
     if len(sizes) > 1:
         raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
     return sizes.pop()
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """``loss`` as a 0-dim fp32 tensor; ConfigError when it cannot be the micro-batch's loss.
+
+    Example::
+
+        loss = checked_loss(loss_fn(model, micro))
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
+        raise ConfigError(f"loss_fn(model, micro_batch) must return a scalar tensor, got {got}")
+    if not loss.requires_grad:
+        raise ConfigError(
+            "the loss does not require grad: loss_fn must compute it from the model's "
+            "output, not under torch.no_grad()"
+        )
+    return loss.reshape(()).float()

@@ -35,11 +35,11 @@ from torch import Tensor, nn
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.distributed.collectives import total_norm
 from memfit.engine.auto import auto_policy, resolve_first, resolve_micro_batch
-from memfit.engine.batches import Batch, batch_size, split_batch
+from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
 from memfit.engine.diagnose import diagnose_skips
 from memfit.engine.evaluation import eval_context
 from memfit.engine.export import export_model, model_state_dict
-from memfit.engine.feed import Window, checked_loss, rescale_gradients, run_measured
+from memfit.engine.feed import Window, rescale_gradients, run_measured
 from memfit.engine.parallel import EngineParallel
 from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
 from memfit.engine.settings import (
@@ -490,7 +490,7 @@ class Engine:
             engine = memfit.Engine(model, opt, checkpoint="auto", memory_budget="8GiB")
             print(engine.prepare(batch, loss_fn).summary())
         """
-        resolve_first(self)  # precision="auto" is chosen before anything is planned
+        resolve_first(self, batch, loss_fn)  # precision="auto" is chosen before planning
         request = self._checkpoint_request
         if request is None:
             return self.plan

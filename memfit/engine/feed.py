@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from memfit.engine.planning import EnginePlan
-from memfit.errors import ConfigError
 from memfit.nested import tensors
 
 
@@ -92,24 +91,6 @@ class Window:
     def measured(self) -> bool:
         """Whether this step's calls run under a measurement."""
         return self.check is not None or self.keep_report
-
-
-def checked_loss(loss: Any) -> torch.Tensor:
-    """``loss`` as a 0-dim fp32 tensor; ConfigError when it cannot be the micro-batch's loss.
-
-    Example::
-
-        loss = checked_loss(loss_fn(model, micro))
-    """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)
-        raise ConfigError(f"loss_fn(model, micro_batch) must return a scalar tensor, got {got}")
-    if not loss.requires_grad:
-        raise ConfigError(
-            "the loss does not require grad: loss_fn must compute it from the model's "
-            "output, not under torch.no_grad()"
-        )
-    return loss.reshape(()).float()
 
 
 def rescale_gradients(params: list[torch.Tensor], factor: float) -> None:

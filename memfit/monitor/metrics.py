@@ -21,9 +21,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,6 +184,23 @@ class ActivationRanges:
     ) -> list[tuple[str, float]]:
         """See :func:`near_fp16_limit`."""
         return near_fp16_limit(values, margin)
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Forwards inside the block leave no trace: afterwards the count of forwards and
+        the maxima are as before it. The hooks still run, so a timing of the block (the
+        Engine's ``precision="auto"``) still pays what they cost in training.
+
+        Example::
+
+            with ranges.unrecorded():
+                model(x).sum().backward()   # ranges.calls unchanged
+        """
+        calls, active, kept = self.calls, self._active, dict(self._max)
+        try:
+            yield
+        finally:
+            self.calls, self._active, self._max = calls, active, kept
 
     def remove(self) -> None:
         """Remove every hook; recorded values are kept until read."""

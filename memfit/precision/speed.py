@@ -7,9 +7,13 @@ matmul per dtype (a warm-up, then the fastest of a few turns) and reports each d
 speed relative to fp32 (``speedup``: above 1 is faster). It is measured once per process
 and device, and cached.
 
-Tests, and anyone who knows better, inject the numbers instead (:func:`assumed_speed`):
-a decision that depends on speed is then made from those numbers, never from the
-machine's timing or the CPU's name.
+``precision="auto"`` decides from the probe (:func:`choose_precision`) and then, where
+the probe does not settle it (:func:`probe_settles`), from the model's own seconds per
+mode (:func:`choose_from_model`; the Engine times them).
+
+Tests, and anyone who knows better, inject the numbers instead (:func:`assumed_speed`,
+and the model's seconds with :func:`assumed_model_seconds`): a decision that depends on
+speed is then made from those numbers, never from the machine's timing or the CPU's name.
 
 Example::
 
@@ -25,19 +29,25 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from memfit.errors import ConfigError
+
 __all__ = [
     "MatmulSpeed",
     "PrecisionChoice",
+    "assumed_model_seconds",
     "assumed_speed",
     "auto_candidates",
+    "choose_from_model",
     "choose_precision",
     "matmul_speed",
     "measure_matmul_speed",
+    "model_seconds_assumed",
+    "probe_settles",
     "slow_dtype_warning",
     "warn_if_slow",
 ]
@@ -218,9 +228,15 @@ def warn_if_slow(mode: str, dtype: torch.dtype, device: str | torch.device) -> f
     return speedup
 
 
-#: A 16-bit autocast mode is chosen over fp32 only when its matmul is at least this much
-#: faster: a mode that gains nothing keeps fp32's numerics.
+#: A 16-bit autocast mode is chosen over fp32 only when it is at least this much faster
+#: (the model's measured ratio, or the probe's where the model is not timed): a mode that
+#: gains nothing keeps fp32's numerics.
 AUTO_MARGIN = 1.1
+
+#: A probe ratio below this settles ``precision="auto"`` on fp32 without timing the model:
+#: autocast computes the matmuls and convolutions in 16 bits and leaves the rest in fp32,
+#: so a model cannot gain 1.1x from a 16-bit mode whose matmul runs at half fp32's speed.
+PREFILTER_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -230,15 +246,51 @@ class PrecisionChoice:
     mode: str
     """The mode chosen (``"fp32"``, ``"bf16-mixed"`` or, where bf16 is missing, ``"fp16-mixed"``)."""
     speedups: dict[str, float]
-    """Each candidate mode's matmul speed relative to fp32."""
+    """Each candidate mode's matmul speed relative to fp32 (the probe)."""
     measured: bool
-    """False when the speeds were injected (:func:`assumed_speed`)."""
+    """False when the probe's speeds were injected (:func:`assumed_speed`)."""
+    model_seconds: dict[str, float] = field(default_factory=dict)
+    """Each candidate's fastest forward and backward of the model's first micro-batch
+    (empty where the model was not timed)."""
+    model_measured: bool = True
+    """False when the model's seconds were injected (:func:`assumed_model_seconds`)."""
+    timing_seconds: float = 0.0
+    """Wall seconds the model's timing added to the first step (warm-ups included)."""
+    note: str = ""
+    """Why the model was not timed, where it was not (the choice is then the probe's)."""
+
+    @property
+    def model_speedup(self) -> float | None:
+        """The 16-bit candidate's measured speed relative to fp32 on the model (None where
+        the model was not timed)."""
+        if not self.model_seconds:
+            return None
+        low = [m for m in self.model_seconds if m != "fp32"][0]
+        return self.model_seconds["fp32"] / self.model_seconds[low]
 
     def describe(self) -> str:
-        """One line: the choice and the ratios it was made from."""
-        ratios = ", ".join(f"{m} {s:.2f}x" for m, s in self.speedups.items())
+        """One line: the choice and what it was made from.
+
+        Example::
+
+            engine.auto.precision_choice.describe()
+            # precision auto: bf16-mixed (forward+backward of the first micro-batch, measured:
+            # fp32 41.20 ms, bf16-mixed 25.10 ms = 1.64x, timing added 0.41 s; matmul probe,
+            # measured: bf16-mixed 2.40x)
+        """
+        probe = ", ".join(f"{m} {s:.2f}x" for m, s in self.speedups.items() if m != "fp32")
         source = "measured" if self.measured else "assumed"
-        return f"precision auto: {self.mode} (matmul speed vs fp32, {source}: {ratios})"
+        if self.model_seconds:
+            times = ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in self.model_seconds.items())
+            model_source = "measured" if self.model_measured else "assumed"
+            return (
+                f"precision auto: {self.mode} (forward+backward of the first micro-batch, "
+                f"{model_source}: {times} = {self.model_speedup:.2f}x, timing added "
+                f"{self.timing_seconds:.2f} s; matmul probe, {source}: {probe})"
+            )
+        ratios = ", ".join(f"{m} {s:.2f}x" for m, s in self.speedups.items())
+        why = f"; model not timed: {self.note}" if self.note else ""
+        return f"precision auto: {self.mode} (matmul speed vs fp32, {source}: {ratios}{why})"
 
 
 def auto_candidates(device: str | torch.device) -> tuple[str, ...]:
@@ -271,3 +323,86 @@ def choose_precision(device: str | torch.device) -> PrecisionChoice:
     speedups = {"fp32": 1.0, candidates[1]: speed.speedup(low)}
     mode = candidates[1] if speedups[candidates[1]] >= AUTO_MARGIN else "fp32"
     return PrecisionChoice(mode, speedups, speed.measured)
+
+
+def choose_from_model(
+    probe: PrecisionChoice, seconds: Mapping[str, float], *, measured: bool = True
+) -> PrecisionChoice:
+    """The probe's choice remade from the model's own seconds per candidate mode: the
+    16-bit candidate when the model runs at least :data:`AUTO_MARGIN` times faster in it,
+    else fp32, whatever the probe said.
+
+    Example::
+
+        probe = choose_precision("cpu")                     # bf16-mixed: its matmul 2.4x
+        choose_from_model(probe, {"fp32": 1.0, "bf16-mixed": 1.3}).mode   # "fp32"
+    """
+    low = [m for m in probe.speedups if m != "fp32"][0]
+    missing = [m for m in ("fp32", low) if m not in seconds]
+    if missing:
+        raise ConfigError(
+            f"the model's seconds per mode {dict(seconds)} give none for {missing}; give "
+            f"seconds for every candidate mode ({'fp32'!r} and {low!r} here)"
+        )
+    mode = low if seconds["fp32"] / seconds[low] >= AUTO_MARGIN else "fp32"
+    times = {"fp32": float(seconds["fp32"]), low: float(seconds[low])}
+    return replace(probe, mode=mode, model_seconds=times, model_measured=measured, note="")
+
+
+def probe_settles(probe: PrecisionChoice, device: str | torch.device) -> str:
+    """Why ``probe`` decides without timing the model (``""``: the model is to be timed):
+    injected probe speeds (tests' deterministic choice) unless the model's seconds are
+    injected too, or a 16-bit ratio below :data:`PREFILTER_BELOW`.
+
+    Example::
+
+        with assumed_speed("cpu", {torch.bfloat16: 0.21}):
+            probe_settles(choose_precision("cpu"), "cpu")   # "... below 0.5x"
+    """
+    low = [m for m in probe.speedups if m != "fp32"][0]
+    if probe.speedups[low] < PREFILTER_BELOW:
+        return f"the {low} matmul runs at {probe.speedups[low]:.2f}x, below {PREFILTER_BELOW}x"
+    if not probe.measured and model_seconds_assumed(device) is None:
+        return "the probe's speeds are assumed"
+    return ""
+
+
+_ASSUMED_MODEL: list[tuple[str, dict[str, float]]] = []
+
+
+@contextlib.contextmanager
+def assumed_model_seconds(device: str, seconds: Mapping[str, float]) -> Iterator[None]:
+    """Inside the block, ``precision="auto"`` on ``device`` decides from these seconds per
+    candidate mode instead of the model's measured ones. The model still runs its timing
+    passes (so a test sees everything they do); only the clock is not believed. The probe
+    still runs first (inject it too, with :func:`assumed_speed`, for a choice that is
+    the same on every machine).
+
+    Example::
+
+        with assumed_speed("cpu", {torch.bfloat16: 2.7}), assumed_model_seconds(
+            "cpu", {"fp32": 1.0, "bf16-mixed": 1.3}
+        ):
+            engine.train_step(batch, loss_fn)   # fp32: the model is slower in bf16
+    """
+    bad = {m: s for m, s in seconds.items() if not (isinstance(s, (int, float)) and s > 0)}
+    if bad:
+        raise ConfigError(
+            f"assumed_model_seconds takes positive seconds per mode, got {bad}; e.g. "
+            "{'fp32': 1.0, 'bf16-mixed': 1.3}"
+        )
+    entry = (torch.device(device).type, {m: float(s) for m, s in seconds.items()})
+    _ASSUMED_MODEL.append(entry)
+    try:
+        yield
+    finally:
+        _ASSUMED_MODEL.remove(entry)
+
+
+def model_seconds_assumed(device: str | torch.device) -> dict[str, float] | None:
+    """The seconds :func:`assumed_model_seconds` injects for ``device``'s type, if any."""
+    kind = torch.device(device).type
+    for assumed_kind, seconds in reversed(_ASSUMED_MODEL):
+        if assumed_kind == kind:
+            return seconds
+    return None
