@@ -139,3 +139,17 @@ def test_a_fit_that_raises_leaves_nothing_wrapped_for_the_next_one(tmp_path: Pat
     _, samples = log.series("throughput/samples_per_second")
     assert len(samples) == 4 and second.steps == 4
     assert float(second._samples.numpy()) == 32.0  # counted once a batch, not twice
+
+
+def test_two_callbacks_in_one_fit_both_measure(tmp_path: Path) -> None:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = np.random.default_rng(0).random((32, 8), dtype=np.float32)
+    a = mk.MonitorCallback(tmp_path / "a", log_every=1)
+    b = mk.MonitorCallback(tmp_path / "b", log_every=1)
+    model.fit(x, x[:, :4], batch_size=8, epochs=1, shuffle=False, callbacks=[a, b], verbose=0)
+    norms = {n: load_run(tmp_path / n).series("grad/norm")[1] for n in ("a", "b")}
+    assert len(norms["a"]) == 4 and all(v > 0 for v in norms["a"])
+    assert norms["a"] == pytest.approx(norms["b"])
+    assert "train_step" not in vars(model) and "apply" not in vars(model.optimizer)

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import UnitCost
@@ -44,7 +43,7 @@ from memfit.checkpoint.native import disable_native_checkpointing
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
-from memfit.checkpoint.profiler.runner import default_loss, preserved
+from memfit.checkpoint.profiler.runner import default_loss
 from memfit.checkpoint.solvers import FrontierPoint, evaluate, parse_strategy, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import (
@@ -54,8 +53,8 @@ from memfit.checkpoint.step_memory import (
     with_backward_costs,
 )
 from memfit.checkpoint.tree import find_units, structure_fingerprint
+from memfit.checkpoint.workspace import kernel_workspace_bytes
 from memfit.errors import BudgetError, ConfigError, PlanError
-from memfit.memory import measure
 from memfit.nested import call_model
 from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
@@ -200,47 +199,6 @@ def _probed(
     profiled = _without_unstable(model, profiled, forward, policy)
     workspace = kernel_workspace_bytes(model, loss, policy, inputs)
     return dataclasses.replace(profiled, workspace_bytes=float(workspace), run_loss=loss)
-
-
-def kernel_workspace_bytes(
-    model: nn.Module,
-    loss: Callable[[], torch.Tensor],
-    policy: PrecisionPolicy,
-    inputs: Any = None,
-) -> int:
-    """Bytes kernels allocate for themselves at a step's peak, beyond every tensor: one
-    forward and backward of ``loss()`` on CPU measured by the allocator and by the
-    storage tracker at once (:mod:`memfit.allocator`, :mod:`memfit.memory`); their
-    difference at the peak. A CPU depthwise convolution's backward, for one, allocates
-    unfold buffers the size of its input times its kernel. (What a unit's forward kernels
-    hold in a rebuild is measured per unit by the probe.) Gradients, buffers and the
-    random state are as before; on other devices 0.
-
-    Example::
-
-        kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
-    """
-    model = unwrap_compiled(model)
-    params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
-    if device.type != "cpu":
-        # On CUDA the caching allocator counts every tensor on the device, the tracker
-        # only the model's: their difference is not the kernels'. The Engine's closed loop
-        # measures the allocator there and corrects the plan instead.
-        return 0
-
-    def step() -> None:
-        with policy.autocast(device.type):
-            value = loss()
-        value.backward()
-
-    with preserved(model, train=None, rng_devices=[]):
-        peak = allocator_peak(
-            lambda: measure(step, model=model),
-            live=[*params, *model.buffers(), inputs],
-            device=device,
-        )
-    return max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes))
 
 
 def _without_unstable(

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,11 @@ class MonitorCallback(keras.callbacks.Callback):
         if optimizer is None:
             raise ConfigError("MonitorCallback needs a compiled model (model.compile(...))")
         # Keras calls no on_train_end when fit() raises: what an interrupted run left (this
-        # callback's open sinks, any MonitorCallback's wrappers) is undone first.
+        # callback's open sinks, the wrappers of a MonitorCallback of that fit) is undone first.
         if self._sinks is not None:
             self._sinks.close()
             self._sinks = None
-        _unwrap(model, optimizer)
+        _unwrap(model, optimizer, stale_for=self)
         if self.precision is None:
             self.precision = precision_of(list(model._flatten_layers(include_self=False)))
         check_log_dir(self.log_dir)
@@ -168,6 +169,7 @@ class MonitorCallback(keras.callbacks.Callback):
             # What the instance itself held (a user's override, or None: the class's
             # method) comes back when the wrapper is taken off.
             wrapper._memfit_replaced = vars(owner).get(name)  # type: ignore[attr-defined]
+            wrapper._memfit_owner = weakref.ref(self)  # type: ignore[attr-defined]
             setattr(owner, name, wrapper)
         model.make_train_function(force=True)
 
@@ -263,18 +265,26 @@ class MonitorCallback(keras.callbacks.Callback):
         os.replace(tmp, path)
 
 
-def _unwrap(model: Any, optimizer: Any) -> None:
+def _unwrap(model: Any, optimizer: Any, stale_for: MonitorCallback | None = None) -> None:
     """Take a MonitorCallback's wrappers off ``model.train_step`` and ``optimizer.apply``
-    (the class's own methods show again), and have Keras make its train function anew."""
+    (what they replaced shows again), and have Keras make its train function anew.
+
+    ``stale_for``: take off only wrappers left by a fit() other than the one that
+    callback runs in (every callback of one fit shares the ``params`` dict Keras gives
+    them), every such layer; without it, the top layer."""
     found = False
     for owner, name in ((optimizer, "apply"), (model, "train_step")):
-        wrapper = vars(owner).get(name)
-        if not hasattr(wrapper, "_memfit_replaced"):
-            continue
-        found = True
-        if wrapper._memfit_replaced is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, wrapper._memfit_replaced)
+        while hasattr(wrapper := vars(owner).get(name), "_memfit_replaced"):
+            if stale_for is not None:
+                by = wrapper._memfit_owner()
+                if by is not None and by.params is stale_for.params:
+                    break  # another callback of this same fit: kept
+            found = True
+            if wrapper._memfit_replaced is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, wrapper._memfit_replaced)
+            if stale_for is None:
+                break
     if found:
         model.train_function = None  # made again without the wrappers next time
