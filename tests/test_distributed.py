@@ -350,6 +350,42 @@ def test_a_failed_save_on_rank_0_stops_the_others_at_once(tmp_path: Path) -> Non
     assert (tmp_path / "good.pt").exists() and not (tmp_path / "second.pt").exists()
 
 
+def _failing_rename(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
+    import pathlib
+
+    model = _parallel("fsdp", "fp32")
+    engine = _engine(model, "fp32")
+    engine.train_step(shard_batch(_batch(0)), toy_loss)
+    engine.save(directory / "ck")
+    saved = {k: v.flatten().tolist() for k, v in full_weights(model).items()}
+    engine.train_step(shard_batch(_batch(1)), toy_loss)
+    if rank == 0:
+        real, failed = pathlib.Path.rename, []
+
+        def rename(self: Path, target: Any) -> Any:
+            if Path(target) == directory / "ck" and not failed:  # the new one only
+                failed.append(self)
+                raise OSError(13, "Permission denied")
+            return real(self, target)
+
+        pathlib.Path.rename = rename  # type: ignore[method-assign]
+    try:
+        engine.save(directory / "ck")
+    except Exception as exc:
+        fresh = _parallel("fsdp", "fp32")
+        resumed = memfit.Engine.resume(directory / "ck", fresh, torch.optim.SGD(fresh.parameters()))
+        weights = {k: v.flatten().tolist() for k, v in full_weights(resumed.model).items()}
+        return {"error": f"{type(exc).__name__}: {exc}", "previous": weights == saved}
+    return {"error": None}
+
+
+def test_a_failed_fsdp2_rename_puts_the_previous_checkpoint_back(tmp_path: Path) -> None:
+    r0, r1 = results(launch(_failing_rename, tmp_path, timeout=120))
+    assert r0["error"].startswith("PermissionError") and r0["previous"]
+    assert "rank 0 failed to put the checkpoint in place" in r1["error"] and r1["previous"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]
+
+
 def test_bad_input_without_a_process_group() -> None:
     with pytest.raises(ConfigError, match="torchrun.*init_process_group"):
         memfit.parallelize(toy_model(), data_parallel="fsdp")

@@ -101,6 +101,10 @@ def test_injected_model_seconds_that_cannot_decide_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="positive seconds per mode, got {'fp32': 0}"):
         with assumed_model_seconds("cpu", {"fp32": 0, "bf16-mixed": 1.0}):
             pass
+    for empty_or_bool in ({}, {"fp32": True, "bf16-mixed": True}):
+        with pytest.raises(ConfigError, match="positive seconds per mode"):
+            with assumed_model_seconds("cpu", empty_or_bool):
+                pass
     probe = PrecisionChoice("bf16-mixed", {"fp32": 1.0, "bf16-mixed": 2.7}, True)
     with pytest.raises(ConfigError, match=r"give none for \['bf16-mixed'\]"):
         choose_from_model(probe, {"fp32": 1.0, "fp16-mixed": 0.5})
@@ -173,6 +177,18 @@ def test_data_parallel_keeps_rank_zeros_probe() -> None:
         choice = timed_choice(engine, probe, _batch(0), never)
     assert choice.mode == "bf16-mixed" and choice.model_seconds == {}
     assert "rank 0's probe" in choice.note
+
+
+def test_a_model_with_lazy_modules_is_not_timed_and_trains() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(16), nn.GELU(), nn.Linear(16, 4))
+    engine = memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="auto")
+    with assumed_speed("cpu", FAST_BF16), assumed_model_seconds("cpu", BF16_SLOWER):
+        engine.train_step(_batch(0), _loss)
+        engine.train_step(_batch(1), _loss)
+    choice = engine.auto.precision_choice
+    assert choice.mode == "bf16-mixed" and "lazy modules" in choice.note  # the probe's
+    assert model[0].weight.shape == (16, 8)
 
 
 # ---------------------------------------------------------------- training is unchanged

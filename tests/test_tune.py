@@ -328,30 +328,46 @@ def test_trials_are_timed_in_rotated_rounds_and_a_failing_one_drops_out() -> Non
     assert a.error is None and c.error is None
 
 
-def test_a_trial_whose_timed_step_raises_is_a_row_and_the_others_decide() -> None:
-    model_fn, batch_fn, real_loss = _parts()
+@pytest.mark.parametrize("measure_top", [1, 2])
+def test_a_trial_whose_timed_step_raises_gives_way_and_the_rng_is_left_alone(
+    measure_top: int,
+) -> None:
+    _, real_loss, batch_fn = build_model("gpt", data="synthetic", dropout=0.1, **CFG)
+
+    def model_fn():
+        return build_model("gpt", data="synthetic", dropout=0.1, **CFG).model
+
     budget = int(0.7 * _plain_peak("fp32", 8))
-    models: list[int] = []  # the real models seen, in the order the trials built them
+    calls: dict[int, int] = {}  # real loss calls per model, in the order models were built
 
     def loss_fn(model, batch):
         if not _is_fake(batch):
-            if id(model) not in models:
-                models.append(id(model))
-            # On the CPU the trials are built one after another and then timed in
-            # rounds: the first model's step after the second was built is its first
-            # timed one.
-            if id(model) == models[0] and len(models) > 1:
+            calls[id(model)] = calls.get(id(model), 0) + 1
+            # The first model's warm-up and measured steps take two steps of 8 // rows
+            # micro-batches each; its next call is its first timed step.
+            if id(model) == next(iter(calls)) and calls[id(model)] == 2 * (8 // len(batch)) + 1:
                 raise RuntimeError("broke while timed")
         return real_loss(model, batch)
 
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
     with assumed_speed("cpu", FAST_BF16):
         res = memfit.tune(
-            model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, measure_top=2, steps=2
+            model_fn,
+            lambda n: batch_fn(n, generator=0),
+            loss_fn,
+            budget=budget,
+            global_batch=8,
+            measure_top=measure_top,
+            steps=2,
         )
+    assert torch.equal(torch.get_rng_state(), before)  # dropout drew from a fork
     broken = [r for r in res.rows if r.error and "broke while timed" in r.error]
     assert len(broken) == 1
     assert broken[0].measured_peak_bytes is not None and broken[0].measured_step_seconds is None
-    assert res.best is not broken[0] and res.best.measured_step_seconds is not None
+    # Its split's next setting (or another split) was measured in its place.
+    measured = [r for r in res.rows if r.measured_step_seconds is not None]
+    assert len(measured) == measure_top and res.best in measured and len(calls) > measure_top
 
 
 def test_tuning_for_fsdp_ranks_predicts_one_ranks_share_and_trials_do_not_judge_it() -> None:

@@ -76,8 +76,8 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> None:
         error = from_rank0(error)
     if error is not None and world.rank != 0:
         raise DistributedError(
-            f"rank 0 failed to {what} ({error}); rank {world.rank} stopped with it. The "
-            "previous checkpoint is left as it was; fix the error on rank 0 and save again"
+            f"rank 0 failed to {what} ({error}); rank {world.rank} stopped with it. Fix "
+            "the error on rank 0 and save again"
         )
 
 
@@ -142,9 +142,25 @@ def save_checkpoint(
     def replace() -> None:
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
+        moved = False
+        try:
+            if path.exists():
+                path.rename(old)
+                moved = True
+            tmp.rename(path)
+        except BaseException as exc:
+            # The previous checkpoint goes back where it was, and the new one away.
+            shutil.rmtree(tmp, ignore_errors=True)
+            if moved and not path.exists():
+                try:
+                    old.rename(path)
+                except OSError:
+                    raise CheckpointError(
+                        f"could not put the new checkpoint in place at {path} ({exc}), nor "
+                        f"the previous one back: it is at {old}; rename it to {path} to "
+                        "resume from it"
+                    ) from exc
+            raise
         shutil.rmtree(old, ignore_errors=True)
 
     _on_rank0(replace, f"put the checkpoint in place at {path}")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from memfit.engine.batches import Batch, batch_size, split_batch
 from memfit.errors import ConfigError
@@ -119,6 +120,10 @@ def timed_choice(
     why = probe_settles(probe, engine.device)
     if why:
         return replace(probe, note=why)
+    if any(nn.parameter.is_lazy(p) for p in engine.model.parameters()):
+        # A lazy module makes its weights in its first forward; the timing puts the weights
+        # back as they were after each run, so it would undo that, and draw from the RNG.
+        return replace(probe, note="lazy modules: the model is not timed before its first step")
     islands = engine.policy.fp32_islands
     policies = [PrecisionPolicy(mode, fp32_islands=islands) for mode in probe.speedups]
     ranges = engine.monitor.ranges
@@ -130,7 +135,9 @@ def timed_choice(
             torch.cuda.empty_cache()
         return replace(probe, note="out of memory timing one micro-batch unplanned")
     assumed = model_seconds_assumed(engine.device)
-    choice = choose_from_model(probe, assumed or times.seconds, measured=assumed is None)
+    choice = choose_from_model(
+        probe, times.seconds if assumed is None else assumed, measured=assumed is None
+    )
     return replace(choice, timing_seconds=times.total_seconds)
 
 

@@ -385,10 +385,14 @@ def assumed_model_seconds(device: str, seconds: Mapping[str, float]) -> Iterator
         ):
             engine.train_step(batch, loss_fn)   # fp32: the model is slower in bf16
     """
-    bad = {m: s for m, s in seconds.items() if not (isinstance(s, (int, float)) and s > 0)}
-    if bad:
+    bad = {
+        m: s
+        for m, s in seconds.items()
+        if isinstance(s, bool) or not (isinstance(s, (int, float)) and s > 0)
+    }
+    if bad or not seconds:
         raise ConfigError(
-            f"assumed_model_seconds takes positive seconds per mode, got {bad}; e.g. "
+            f"assumed_model_seconds takes positive seconds per mode, got {bad or dict(seconds)}; e.g. "
             "{'fp32': 1.0, 'bf16-mixed': 1.3}"
         )
     entry = (torch.device(device).type, {m: float(s) for m, s in seconds.items()})

@@ -128,37 +128,14 @@ def tune(
     if not any(c.fits for c in ranked):
         raise nothing_fits(ranked, limit)
     rows = [TuneRow(c, rank) for rank, c in enumerate(ranked)]
-    grads: dict[int, GradStats | None] = {}
-    good: list[TuneRow] = []
-    held: list[Trial] = []  # trials timed side by side once the measured ones are chosen
-    groups = _measure_order(rows)
-    tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
-    # Where every split's first settings failed, more are tried in the order of
-    # prediction until one succeeds: a failed trial never ends the search (a loss that
-    # fails on every real batch ends it after FALLBACK_TRIALS more).
-    groups.append([r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS])
-    try:
-        for group in groups:
-            if len(good) >= measure_top:
-                break
-            for row in group if group is groups[-1] and not good else group[:ATTEMPTS_PER_SPLIT]:
-                trial = _start(row, model_fn, batch_fn, loss_fn, optimizer_fn, limit, judged, where)
-                if trial is None:
-                    continue
-                good.append(row)
-                if not holds_trials(where):  # measured alone, then released
-                    time_in_rounds([trial], steps)
-                    _record_time(trial, good)
-                    grads[row.rank] = trial.close()
-                else:
-                    held.append(trial)
-                break
-        time_in_rounds(held, steps)
-        for trial in held:
-            _record_time(trial, good)
-    finally:
-        for trial in held:
-            grads[trial.row.rank] = trial.close()
+
+    def start(row: TuneRow) -> Trial | None:
+        return _start(row, model_fn, batch_fn, loss_fn, optimizer_fn, limit, judged, where)
+
+    # The trials' timed steps draw from the random generators (dropout): the caller's
+    # state is put back when they are done.
+    with torch.random.fork_rng(devices=_cuda_index(where), device_type="cuda"):
+        good, grads = _measure(rows, measure_top, steps, start, holds_trials(where))
     if measure_top and not good:
         failed = [r for r in rows if r.error]
         raise BudgetError(
@@ -214,6 +191,74 @@ def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
     return [groups[m] for m in order]
 
 
+def _measure(
+    rows: list[TuneRow],
+    measure_top: int,
+    steps: int,
+    start: Callable[[TuneRow], Trial | None],
+    hold: bool,
+) -> tuple[list[TuneRow], dict[int, GradStats | None]]:
+    """Measure up to ``measure_top`` splits, one setting each: the rows measured within
+    the budget, and the gradients each trial read for the advice.
+
+    Each split's settings are tried in the order of prediction (up to
+    :data:`ATTEMPTS_PER_SPLIT`) until one starts; with ``hold``, the started trials are
+    timed side by side in rounds, and a trial whose timed step raises gives way to its
+    split's next setting, which is started and timed with the trials still held (they get
+    more rounds). Without ``hold`` each trial is timed alone and released. A failed trial
+    never ends the search: where every split failed, up to :data:`FALLBACK_TRIALS` more
+    rows are tried in the order of prediction."""
+    groups = _measure_order(rows)
+    tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
+    queues = [list(g[:ATTEMPTS_PER_SPLIT]) for g in groups]
+    fallback = [r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS]
+    good: list[TuneRow] = []
+    grads: dict[int, GradStats | None] = {}
+    held: dict[int, Trial] = {}  # split index -> its trial, timed so far without error
+    measured: set[int] = set()  # splits with a good row
+    try:
+        while True:
+            for g, queue in enumerate(queues):
+                if len(measured) + len(held) >= measure_top:
+                    break
+                if g in measured or g in held:
+                    continue
+                while queue and g not in held:
+                    trial = start(queue.pop(0))
+                    if trial is None:
+                        continue
+                    if hold:
+                        held[g] = trial
+                        continue
+                    time_in_rounds([trial], steps)
+                    grads[trial.row.rank] = trial.close()
+                    if trial.error is None:
+                        _record_time(trial)
+                        good.append(trial.row)
+                        measured.add(g)
+                        break
+                    trial.row.error = trial.error
+            if not held and not measured and fallback and not any(queues):
+                queues.append(fallback)  # every split failed: further rows, in order
+                fallback = []
+                continue
+            if not held or all(t.seconds for t in held.values()):
+                break  # nothing new to time
+            time_in_rounds(list(held.values()), steps)
+            for g, trial in list(held.items()):
+                if trial.error is not None:  # gives way to its split's next setting
+                    trial.row.error = trial.error
+                    grads[trial.row.rank] = trial.close()
+                    del held[g]
+        for trial in held.values():
+            _record_time(trial)
+            good.append(trial.row)
+    finally:
+        for trial in held.values():
+            grads[trial.row.rank] = trial.close()
+    return good, grads
+
+
 def _start(
     row: TuneRow,
     model_fn: Callable[[], nn.Module],
@@ -248,13 +293,13 @@ def _start(
     return trial
 
 
-def _record_time(trial: Trial, good: list[TuneRow]) -> None:
-    """The trial's median step time into its row, or its error (and out of ``good``)."""
-    if trial.error is None:
-        trial.row.measured_step_seconds = trial.median_seconds
-    else:
-        trial.row.error = trial.error
-        good.remove(trial.row)
+def _record_time(trial: Trial) -> None:
+    """The trial's median step time into its row."""
+    trial.row.measured_step_seconds = trial.median_seconds
+
+
+def _cuda_index(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
 
 
 def _units(row: TuneRow) -> int | None:
