@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 from collections.abc import Callable
@@ -70,7 +71,8 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> None:
             if not world.distributed:
                 raise
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            from_rank0(error)
+            with contextlib.suppress(Exception):  # a peer gone too: rank 0's error is the news
+                from_rank0(error)
             raise
     if world.distributed:
         error = from_rank0(error)
