@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import statistics
@@ -46,14 +47,18 @@ def by_topic(advice: list[Advice]) -> dict[str, Advice]:
 
 
 @pytest.fixture(scope="module")
-def too_high() -> memfit.Engine:
-    """fp16-mixed starting at 2^24: the first steps overflow until the scale backs off."""
-    return train(
+def too_high(tmp_path_factory: pytest.TempPathFactory) -> memfit.Engine:
+    """fp16-mixed starting at 2^24: the first steps overflow until the scale backs off.
+    Its records also go to ``log_dir``'s metrics.jsonl."""
+    eng = train(
         40,
         scaler=memfit.LossScaler(init_scale=2.0**24),
         memory_budget=BUDGET,
         accumulation_steps=4,
+        log_dir=tmp_path_factory.mktemp("too_high"),
     )
+    eng.close()
+    return eng
 
 
 def test_a_scale_that_starts_too_high_is_advised_the_settled_one(
@@ -75,6 +80,18 @@ def test_a_scale_that_starts_too_high_is_advised_the_settled_one(
     # Every skip came in the first log windows: none after the first clean one.
     assert scale.numbers["calibration_skips"] == skipped
     assert scale.numbers["overflow_rate_after_calibration"] == 0.0
+
+
+def test_an_engine_log_dir_gives_the_live_records_advice(too_high: memfit.Engine) -> None:
+    """The JSONL a monitor wrote reads back to the same numbers; without config.json the
+    precision is told by the logged scale, and the scaler's start is unknown."""
+    live = by_topic(memfit.run_advice(too_high))["loss scale"].numbers
+    saved = by_topic(memfit.run_advice(too_high.log_dir))["loss scale"].numbers
+    assert saved == {k: v for k, v in live.items() if k != "init_scale"}
+    # A loop of its own asks its monitor, with the facts it knows.
+    own = by_topic(too_high.monitor.advice(RunFacts(precision="fp16-mixed")))["loss scale"]
+    assert own.numbers == saved
+    assert too_high.monitor.advice(engine_facts(too_high)) == memfit.run_advice(too_high)
 
 
 def test_starting_at_the_advised_scale_skips_no_step(too_high: memfit.Engine) -> None:
@@ -116,7 +133,7 @@ def test_headroom_under_a_large_budget_suggests_less_accumulation(
 def test_a_peak_over_the_budget_says_so(too_high: memfit.Engine) -> None:
     facts = engine_facts(too_high)
     peak = by_topic(memfit.run_advice(too_high))["checkpointing"].numbers["peak_bytes"]
-    small = RunFacts(**{**facts.__dict__, "budget_bytes": peak / 2})
+    small = dataclasses.replace(facts, budget_bytes=peak / 2)
     advice = by_topic(advise(too_high.monitor.records, small))
     assert advice["checkpointing"].numbers["peak_share_of_budget"] == 2.0
     assert "over it" in advice["checkpointing"].text
@@ -159,6 +176,9 @@ def test_bf16_needs_no_scale_and_a_fixed_plan_with_headroom_is_told_auto() -> No
     assert checkpointing.numbers["recomputed_units"] > 0
     assert checkpointing.numbers["predicted_peak_bytes"] == eng.plan.predicted_peak_bytes
     assert "checkpoint='auto' at this budget would recompute less" in checkpointing.text
+    assert checkpointing.numbers["predicted_recompute_seconds"] == eng.plan.recompute_seconds > 0
+    step = statistics.median(r["time/step_seconds"] for r in eng.monitor.records[1:])
+    assert checkpointing.numbers["step_seconds"] == step
 
 
 def test_too_few_steps_say_so_instead_of_guessing() -> None:

@@ -92,6 +92,8 @@ class RunFacts:
     """Units the plan recomputes."""
     plan_units: int | None = None
     """Units the plan decided on."""
+    plan_recompute_seconds: float | None = None
+    """The plan's predicted recompute time per step."""
 
 
 def advise(
@@ -182,6 +184,7 @@ def facts_from_run(run: RunLog) -> RunFacts:
         if decisions is None
         else sum(1 for d in decisions.values() if d != "keep"),
         plan_units=None if decisions is None else len(decisions),
+        plan_recompute_seconds=_positive(plan.get("recompute_seconds")),
     )
 
 
@@ -371,7 +374,21 @@ def _checkpointing(
                 f"measured peak {format_bytes(peak)} is {_percent(ratio)} of the predicted "
                 f"{format_bytes(facts.plan_predicted_peak_bytes)}"
             )
-        if overheads and recomputes:
+        step_times = [
+            r["time/step_seconds"] for r in records[1:] if _finite(r, "time/step_seconds")
+        ]
+        if recomputes and facts.plan_recompute_seconds and step_times:
+            # The plan's recompute time against the measured step: its share of a step.
+            numbers["predicted_recompute_seconds"] = facts.plan_recompute_seconds
+            numbers["step_seconds"] = statistics.median(step_times)
+            share = facts.plan_recompute_seconds / numbers["step_seconds"]
+            numbers["predicted_recompute_share"] = share
+            parts.append(
+                f"the plan predicted {1000 * facts.plan_recompute_seconds:.3g} ms of "
+                f"recompute, {_percent(share)} of the measured "
+                f"{1000 * numbers['step_seconds']:.3g} ms step"
+            )
+        elif overheads and recomputes:
             parts.append(f"recompute overhead {_percent(numbers['recompute_overhead'])}")
     else:
         parts.append(f"none in use; measured peak {format_bytes(peak)}")
@@ -438,7 +455,7 @@ def _micro_batch(records: Sequence[Mapping[str, float]], facts: RunFacts) -> Adv
     if samples is None or accumulation is None or samples % accumulation:
         return Advice(
             "micro-batch",
-            f"a micro-batch about {factor:.2g}x the current one would fit the "
+            f"a micro-batch about {_times(factor)} the current one would fit the "
             f"{format_bytes(facts.budget_bytes)} budget ({how})",
             numbers,
         )
@@ -465,13 +482,13 @@ def _micro_batch(records: Sequence[Mapping[str, float]], facts: RunFacts) -> Adv
         )
     elif accumulation == 1:
         text = (
-            f"the whole step is one micro-batch of {micro}; about {factor:.2g}x as many "
+            f"the whole step is one micro-batch of {micro}; about {_times(factor)} as many "
             f"samples would fit the {format_bytes(facts.budget_bytes)} budget ({how})"
         )
     else:
         text = (
             f"micro-batch {micro} x {accumulation} is as large as fits "
-            f"({factor:.2g}x the micro-batch would; {how})"
+            f"({_times(factor)} the micro-batch would; {how})"
         )
     return Advice("micro-batch", text, numbers)
 
@@ -528,6 +545,11 @@ def _throughput(logged: list[Mapping[str, float]]) -> Advice:
 
 def _finite(record: Mapping[str, float], key: str) -> bool:
     return key in record and math.isfinite(record[key])
+
+
+def _times(factor: float) -> str:
+    """``2.5x`` below 10, ``2,468x`` above."""
+    return f"{factor:.2g}x" if factor < 10 else f"{factor:,.0f}x"
 
 
 def _percent(fraction: float) -> str:

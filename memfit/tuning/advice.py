@@ -156,4 +156,5 @@ def engine_facts(engine: Engine) -> RunFacts:
         if decisions is None
         else sum(1 for d in decisions.values() if d != "keep"),
         plan_units=None if decisions is None else len(decisions),
+        plan_recompute_seconds=getattr(plan, "recompute_seconds", None) or None,
     )
