@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from memfit.monitor.report import make_report
 
     advice = memfit.run_advice(args.run_dir)  # a run directory that cannot be read fails here
-    path = make_report(args.run_dir, getattr(args, "out", None))
+    # Printed before the figures are drawn: without matplotlib the advice still shows.
     print("advice:", file=sys.stderr)
     print(render_advice(advice), file=sys.stderr)
+    path = make_report(args.run_dir, getattr(args, "out", None))
     print(path)
     return 0
