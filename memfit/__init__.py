@@ -18,7 +18,7 @@ from memfit.estimate import Estimate, estimate
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.monitor import MonitorConfig
 from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
-from memfit.tuning import TuneResult, tune
+from memfit.tuning import TuneResult, run_advice, tune
 from memfit.units import format_bytes, parse_bytes
 from memfit.version import __version__
 
@@ -54,6 +54,7 @@ __all__ = [
     "remove_plan",
     "parse_bytes",
     "remove_precision",
+    "run_advice",
     "tune",
 ]
 

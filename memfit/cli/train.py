@@ -576,11 +576,22 @@ def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
     engine.close()
     console.print(_summary_table(job, outcome, summary, stats))
     console.print(render_health(checks))
+    _print_advice(run_dir, console)
     try:
         report = make_report(run_dir)
         console.print(f"report: {report}")
     except Exception as exc:  # the run itself succeeded; a report problem is not fatal
         console.print(f"[yellow]report not written: {exc}[/]")
+
+
+def _print_advice(run_dir: Path, console: Console) -> None:
+    """The advice block: from the run directory's records, so that a resumed run's advice
+    covers the whole run (``memfit report RUN_DIR`` prints the same)."""
+    import memfit
+    from memfit.monitor import render_advice
+
+    console.print("[bold]advice[/] (memfit tune measures the choice; these read the run)")
+    console.print(render_advice(memfit.run_advice(run_dir)), markup=False, soft_wrap=True)
 
 
 def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]:
@@ -600,6 +611,11 @@ def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]
         "wall_seconds": elapsed,
         "precision": engine.policy.mode,
         "loss_scale": stats.scale,
+        # What the advice needs beyond the metrics (memfit.run_advice on the run directory).
+        "budget_bytes": engine.settings.memory_budget,
+        "accumulation_steps": engine.settings.accumulation_steps,
+        "init_scale": engine.scaler.init_scale,
+        "growth_interval": engine.scaler.growth_interval,
     }
 
 

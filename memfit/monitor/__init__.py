@@ -3,6 +3,7 @@
 See ``docs/monitoring.md`` for every metric's name, meaning, cost and host syncs.
 """
 
+from memfit.monitor.advice import Advice, RunFacts, advise, advise_run, render_advice
 from memfit.monitor.health import (
     HealthCheck,
     HealthThresholds,
@@ -46,6 +47,7 @@ from memfit.monitor.throughput import (
 __all__ = [
     "FP16_MAX",
     "ActivationRanges",
+    "Advice",
     "ConsoleSink",
     "GradNormStats",
     "HealthCheck",
@@ -55,12 +57,15 @@ __all__ = [
     "MonitorConfig",
     "MultiSink",
     "OverflowWindow",
+    "RunFacts",
     "RunLog",
     "Sink",
     "TensorBoardSink",
     "Throughput",
     "UnderflowStats",
     "activation_metrics",
+    "advise",
+    "advise_run",
     "check_health",
     "check_log_dir",
     "count_flops",
@@ -76,6 +81,7 @@ __all__ = [
     "near_fp16_limit",
     "recompute_overhead_from_flops",
     "recompute_overhead_from_time",
+    "render_advice",
     "render_health",
     "suggest_initial_scale",
 ]

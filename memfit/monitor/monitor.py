@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.monitor.advice import Advice, RunFacts, advise
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
 from memfit.monitor.metrics import (
     ActivationRanges,
@@ -44,6 +45,9 @@ from memfit.monitor.metrics import (
 )
 from memfit.monitor.sinks import JSONLSink, Sink, TensorBoardSink, check_log_dir
 from memfit.precision.policy import PrecisionPolicy
+
+#: Log records :attr:`Monitor.records` keeps before it thins them.
+MAX_RECORDS = 2048
 
 
 @dataclass
@@ -97,6 +101,8 @@ class Monitor:
         self.memory: dict[str, float] = {}
         self.activations: dict[str, float] = {}
         self.last_nonfinite: str | None = None
+        self.records: list[dict[str, float]] = []
+        """What :meth:`log` sent, in step order (thinned past :data:`MAX_RECORDS`)."""
         self.ranges: ActivationRanges | None = None
         if config.enabled and config.activation_every:
             units = config.activation_units
@@ -145,7 +151,24 @@ class Monitor:
         step = int(metrics["step"])
         for sink in self.sinks:
             sink.log(step, metrics)
+        self.records.append(dict(metrics))
+        if len(self.records) > MAX_RECORDS:
+            # Every other record goes, the first and the latest stay: a long run keeps its
+            # whole trajectory at half the resolution, in bounded memory.
+            self.records = self.records[:-1:2] + self.records[-1:]
         return metrics
+
+    def advice(self, facts: RunFacts | None = None) -> list[Advice]:
+        """Advice on the loss scale, checkpointing, the micro-batch and throughput from
+        :attr:`records` (see :func:`memfit.monitor.advice.advise`); ``facts`` adds what the
+        records do not hold (precision, budget, accumulation).
+
+        Example::
+
+            for item in monitor.advice(RunFacts(precision="fp16-mixed")):
+                print(item.topic, item.text)
+        """
+        return advise(self.records, facts, self.config.thresholds)
 
     def health(
         self,

@@ -550,6 +550,21 @@ def _health_table(checks: list[HealthCheck]) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
+def _advice_section(run: RunLog) -> str:
+    # Imported here: the advice reads run directories with this module's load_run.
+    from memfit.monitor.advice import advise_run
+
+    rows = "".join(
+        f"<tr><th>{html.escape(a.topic)}</th><td>{html.escape(a.text)}</td></tr>"
+        for a in advise_run(run)
+    )
+    return (
+        "<section id='advice'><h2>Advice</h2><p class='sub'>From the logged metrics "
+        "(memfit.run_advice); memfit tune measures the choice.</p>"
+        f"<table>{rows}</table></section>"
+    )
+
+
 def make_report(
     run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None
 ) -> Path:
@@ -557,9 +572,10 @@ def make_report(
 
     Figures: loss (train and validation), loss scale with overflow events (logged steps
     where ``amp/skipped`` went up), gradient norm, memory by kind and by dtype, throughput,
-    the checkpoint plan's frontier with the chosen point, and the health table (from
-    ``health.json``, else computed from the last logged metrics). A figure whose data is
-    absent is replaced by a short note. ``out_dir`` defaults to ``<run_dir>/report``.
+    the checkpoint plan's frontier with the chosen point, the health table (from
+    ``health.json``, else computed from the last logged metrics) and the run's advice
+    (:func:`memfit.monitor.advice.advise_run`). A figure whose data is absent is replaced
+    by a short note. ``out_dir`` defaults to ``<run_dir>/report``.
 
     Raises :class:`memfit.errors.ConfigError` for a missing run directory, one without
     metrics, an unwritable ``out_dir``, or when matplotlib is not installed.
@@ -599,6 +615,7 @@ def make_report(
         f"<section id='health'><h2>Health</h2><p class='sub'>{html.escape(source)}</p>"
         f"{health_html}</section>"
     )
+    advice_section = _advice_section(run)
     from memfit.version import __version__
 
     title = f"memfit run report: {run.run_dir.resolve().name}"
@@ -627,6 +644,7 @@ def make_report(
 <p class="sub">{html.escape(subtitle)}</p>
 <section id="summary"><h2>Summary</h2>{_summary_table(run)}</section>
 {health_section}
+{advice_section}
 {"".join(sections)}
 <footer>{html.escape(str(run.run_dir))} · memfit {html.escape(__version__)} · {time.strftime("%Y-%m-%d %H:%M:%S")}</footer>
 </main>

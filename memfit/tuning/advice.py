@@ -1,17 +1,26 @@
-"""Tuning advice from what the tuner saw: the loss scale, the checkpoint interval, the split.
+"""Tuning advice from what the tuner saw (the loss scale, the checkpoint interval, the
+split), and from what the monitor saw during a run (:func:`run_advice`).
 
-Each function returns one sentence, printed with the choice (``TuneResult.advice``).
+Each tuner function returns one sentence, printed with the choice (``TuneResult.advice``);
+:func:`run_advice` returns :class:`~memfit.monitor.advice.Advice` records, computed by
+:func:`memfit.monitor.advice.advise` from an Engine's monitor or a run directory.
 
 Example::
 
     loss_scale_advice(GradStats(amax=0.8, underflow_fraction=0.02), "bf16-mixed")
+    for item in memfit.run_advice(engine):
+        print(item.topic, item.text)
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
+from memfit.engine import Engine
+from memfit.monitor.advice import Advice, RunFacts, advise, advise_run
+from memfit.monitor.report import RunLog
 from memfit.tuning.result import TuneRow
 from memfit.tuning.trials import GradStats
 from memfit.units import format_bytes
@@ -104,3 +113,48 @@ def split_advice(rows: Sequence[TuneRow], best: TuneRow, budget: int) -> str:
             f"{format_bytes(nxt.predicted_peak_bytes)}, over the budget"
         )
     return text
+
+
+def run_advice(source: Engine | RunLog | str | os.PathLike[str]) -> list[Advice]:
+    """Advice on the loss scale, checkpointing, the micro-batch and throughput from what
+    the monitor recorded: an Engine's (live, with its settings and plan) or a finished run
+    directory's ``metrics.jsonl`` (with its ``summary.json``, ``config.json`` and
+    ``plan.json``).
+
+    A run with too few steps gets one ``"run"`` advice saying so. A directory that is not
+    a run directory, or holds no metrics, raises :class:`~memfit.errors.ConfigError`.
+
+    Example::
+
+        engine = memfit.Engine(model, opt, precision="fp16-mixed", memory_budget="4GiB")
+        for batch in batches:
+            engine.train_step(batch, loss_fn)
+        for item in memfit.run_advice(engine):
+            print(f"{item.topic}: {item.text}")
+    """
+    if isinstance(source, Engine):
+        return advise(
+            source.monitor.records, engine_facts(source), source.monitor.config.thresholds
+        )
+    return advise_run(source)
+
+
+def engine_facts(engine: Engine) -> RunFacts:
+    """What the advice needs from an Engine beyond its monitor's records."""
+    plan, scaler, settings = engine.plan, engine.scaler, engine.settings
+    decisions = getattr(plan, "decisions", None)
+    budget = settings.memory_budget or getattr(plan, "budget_bytes", None)
+    return RunFacts(
+        precision=engine.policy.mode,
+        budget_bytes=None if budget is None else float(budget),
+        accumulation_steps=settings.accumulation_steps,
+        init_scale=scaler.init_scale if scaler.dynamic else None,
+        growth_interval=scaler.growth_interval if scaler.dynamic else None,
+        checkpoint=settings.checkpoint,
+        plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
+        plan_recomputed_units=None
+        if decisions is None
+        else sum(1 for d in decisions.values() if d != "keep"),
+        plan_units=None if decisions is None else len(decisions),
+        plan_recompute_seconds=getattr(plan, "recompute_seconds", None) or None,
+    )
