@@ -116,6 +116,15 @@ def write_run(
     return run_dir
 
 
+def test_a_run_that_asked_for_auto_names_the_mode_it_trained_in(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", precision="auto")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "precision": "bf16-mixed"}))
+    assert load_run(run_dir).precision == "bf16-mixed"
+    (run_dir / "summary.json").unlink()  # still running: no mode known yet
+    assert load_run(run_dir).precision is None
+
+
 def test_load_run_reads_every_file(tmp_path: Path) -> None:
     run = load_run(write_run(tmp_path / "run"))
     assert run.precision == "fp16-mixed"

@@ -114,9 +114,10 @@ class RunLog:
 
     @property
     def precision(self) -> str | None:
-        """The run's precision mode, from ``config.json`` or ``summary.json``."""
-        value = self.config.get("precision") or self.summary.get("precision")
-        return str(value) if value else None
+        """The run's precision mode: what it trained in (``summary.json``), else what it
+        asked for (``config.json``; ``"auto"`` names no mode)."""
+        value = self.summary.get("precision") or self.config.get("precision")
+        return str(value) if value and value != "auto" else None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
