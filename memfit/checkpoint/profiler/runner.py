@@ -79,7 +79,6 @@ def run_step(
                 m.__dict__["_memfit_iterated"] = rec.iterated[unit.name]
                 swapped.append((m, type(m)))
                 m.__class__ = iter_override_class(type(m), _probe_iter)
-        rec.probe = torch.zeros((), requires_grad=True)
         modes = contextlib.ExitStack()
         with modes:
             if rec.full:
