@@ -504,6 +504,26 @@ def _same_bytes(a: Profile, b: Profile) -> None:
         assert getattr(a, f) == getattr(b, f), f
 
 
+def test_the_cycle_collector_rests_during_a_fake_step_only(monkeypatch) -> None:
+    import gc
+
+    from memfit.checkpoint.profiler import measure
+
+    enabled: list[bool] = []
+    run_step = measure.run_step
+
+    def watched(*args, **kwargs):
+        enabled.append(gc.isenabled())
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "run_step", watched)
+    profile(_chain(), X)
+    with torch.device("meta"):
+        meta = _chain()
+    profile(meta, X.to("meta"), fake_device="cpu")
+    assert enabled == [True, False] and gc.isenabled()
+
+
 def test_what_the_recorder_keeps_between_ops_changes_no_profile(monkeypatch) -> None:
     # The recorder looks each op up once a step, and in backward keeps what every unit's
     # subtree still holds while one autograd node runs. Looked up again for every op, the

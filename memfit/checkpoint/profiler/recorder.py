@@ -411,8 +411,11 @@ class Recorder:
                 packet, FLOP_REGISTRY.get(packet), func._schema.is_mutable, packet in MATMUL_OPS
             )
         phase = self.phase
-        ins = tensors((args, kwargs))
-        outs = tensors(out)
+        ins = _op_tensors(args, kwargs)
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        else:  # most are device queries (fake tensors' ``prim.device``): no tensor out
+            outs = [] if type(out) in _SCALARS else tensors(out)
         if phase == "fwd" and self.full:
             self.check_chain_use(ins)
         if phase in ("fwd", "loss") and self.mm_units and op.mutable:
@@ -559,6 +562,24 @@ class Recorder:
                 self.bwd_events.append((self.now(), owner))
 
         return hook
+
+
+#: Argument types that hold no tensor (an op's scalars, dtypes, devices, shapes).
+_SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.device, torch.Size})
+
+
+def _op_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """``tensors((args, kwargs))``, walking an op's flat arguments without the general
+    walk (this runs for every op of a step)."""
+    found: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif type(a) not in _SCALARS:
+            found.extend(tensors(a))
+    if kwargs:
+        found.extend(tensors(kwargs))
+    return found
 
 
 #: The dispatch keys of Python modes and subclasses: excluded, ops run as plain ones.
