@@ -1,6 +1,8 @@
 """Estimates at scale on this CPU: a Llama-2-7B-shaped Hugging Face model and a 64-layer,
 4096-wide built-in GPT, each estimated on fake tensors (no weights allocated), with the
-wall time and the process's peak resident memory (``resource.getrusage`` maxrss).
+wall time, the process's CPU time (``time.process_time``: the wall time on an idle core,
+whatever else shares the machine) and its peak resident memory (``resource.getrusage``
+maxrss).
 
 Run: ``python bench/estimate.py [--device-memory 80GB]``; the numbers are in
 docs/estimate.md.
@@ -56,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(2)
     for name, (make, batch_size) in CASES.items():
         model_fn, inputs_fn, loss_fn = make()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         est = estimate(
             model_fn,
             inputs_fn,
@@ -65,10 +67,11 @@ def main() -> None:
             precisions=["fp32", "bf16-mixed", "bf16-master"],
             device_memory=args.device_memory,
         )
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         print(f"## {name}")
         print(
-            f"wall {seconds:.1f} s, peak RSS of the process so far {format_bytes(max_rss_bytes())}"
+            f"wall {seconds:.1f} s, CPU {cpu:.1f} s, "
+            f"peak RSS of the process so far {format_bytes(max_rss_bytes())}"
         )
         print(est.summary(rich=False))
         for precision in ("fp32", "bf16-mixed", "bf16-master"):

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -121,9 +120,10 @@ def optimizer_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
     root of its second moments); per-parameter (``foreach=False``) a few of the largest
     parameter's size; ``fused`` none.
 
-    The answer is kept per optimizer while its parameters' shapes, dtypes and devices and
-    its settings stay the same (a shadow step of a large model takes seconds, and planners
-    ask again for every strategy they solve).
+    The answer is kept for the optimizer's class, settings and its parameters' shapes,
+    dtypes and devices (a shadow step of a large model takes seconds, and planners ask
+    again for every strategy they solve; an estimate builds one optimizer per precision
+    over the same meta parameters): another optimizer alike gets it without a step.
 
     Example::
 
@@ -131,18 +131,20 @@ def optimizer_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
         optimizer_step_temp_bytes(opt)   # about the bytes of the parameters
     """
     key = _optimizer_signature(optimizer)
-    known = _TEMP_BYTES.get(optimizer)
-    if known is not None and known[0] == key:
-        return known[1]
-    found = _shadow_step_temp_bytes(optimizer)
-    _TEMP_BYTES[optimizer] = (key, found)
-    return found
+    known = _TEMP_BYTES.get(key)
+    if known is None:
+        known = _shadow_step_temp_bytes(optimizer)
+        if len(_TEMP_BYTES) >= _TEMP_BYTES_KEPT:
+            del _TEMP_BYTES[next(iter(_TEMP_BYTES))]  # the oldest answer
+    else:
+        del _TEMP_BYTES[key]  # moved to the end: the newest
+    _TEMP_BYTES[key] = known
+    return known
 
 
-#: :func:`optimizer_step_temp_bytes`'s answers: optimizer -> (its signature, bytes).
-_TEMP_BYTES: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, int]] = (
-    weakref.WeakKeyDictionary()
-)
+#: :func:`optimizer_step_temp_bytes`'s answers by optimizer signature, oldest first.
+_TEMP_BYTES: dict[Any, int] = {}
+_TEMP_BYTES_KEPT = 16
 
 
 def _optimizer_signature(optimizer: torch.optim.Optimizer) -> Any:

@@ -24,6 +24,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+#: Leaves that hold no tensor (an op's scalar arguments, shapes, dtypes and devices).
+_NO_TENSORS = frozenset(
+    {type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device}
+    | {torch.layout, torch.memory_format}
+)
+
 
 def _children(leaf: Any) -> list[Any] | None:
     """The values inside a container pytree treats as a leaf, or None for a true leaf."""
@@ -50,6 +56,17 @@ def tensors(obj: Any) -> list[torch.Tensor]:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
             out.append(item)
+            continue
+        # The profiler asks for every op's arguments: plain containers and scalars are
+        # walked here (in pytree's order), without pytree's per-node lookups.
+        kind = type(item)
+        if kind is tuple or kind is list:
+            stack.extend(reversed(item))
+            continue
+        if kind is dict:
+            stack.extend(reversed(item.values()))
+            continue
+        if kind in _NO_TENSORS:
             continue
         leaves = pytree.tree_leaves(item)
         if len(leaves) == 1 and leaves[0] is item:

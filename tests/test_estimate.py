@@ -250,6 +250,32 @@ def test_optimizer_temp_bytes_are_remembered_until_the_optimizer_changes() -> No
     assert optimizer_step_temp_bytes(opt) >= 256 * 256 * 4 > first
 
 
+def test_optimizer_temp_bytes_are_shared_by_optimizers_alike_only(monkeypatch) -> None:
+    import memfit.fake as fake
+
+    monkeypatch.setattr(fake, "_TEMP_BYTES", {})
+    steps: list[torch.optim.Optimizer] = []
+    shadow = fake._shadow_step_temp_bytes
+    monkeypatch.setattr(fake, "_shadow_step_temp_bytes", lambda o: steps.append(o) or shadow(o))
+
+    def adamw(width: int, dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(nn.Linear(width, 8).to(dtype).parameters(), foreach=True)
+
+    first = fake.optimizer_step_temp_bytes(adamw(64))
+    # Another optimizer of the same class, settings and parameter shapes: no shadow step.
+    assert fake.optimizer_step_temp_bytes(adamw(64)) == first and len(steps) == 1
+    # Other shapes or dtypes are stepped again, and their temporaries differ.
+    wider = fake.optimizer_step_temp_bytes(adamw(128))
+    half = fake.optimizer_step_temp_bytes(adamw(64, torch.bfloat16))
+    assert len(steps) == 3 and wider > first > half > 0
+    assert fake.optimizer_step_temp_bytes(adamw(64)) == first and len(steps) == 3
+    # Only the newest answers are kept: the oldest gives way first.
+    for width in range(1, fake._TEMP_BYTES_KEPT + 1):
+        fake.optimizer_step_temp_bytes(adamw(width))
+    assert len(fake._TEMP_BYTES) == fake._TEMP_BYTES_KEPT
+    assert fake.optimizer_step_temp_bytes(adamw(128)) == wider and len(steps) == 4 + 16
+
+
 HF_TINY = {
     "llama": "num_hidden_layers=2 hidden_size=32 num_attention_heads=2 num_key_value_heads=2 "
     "intermediate_size=64 vocab_size=100",

@@ -504,6 +504,58 @@ def _same_bytes(a: Profile, b: Profile) -> None:
         assert getattr(a, f) == getattr(b, f), f
 
 
+def test_the_cycle_collector_rests_during_a_fake_step_only(monkeypatch) -> None:
+    import gc
+
+    from memfit.checkpoint.profiler import measure
+
+    enabled: list[bool] = []
+    run_step = measure.run_step
+
+    def watched(*args, **kwargs):
+        enabled.append(gc.isenabled())
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "run_step", watched)
+    profile(_chain(), X)
+    with torch.device("meta"):
+        meta = _chain()
+    profile(meta, X.to("meta"), fake_device="cpu")
+    assert enabled == [True, False] and gc.isenabled()
+
+
+def test_what_the_recorder_keeps_between_ops_changes_no_profile(monkeypatch) -> None:
+    # The recorder looks each op up once a step, and in backward keeps what every unit's
+    # subtree still holds while one autograd node runs. Looked up again for every op, the
+    # profile is the same, number for number.
+    from memfit.checkpoint.profiler.recorder import Recorder
+
+    models = pytest.importorskip("memfit.models")
+    cfg = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    with torch.device("meta"):
+        meta = models.GPT(cfg)
+    x = torch.zeros(3, 16, dtype=torch.long, device="meta")
+    kept = profile(meta, x, precision="bf16-mixed", fake_device="cpu")
+    on_op, alive_around = Recorder.on_op, Recorder.alive_around
+    calls = [0]
+
+    def fresh_op(self, *args):
+        calls[0] += 1
+        self.ops.clear()
+        return on_op(self, *args)
+
+    def fresh_alive(self, unit):
+        self.alive_of = None
+        return alive_around(self, unit)
+
+    monkeypatch.setattr(Recorder, "on_op", fresh_op)
+    monkeypatch.setattr(Recorder, "alive_around", fresh_alive)
+    again = profile(meta, x, precision="bf16-mixed", fake_device="cpu")
+    assert calls[0] > 100
+    assert repr(again) == repr(kept)
+    assert any(u.backward_peak_bytes > 0 for u in kept.root.walk())
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_meta_device_gpt_matches_real(precision: str) -> None:
     models = pytest.importorskip("memfit.models")

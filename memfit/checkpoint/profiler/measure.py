@@ -15,7 +15,14 @@ from memfit.checkpoint.profiler.build import build_costs, mark_shared_inputs, po
 from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE
 from memfit.checkpoint.profiler.recorder import Recorder, Stats, storage_of
 from memfit.checkpoint.profiler.result import Profile
-from memfit.checkpoint.profiler.runner import default_loss, fake_run, is_fake, preserved, run_step
+from memfit.checkpoint.profiler.runner import (
+    collector_paused,
+    default_loss,
+    fake_run,
+    is_fake,
+    preserved,
+    run_step,
+)
 from memfit.checkpoint.profiler.timing import (
     Timing,
     piece_overhead,
@@ -123,7 +130,10 @@ def profile(
             rec.resident = {
                 storage_of(t)[0] for t in [*model.parameters(), *model.buffers(), *tensors(inputs)]
             }
-            output, bwd_seconds = run_step(model, inputs, loss_fn, policy, device.type, rec, tree)
+            with collector_paused(not measured):
+                output, bwd_seconds = run_step(
+                    model, inputs, loss_fn, policy, device.type, rec, tree
+                )
             grad_bytes = _unique_bytes([p.grad for p in model.parameters() if p.grad is not None])
             input_bytes = _unique_bytes(tensors(inputs))
             output_bytes = rec.nonresident_bytes(tensors(output))

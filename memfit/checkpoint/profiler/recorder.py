@@ -15,7 +15,7 @@ import weakref
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -99,6 +99,15 @@ class _Call:
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
 
+class _Op(NamedTuple):
+    """What :meth:`Recorder.on_op` needs of an op, looked up once per op."""
+
+    packet: Any
+    formula: Callable[..., int] | None  # its FLOP formula, if it has one
+    mutable: bool  # whether it writes to an argument
+    matmul: bool  # one of MATMUL_OPS
+
+
 @dataclass
 class ChainState:
     n: int
@@ -145,10 +154,9 @@ class Recorder:
         self.stack: list[_Call] = []
         self.phase: str | None = None
         self.bwd_owner: str | None = None
-        self.quiet = False
         self.markers: list[int] = []
         self.owners: list[str | None] = []
-        self.probe: torch.Tensor | None = None
+        self.probe: torch.Tensor | None = None  # a plain tensor whose views number nodes
         self.bwd_events: list[tuple[float, str | None]] = []
         self.resident: set[Any] = set()
         self.saved_seen: dict[Any, Any] = {}
@@ -168,6 +176,9 @@ class Recorder:
         self.bwd_live = [0]
         self.bwd_seq = 0  # the sequence number of the autograd node running backward
         self.probes_this_op = 0
+        self.ops: dict[Any, _Op] = {}  # what on_op needs of each op, looked up once a step
+        self.alive_of: tuple[str, int] | None = None  # what alive_chain is for
+        self.alive_chain: list[tuple[Stats, int]] = []
         # Per unit, what its subtree saved in forward: sequence numbers and running bytes.
         self.save_seqs: dict[str, list[int]] = {u.name: [] for u in tree}
         self.save_bytes: dict[str, list[int]] = {u.name: [] for u in tree}
@@ -195,13 +206,13 @@ class Recorder:
 
     def sequence_now(self) -> int:
         """The sequence number the next autograd node will get (a probe node's)."""
-        self.quiet = True
-        try:
-            with torch.enable_grad():
-                assert self.probe is not None
-                node = self.probe.view_as(self.probe).grad_fn
-        finally:
-            self.quiet = False
+        # The probe is a plain tensor and runs outside the Python dispatch modes (the
+        # recorder's and a fake mode's): a view of it is then a few microseconds, not a
+        # dispatched op, and it takes a number all the same.
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS), torch.enable_grad():
+            if self.probe is None:
+                self.probe = torch.zeros((), requires_grad=True)
+            node = self.probe.view_as(self.probe).grad_fn
         # No node under inference mode: nothing there goes to backward anyway.
         return node._sequence_nr() if node is not None else (self.markers or [0])[-1]
 
@@ -276,12 +287,13 @@ class Recorder:
                     f"updates buffer {type(m).__name__}.{label} in forward, so a recompute "
                     "would see the updated value"
                 )
-        st.output_bytes += self.nonresident_bytes(tensors(output))
+        returned = tensors(output)
+        st.output_bytes += self.nonresident_bytes(returned)
         st.saved_after_children += call.saved_after_children
         st.tail_flops += call.tail_flops
         st.tail_time += call.tail_time
         self.chain_exit(name, output)
-        self.check_chain_use(output, inside=name)
+        self.check_chain_use(returned, inside=name)
 
     def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         where = self.parent_of.get(name)
@@ -371,13 +383,13 @@ class Recorder:
 
     # ---- ops
 
-    def check_chain_use(self, values: Any, inside: str | None = None) -> None:
+    def check_chain_use(self, items: list[torch.Tensor], inside: str | None = None) -> None:
         """A chain child's output used anywhere but inside the next child (an op of the
-        parent's, or a unit's output holding it): the chain cannot run in segments, which
-        yield one output per segment."""
+        parent's, or a unit's output holding ``items``): the chain cannot run in segments,
+        which yield one output per segment."""
         if not self.chain_outputs:
             return
-        for t in tensors(values):
+        for t in items:
             where = self.chain_outputs.get(storage_of(t)[0])
             if where is None:
                 continue
@@ -390,37 +402,52 @@ class Recorder:
             self.chains[chain].ok = False
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
+        # Every op of a step comes here: its tensors are gathered once, for all the checks.
         self.probes_this_op = 0  # its saved tensors are packed after this, as its node is made
-        if self.phase == "fwd" and self.full:
-            self.check_chain_use((args, kwargs))
-        if self.phase in ("fwd", "loss") and self.mm_units and func._schema.is_mutable:
+        op = self.ops.get(func)
+        if op is None:
+            packet = func.overloadpacket
+            op = self.ops[func] = _Op(
+                packet, FLOP_REGISTRY.get(packet), func._schema.is_mutable, packet in MATMUL_OPS
+            )
+        phase = self.phase
+        ins = _op_tensors(args, kwargs)
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        else:  # most are device queries (fake tensors' ``prim.device``): no tensor out
+            outs = [] if type(out) in _SCALARS else tensors(out)
+        if phase == "fwd" and self.full:
+            self.check_chain_use(ins)
+        if phase in ("fwd", "loss") and self.mm_units and op.mutable:
             self.check_mutation(func, args, kwargs)
-        if self.phase == "bwd":
-            self.backward_made(out)
+        if phase == "bwd":
+            self.backward_made(outs)
             if self.in_head:
-                self.head_made(out)
-        if self.phase == "fwd":
+                self.head_made(outs)
+        if phase == "fwd":
             unit = self.stack[-1].name if self.stack else None
-        elif self.phase == "bwd":
+        elif phase == "bwd":
             unit = self.bwd_owner
         else:
             unit = None
         if unit is None:
             return
-        packet = func.overloadpacket
-        formula = FLOP_REGISTRY.get(packet)
+        packet, formula = op.packet, op.formula
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        moved = sum(t.numel() * t.element_size() for t in tensors((args, kwargs, out)))
+        moved = 0
+        for t in ins:
+            moved += t.numel() * t.element_size()
+        for t in outs:
+            moved += t.numel() * t.element_size()
         estimate = max(flops / self.flop_rate, moved / self.bandwidth)
         st = self.stats[unit]
-        if self.phase == "bwd":
+        if phase == "bwd":
             st.est_bwd_own += estimate
             if self.full:
-                name: str | None = unit
-                while name is not None:  # the unit and every unit around it
-                    up = self.stats[name]
-                    up.bwd_peak = max(up.bwd_peak, self.saved_alive(name) + self.bwd_live[0])
-                    name = self.parent_name.get(name)
+                live = self.bwd_live[0]
+                for up, alive in self.alive_around(unit):  # the unit and every unit around it
+                    if alive + live > up.bwd_peak:
+                        up.bwd_peak = alive + live
             return
         st.flops_own += flops
         st.est_fwd_own += estimate
@@ -428,9 +455,9 @@ class Recorder:
         for call in self.stack:
             call.tail_flops += flops
             call.tail_time += op_time
-        if packet in MATMUL_OPS:
+        if op.matmul:
             st.mm_time_own += op_time
-            for t in tensors(out):
+            for t in outs:
                 key, nbytes, ref = storage_of(t)
                 if key not in self.mm_seen and key not in self.resident:
                     self.mm_seen[key] = ref
@@ -445,6 +472,19 @@ class Recorder:
                     f"draws random numbers from an explicit torch.Generator ({packet}), "
                     "which checkpoint does not replay"
                 )
+
+    def alive_around(self, unit: str) -> list[tuple[Stats, int]]:
+        """Each unit from ``unit`` up to the root, with what its subtree saved that backward
+        has not reached yet. Fixed while one autograd node runs (its ops share it), so kept
+        until the next node starts."""
+        if self.alive_of != (unit, self.bwd_seq):
+            chain: list[tuple[Stats, int]] = []
+            name: str | None = unit
+            while name is not None:
+                chain.append((self.stats[name], self.saved_alive(name)))
+                name = self.parent_name.get(name)
+            self.alive_of, self.alive_chain = (unit, self.bwd_seq), chain
+        return self.alive_chain
 
     def check_mutation(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """Selective recompute caches matmul outputs and refuses, in backward, one that
@@ -462,11 +502,11 @@ class Recorder:
                         f"({func.overloadpacket}), which selective recompute cannot replay"
                     )
 
-    def backward_made(self, out: Any) -> None:
+    def backward_made(self, made: list[torch.Tensor]) -> None:
         """Follow the new tensors a backward op makes while they live (``bwd_live``)."""
         if not self.full:
             return
-        for t in tensors(out):
+        for t in made:
             key, nbytes, ref = storage_of(t)
             if key in self.bwd_keys or key in self.saved_seen or key in self.resident:
                 continue
@@ -477,10 +517,10 @@ class Recorder:
             self.bwd_keys.add(key)
             self.bwd_live[0] += nbytes
 
-    def head_made(self, out: Any) -> None:
+    def head_made(self, made: list[torch.Tensor]) -> None:
         """Count the new tensors an op of the head of backward makes (gradients, among them
         the top modules' weight gradients) while they live, and keep their peak."""
-        for t in tensors(out):
+        for t in made:
             key, nbytes, ref = storage_of(t)
             if key in self.head_keys or key in self.saved_seen or key in self.resident:
                 continue  # a view of a gradient counted already, or a forward tensor
@@ -524,6 +564,30 @@ class Recorder:
         return hook
 
 
+#: Argument types that hold no tensor (an op's scalars, dtypes, devices, shapes).
+_SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.device, torch.Size})
+
+
+def _op_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """``tensors((args, kwargs))``, walking an op's flat arguments without the general
+    walk (this runs for every op of a step)."""
+    found: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif type(a) not in _SCALARS:
+            found.extend(tensors(a))
+    if kwargs:
+        found.extend(tensors(kwargs))
+    return found
+
+
+#: The dispatch keys of Python modes and subclasses: excluded, ops run as plain ones.
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
 def _head_freed(keys: set[Any], live: list[int], key: Any, nbytes: int) -> None:
     keys.discard(key)
     live[0] -= nbytes
@@ -549,7 +613,7 @@ class OpMode(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         rec = self.rec
-        if rec.quiet or rec.phase is None:
+        if rec.phase is None:
             return func(*args, **kwargs)
         t0 = rec.now() if rec.measured else 0.0
         out = func(*args, **kwargs)
