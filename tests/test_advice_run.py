@@ -290,3 +290,107 @@ def test_a_short_run_directory_says_too_few_steps(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     advice = memfit.run_advice(tmp_path)
     assert [a.topic for a in advice] == ["run"] and "too few steps" in advice[0].text
+
+
+# ---------------------------------------------------------------------- edge records
+
+
+def _records(steps: int, every: int, **per_step: object) -> list[dict[str, float]]:
+    """Synthetic log records: a loss scale, throughput and memory, ``per_step`` overrides
+    as functions of the step."""
+    out = []
+    for step in range(every, steps + 1, every):
+        r: dict[str, float] = {
+            "step": float(step),
+            "loss": 1.0,
+            "amp/scale": 65536.0,
+            "amp/skipped": 0.0,
+            "time/step_seconds": 0.1,
+            "throughput/samples_per_second": 160.0,
+            "memory/peak_bytes": 4e6,
+            "memory/kind/params": 1e6,
+            "memory/kind/grads": 1e6,
+            "memory/kind/optimizer": 1e6,
+            "memory/kind/activations": 1e6,
+        }
+        for key, fn in per_step.items():
+            r[key.replace("__", "/")] = fn(step)  # type: ignore[operator]
+        out.append(r)
+    return out
+
+
+def test_a_sqrt_plan_counts_its_segments_as_recomputed() -> None:
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(9)]
+    )
+    eng = memfit.Engine(
+        chain, torch.optim.SGD(chain.parameters(), lr=0.01), checkpoint="sqrt", log_every=5
+    )
+    for i in range(20):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(i))
+        eng.train_step(x, lambda m, b: m(b).square().mean())
+    # A sqrt plan keeps every unit's decision and recomputes through segments of them.
+    assert all(d == "keep" for d in eng.plan.decisions.values()) and eng.plan.segments
+    checkpointing = by_topic(memfit.run_advice(eng))["checkpointing"]
+    spans = [e - s + 1 for spans in eng.plan.segments.values() for s, e in spans]
+    assert checkpointing.numbers["recomputed_units"] == sum(spans) > 0
+    assert f"{sum(spans)} of" in checkpointing.text
+
+
+def test_rare_late_skips_recommend_no_new_start() -> None:
+    records = _records(1000, 50, amp__skipped=lambda s: 1.0 if s >= 600 else 0.0)
+    facts = RunFacts(precision="fp16-mixed", init_scale=65536.0)
+    scale = by_topic(advise(records, facts))["loss scale"]
+    assert "recommended_init_scale" not in scale.numbers
+    assert "1 of 1000 steps skipped, all after the first clean log window" in scale.text
+
+
+def test_weights_and_state_over_the_budget_fit_no_micro_batch() -> None:
+    records = _records(40, 5)
+    facts = RunFacts(precision="fp32", budget_bytes=2.5e6, accumulation_steps=2)
+    advice = by_topic(advise(records, facts))
+    assert "no micro-batch fits" in advice["micro-batch"].text
+    assert "about -" not in advice["micro-batch"].text
+    assert "which no checkpointing lowers" in advice["checkpointing"].text
+    nan_kind = _records(40, 5, memory__kind__grads=lambda s: float("nan"))
+    text = by_topic(advise(nan_kind, facts))["micro-batch"].text
+    assert "nan" not in text
+
+
+def test_full_checkpointing_over_the_budget_is_told_a_smaller_micro_batch() -> None:
+    facts = RunFacts(
+        precision="fp32",
+        budget_bytes=3.5e6,  # above the 3e6 of weights and state, below the 4e6 peak
+        checkpoint="full",
+        plan_predicted_peak_bytes=3.4e6,
+        plan_recomputed_units=4,
+        plan_units=4,
+        accumulation_steps=1,
+    )
+    text = by_topic(advise(_records(40, 5), facts))["checkpointing"].text
+    assert "every unit is recomputed already" in text and "checkpoint='full'" not in text
+
+
+def test_a_zero_peak_is_no_measurement_and_tiny_rates_do_not_crash() -> None:
+    records = _records(40, 5, memory__peak_bytes=lambda s: 0.0)
+    for r in records:
+        for k in [k for k in r if k.startswith("memory/kind/")]:
+            del r[k]
+    advice = by_topic(advise(records, RunFacts(precision="fp32", budget_bytes=1e9)))
+    assert "measured peak" not in advice["checkpointing"].text
+    assert advice["micro-batch"].text.startswith("no memory was measured")
+    slow = _records(40, 5, throughput__samples_per_second=lambda s: 0.4)
+    slow = [{**r, "time/step_seconds": 1.0} for r in slow]
+    facts = RunFacts(precision="fp32", budget_bytes=1e9, accumulation_steps=2)
+    assert by_topic(advise(slow, facts))["micro-batch"].text  # no ZeroDivisionError
+
+
+def test_a_resumed_runs_warm_up_window_is_left_out_of_the_throughput() -> None:
+    records = _records(40, 5)
+    records[4]["time/step_seconds"] = 1.0  # step 25: the first window after a resume
+    records[4]["throughput/samples_per_second"] = 8.0
+    throughput = by_topic(advise(records, RunFacts(precision="fp32")))["throughput"]
+    assert throughput.numbers["windows"] == len(records) - 2
+    assert throughput.numbers["samples_per_second"] == 160.0
+    assert "2 with warm-up left out" in throughput.text

@@ -576,7 +576,10 @@ def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
     engine.close()
     console.print(_summary_table(job, outcome, summary, stats))
     console.print(render_health(checks))
-    _print_advice(run_dir, console)
+    try:
+        _print_advice(run_dir, console)
+    except Exception as exc:  # the run itself succeeded; advice is not worth failing it
+        console.print(f"[yellow]no advice: {exc}[/]")
     try:
         report = make_report(run_dir)
         console.print(f"report: {report}")

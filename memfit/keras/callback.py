@@ -235,7 +235,8 @@ class MonitorCallback(keras.callbacks.Callback):
                 }
             )
         memory = tf.config.experimental.get_memory_info("CPU:0")
-        metrics["memory/allocated_peak_bytes"] = float(memory["peak"])
+        if memory["peak"] > 0:  # some hosts' TensorFlow reports 0: no measurement
+            metrics["memory/allocated_peak_bytes"] = float(memory["peak"])
         tf.config.experimental.reset_memory_stats("CPU:0")
         if self.plan is not None:
             metrics.update(plan_metrics(self.plan))

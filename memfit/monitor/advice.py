@@ -182,10 +182,22 @@ def facts_from_run(run: RunLog) -> RunFacts:
         plan_predicted_peak_bytes=_positive(plan.get("predicted_peak_bytes")),
         plan_recomputed_units=None
         if decisions is None
-        else sum(1 for d in decisions.values() if d != "keep"),
+        else recomputed_units(decisions, plan.get("segments")),
         plan_units=None if decisions is None else len(decisions),
         plan_recompute_seconds=_positive(plan.get("recompute_seconds")),
     )
+
+
+def recomputed_units(decisions: Mapping[str, str], segments: Any) -> int:
+    """Units a plan recomputes: those not kept, and those inside its segments (a ``sqrt``
+    plan keeps every unit's decision and recomputes through segments of them)."""
+    count = sum(1 for d in decisions.values() if d != "keep")
+    if isinstance(segments, Mapping):
+        for spans in segments.values():
+            for span in spans or ():
+                start, end = span
+                count += int(end) - int(start) + 1
+    return count
 
 
 # ---------------------------------------------------------------------- loss scale
@@ -253,6 +265,14 @@ def _loss_scale(
             f"skipped, {where}, the scale now {_pow2(final)}): raise growth_interval or "
             "hysteresis, keep the overflowing module in fp32 (first_nonfinite names it), or "
             "use bf16-mixed"
+        )
+    elif skipped and calibration == 0:
+        # Rare skips late in the run, none while the scale calibrated: the start was fine.
+        text = (
+            f"{skipped} of {steps} steps skipped, all after the first clean log window "
+            f"({_percent(late_rate)}, under {_percent(thresholds.max_overflow_rate)}): the "
+            f"scale probing upward, as it should; the scale now {_pow2(final)}, no change "
+            "needed"
         )
     elif skipped:
         numbers["recommended_init_scale"] = final
@@ -328,14 +348,15 @@ class _Memory:
 
 
 def _measured_memory(records: Sequence[Mapping[str, float]]) -> _Memory | None:
-    peaks = [r[k] for r in records for k in _PEAK_KEYS if _finite(r, k)]
+    # A peak of 0 is no measurement (TensorFlow's CPU allocator reports 0 on some hosts).
+    peaks = [r[k] for r in records for k in _PEAK_KEYS if _finite(r, k) and r[k] > 0]
     if not peaks:
         return None
     static = None
     for r in records:
-        kinds = [r.get(f"memory/kind/{k}") for k in ("params", "grads", "optimizer")]
+        keys = [f"memory/kind/{k}" for k in ("params", "grads", "optimizer")]
         if "memory/kind/activations" in r:
-            static = sum(k for k in kinds if k is not None)
+            static = sum(r[k] for k in keys if _finite(r, k))
     return _Memory(max(peaks), static)
 
 
@@ -400,11 +421,18 @@ def _checkpointing(
     budget = format_bytes(facts.budget_bytes)
     at = f"peak {_percent(share)} of the {budget} budget"
     if share > 1.0:
-        fix = (
-            "plan at a smaller budget or a stronger strategy (checkpoint='full')"
-            if recomputes
-            else "checkpoint='auto' (--checkpoint auto) plans recomputation to fit"
-        )
+        if memory.static is not None and memory.static >= facts.budget_bytes:
+            fix = (
+                f"the weights, gradients and optimizer state alone ({format_bytes(memory.static)}) "
+                "fill it, which no checkpointing lowers: shard the model, use a '*-master' "
+                "precision or a smaller optimizer state"
+            )
+        elif facts.checkpoint == "full":
+            fix = "every unit is recomputed already: use a smaller micro-batch (more accumulation)"
+        elif recomputes:
+            fix = "plan at a smaller budget or a stronger strategy (checkpoint='full')"
+        else:
+            fix = "checkpoint='auto' (--checkpoint auto) plans recomputation to fit"
         parts.append(f"{at}, over it: {fix}")
     elif not recomputes:
         parts.append(f"{at}: none needed")
@@ -448,11 +476,19 @@ def _micro_batch(records: Sequence[Mapping[str, float]], facts: RunFacts) -> Adv
     growing = memory.peak - static
     if growing <= 0:
         return Advice("micro-batch", "the peak holds nothing that grows with the batch", numbers)
+    if static >= facts.budget_bytes:
+        return Advice(
+            "micro-batch",
+            f"the weights, gradients and optimizer state alone ({format_bytes(static)}) fill "
+            f"the {format_bytes(facts.budget_bytes)} budget: no micro-batch fits; shard the "
+            "model, use a '*-master' precision or a smaller optimizer state",
+            numbers,
+        )
     # Activations and temporaries grow about linearly with the micro-batch; the rest stays.
     factor = (facts.budget_bytes - static) / growing
     numbers["fit_factor"] = factor
     how = "approximate: activations scaled linearly; memfit tune measures it"
-    if samples is None or accumulation is None or samples % accumulation:
+    if samples is None or accumulation is None or samples < accumulation or samples % accumulation:
         return Advice(
             "micro-batch",
             f"a micro-batch about {_times(factor)} the current one would fit the "
@@ -497,7 +533,7 @@ def _samples_per_step(records: Sequence[Mapping[str, float]]) -> int | None:
     """Samples per optimizer step: samples/s times seconds per step over a log window."""
     for r in reversed(records):
         sps, seconds = r.get("throughput/samples_per_second"), r.get("time/step_seconds")
-        if sps and seconds and math.isfinite(sps * seconds):
+        if sps and seconds and math.isfinite(sps * seconds) and round(sps * seconds) >= 1:
             return round(sps * seconds)
     return None
 
@@ -505,9 +541,23 @@ def _samples_per_step(records: Sequence[Mapping[str, float]]) -> int | None:
 # ---------------------------------------------------------------------- throughput
 
 
+#: A log window whose steps took over this many times the median is a warm-up (planning,
+#: first steps after a resume) and is left out of the throughput.
+WARMUP_FACTOR = 3.0
+
+
 def _throughput(logged: list[Mapping[str, float]]) -> Advice:
-    # The first window holds the first step's planning and warm-up: left out.
+    # The first window holds the first step's planning and warm-up: left out; so is a
+    # window whose steps took over WARMUP_FACTOR x the median (a resumed run's warm-up).
     windows = logged[1:]
+    seconds = [r["time/step_seconds"] for r in windows if _finite(r, "time/step_seconds")]
+    if seconds:
+        slow = WARMUP_FACTOR * statistics.median(seconds)
+        windows = [
+            r
+            for r in windows
+            if not _finite(r, "time/step_seconds") or r["time/step_seconds"] <= slow
+        ]
     rates = [
         r["throughput/samples_per_second"]
         for r in windows
@@ -528,7 +578,11 @@ def _throughput(logged: list[Mapping[str, float]]) -> Advice:
     if tokens:
         numbers["tokens_per_second"] = statistics.median(tokens)
         text += f" ({numbers['tokens_per_second']:,.0f} tokens/s)"
-    text += f" over {len(rates)} log windows (the first, with the warm-up, left out)"
+    left_out = len(logged) - len(windows)
+    text += (
+        f" over {len(rates)} log windows ({left_out} with warm-up left out: the first, and "
+        f"any whose steps took over {WARMUP_FACTOR:g}x the median)"
+    )
     mfu = [r["throughput/mfu"] for r in windows if _finite(r, "throughput/mfu")]
     if mfu:
         numbers["mfu"] = statistics.median(mfu)

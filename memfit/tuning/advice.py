@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 
 from memfit.engine import Engine
-from memfit.monitor.advice import Advice, RunFacts, advise, advise_run
+from memfit.monitor.advice import Advice, RunFacts, advise, advise_run, recomputed_units
 from memfit.monitor.report import RunLog
 from memfit.tuning.result import TuneRow
 from memfit.tuning.trials import GradStats
@@ -150,11 +150,11 @@ def engine_facts(engine: Engine) -> RunFacts:
         accumulation_steps=settings.accumulation_steps,
         init_scale=scaler.init_scale if scaler.dynamic else None,
         growth_interval=scaler.growth_interval if scaler.dynamic else None,
-        checkpoint=settings.checkpoint,
+        checkpoint=settings.checkpoint if isinstance(settings.checkpoint, str) else "a given plan",
         plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
         plan_recomputed_units=None
         if decisions is None
-        else sum(1 for d in decisions.values() if d != "keep"),
+        else recomputed_units(decisions, getattr(plan, "segments", None)),
         plan_units=None if decisions is None else len(decisions),
         plan_recompute_seconds=getattr(plan, "recompute_seconds", None) or None,
     )
