@@ -170,7 +170,9 @@ def facts_from_run(run: RunLog) -> RunFacts:
         except ConfigError:
             budget = None
     decisions = plan.get("decisions") if isinstance(plan.get("decisions"), dict) else None
-    accumulation = summary.get("accumulation_steps", config.get("accumulation"))
+    accumulation = summary.get("accumulation_steps")
+    if accumulation is None:
+        accumulation = config.get("accumulation")
     growth = summary.get("growth_interval")
     return RunFacts(
         precision=run.precision,
