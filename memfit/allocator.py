@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -117,6 +118,13 @@ def allocator_peak(
         return AllocatorPeak(int(report.peak_bytes), int(report.start_bytes), report.result)
     activities = [torch.profiler.ProfilerActivity.CPU]
     prof = torch.profiler.profile(activities=activities, profile_memory=True)
+    # Garbage the cycle collector frees inside the window was allocated before it, so its
+    # frees would read as memory the work found alive (the lowest level below), raising
+    # the start and the peak by the garbage's size, at random: a 2.5 MiB tensor of an
+    # earlier test once did. It is collected first, and no collection runs inside.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     with _quiet_stderr():  # the profiler's C++ side announces its start and stop there
         prof.__enter__()
     try:
@@ -124,6 +132,8 @@ def allocator_peak(
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
+        if collecting:
+            gc.enable()
     everything = list(prof.profiler.kineto_results.events())
     events = [
         e

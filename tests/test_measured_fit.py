@@ -38,6 +38,27 @@ def test_allocator_counts_what_the_work_frees_without_having_made_it() -> None:
     assert MiB <= peak.peak_bytes < MiB + 4096
 
 
+def test_garbage_the_collector_frees_is_not_counted_as_memory_the_work_found() -> None:
+    import gc
+
+    class Cycle:
+        pass
+
+    # 4 MiB held only by a reference cycle: garbage, freed whenever the collector runs.
+    cycle = Cycle()
+    cycle.me, cycle.tensor = cycle, allocator_peak(lambda: torch.zeros(MiB)).result
+    del cycle
+
+    def work() -> torch.Tensor:
+        out = torch.ones(MiB // 8)  # 512 KiB
+        gc.collect()  # a collection inside the work (before: freed the 4 MiB here)
+        return out
+
+    peak = allocator_peak(work)
+    assert peak.start_bytes == 0 and peak.peak_bytes < MiB
+    assert gc.isenabled()
+
+
 def test_a_budget_refused_on_an_over_prediction_is_planned_on_the_measured_step() -> None:
     torch.manual_seed(0)
     model, loss_fn, batch_fn = build_model(

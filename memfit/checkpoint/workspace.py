@@ -71,7 +71,7 @@ def kernel_workspace_bytes(
                 device=device,
             )
         seen.append(max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes)))
-    # A kernel's workspace comes back in every run; a stray allocation the process's
-    # profiler saw once (not the step's: 2.5 MiB beside a tiny model's 0.8 MiB step, in
-    # one run of the test suite) does not. The least of the runs is the kernels'.
+    # A kernel's workspace comes back in every run; anything else the allocator saw in
+    # one run only (the allocator measurement leaves the cycle collector out of its
+    # window for that reason) does not. The least of the runs is the kernels'.
     return min(seen)
