@@ -118,11 +118,11 @@ def allocator_peak(
         return AllocatorPeak(int(report.peak_bytes), int(report.start_bytes), report.result)
     activities = [torch.profiler.ProfilerActivity.CPU]
     prof = torch.profiler.profile(activities=activities, profile_memory=True)
-    # Garbage the cycle collector frees inside the window was allocated before it, so its
-    # frees would read as memory the work found alive (the lowest level below), raising
-    # the start and the peak by the garbage's size, at random: a 2.5 MiB tensor of an
-    # earlier test once did. It is collected first, and no collection runs inside.
-    gc.collect()
+    # Garbage the cycle collector would free inside the window was allocated before it,
+    # so its frees would read as memory the work found alive (the lowest level below),
+    # raising the start and the peak by the garbage's size, at random: a 2.5 MiB tensor of
+    # an earlier test once did. No automatic collection runs inside the window (one run
+    # before it would cost a quarter of a second in a large process, at every call).
     collecting = gc.isenabled()
     gc.disable()
     with _quiet_stderr():  # the profiler's C++ side announces its start and stop there

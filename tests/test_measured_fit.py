@@ -44,19 +44,28 @@ def test_garbage_the_collector_frees_is_not_counted_as_memory_the_work_found() -
     class Cycle:
         pass
 
-    # 4 MiB held only by a reference cycle: garbage, freed whenever the collector runs.
-    cycle = Cycle()
-    cycle.me, cycle.tensor = cycle, allocator_peak(lambda: torch.zeros(MiB)).result
-    del cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9, 10**9, 10**9)  # no automatic collection until the work's
+    try:
+        # 4 MiB held only by a reference cycle: garbage, freed when the collector runs.
+        cycle = Cycle()
+        cycle.me, cycle.tensor = cycle, allocator_peak(lambda: torch.zeros(MiB)).result
+        del cycle
 
-    def work() -> torch.Tensor:
-        out = torch.ones(MiB // 8)  # 512 KiB
-        gc.collect()  # a collection inside the work (before: freed the 4 MiB here)
-        return out
+        def work() -> torch.Tensor:
+            out = torch.ones(MiB // 8)  # 512 KiB
+            # From here each new Python object sets off a collection of every generation
+            # where collection is on: before, one freed the 4 MiB inside the window.
+            gc.set_threshold(1, 1, 1)
+            _ = [[i] for i in range(100)]
+            return out
 
-    peak = allocator_peak(work)
+        peak = allocator_peak(work)
+    finally:
+        gc.set_threshold(*thresholds)
     assert peak.start_bytes == 0 and peak.peak_bytes < MiB
     assert gc.isenabled()
+    gc.collect()  # the cycle, collected after the window
 
 
 def test_a_budget_refused_on_an_over_prediction_is_planned_on_the_measured_step() -> None:
