@@ -24,10 +24,7 @@ from memfit.checkpoint.profiler.runner import preserved
 from memfit.memory import measure
 from memfit.precision.policy import PrecisionPolicy
 
-__all__ = ["WORKSPACE_RUNS", "kernel_workspace_bytes"]
-
-#: Runs of the step whose least allocator-over-tracker difference is the kernels' workspace.
-WORKSPACE_RUNS = 2
+__all__ = ["kernel_workspace_bytes"]
 
 
 def kernel_workspace_bytes(
@@ -39,10 +36,11 @@ def kernel_workspace_bytes(
     """Bytes kernels allocate for themselves at a step's peak, beyond every tensor: one
     forward and backward of ``loss()`` on CPU measured by the allocator and by the
     storage tracker at once (:mod:`memfit.allocator`, :mod:`memfit.memory`); their
-    difference at the peak, the least of :data:`WORKSPACE_RUNS` runs. A CPU depthwise
-    convolution's backward, for one, allocates unfold buffers the size of its input times
-    its kernel. (What a unit's forward kernels hold in a rebuild is measured per unit by
-    the probe.) Gradients, buffers and the random state are as before; on other devices 0.
+    difference at the peak (the allocator's window runs no garbage collection, so only the
+    step's own memory shows). A CPU depthwise convolution's backward, for one, allocates
+    unfold buffers the size of its input times its kernel. (What a unit's forward kernels
+    hold in a rebuild is measured per unit by the probe.) Gradients, buffers and the random
+    state are as before; on other devices 0.
 
     Example::
 
@@ -62,16 +60,10 @@ def kernel_workspace_bytes(
             value = loss()
         value.backward()
 
-    seen = []
-    for _ in range(WORKSPACE_RUNS):
-        with preserved(model, train=None, rng_devices=[]):
-            peak = allocator_peak(
-                lambda: measure(step, model=model),
-                live=[*params, *model.buffers(), inputs],
-                device=device,
-            )
-        seen.append(max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes)))
-    # A kernel's workspace comes back in every run; anything else the allocator saw in
-    # one run only (the allocator measurement leaves the cycle collector out of its
-    # window for that reason) does not. The least of the runs is the kernels'.
-    return min(seen)
+    with preserved(model, train=None, rng_devices=[]):
+        peak = allocator_peak(
+            lambda: measure(step, model=model),
+            live=[*params, *model.buffers(), inputs],
+            device=device,
+        )
+    return max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes))
