@@ -202,19 +202,10 @@ def rank_candidates(
     out: list[Candidate] = []
     fitting_plain: set[tuple[str, int]] = set()
     for (precision, micro, strategy, accumulation), cell in zip(cells, found):
+        setting = (precision, strategy, micro, accumulation)
         if cell.row is None:
             out.append(
-                Candidate(
-                    precision,
-                    strategy,
-                    micro,
-                    accumulation,
-                    None,
-                    None,
-                    None,
-                    False,
-                    note="no plan under the budget",
-                )
+                Candidate(*setting, None, None, None, False, note="no plan under the budget")
             )
             continue
         row = cell.row
@@ -231,10 +222,7 @@ def rank_candidates(
         counted = accumulation * (cell.counted_seconds + row.plan.recompute_seconds)
         out.append(
             Candidate(
-                precision,
-                strategy,
-                micro,
-                accumulation,
+                *setting,
                 row.peak_bytes,
                 counted * COUNTED_FLOP_RATE / _rate(speed, precision),
                 row.recompute_fraction,

@@ -112,7 +112,7 @@ class Trial:
             checkpoint = row.plan
         engine = None
         try:
-            with torch.random.fork_rng(devices=_cuda_index(device), device_type="cuda"):
+            with torch.random.fork_rng(devices=cuda_devices(device), device_type="cuda"):
                 torch.manual_seed(seed)
                 model = model_fn().to(device)
                 optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
@@ -136,7 +136,7 @@ class Trial:
         except BaseException:
             if engine is not None:
                 engine.close()
-            _release(device)
+            _collect(device)
             raise
         return cls(row, engine, batch, loss_fn, device, int(peak.peak_bytes))
 
@@ -173,8 +173,12 @@ class Trial:
         except Exception:
             return None
         finally:
-            self.engine.close()
-            _release(self.device)
+            self.release()
+
+    def release(self) -> None:
+        """Close the Engine and give its memory back, reading nothing more."""
+        self.engine.close()
+        _collect(self.device)
 
 
 def time_in_rounds(trials: Sequence[Trial], rounds: int) -> None:
@@ -210,11 +214,12 @@ def holds_trials(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _cuda_index(device: torch.device) -> list[int]:
+def cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose random state a fork around work on ``device`` keeps."""
     return [device.index or 0] if device.type == "cuda" else []
 
 
-def _release(device: torch.device) -> None:
+def _collect(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -36,7 +36,14 @@ from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import matmul_speed
 from memfit.tuning.advice import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
-from memfit.tuning.trials import GradStats, Trial, first_line, holds_trials, time_in_rounds
+from memfit.tuning.trials import (
+    GradStats,
+    Trial,
+    cuda_devices,
+    first_line,
+    holds_trials,
+    time_in_rounds,
+)
 from memfit.units import parse_bytes
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -134,7 +141,7 @@ def tune(
 
     # The trials' timed steps draw from the random generators (dropout): the caller's
     # state is put back when they are done.
-    with torch.random.fork_rng(devices=_cuda_index(where), device_type="cuda"):
+    with torch.random.fork_rng(devices=cuda_devices(where), device_type="cuda"):
         good, grads = _measure(rows, measure_top, steps, start, holds_trials(where))
     if measure_top and not good:
         failed = [r for r in rows if r.error]
@@ -288,7 +295,7 @@ def _start(
     row.measured_peak_bytes = trial.peak_bytes
     if judged and trial.peak_bytes > limit:
         row.error = "over the budget as measured"
-        trial.close()
+        trial.release()  # its gradients are read only for a choice it cannot be
         return None
     return trial
 
@@ -296,10 +303,6 @@ def _start(
 def _record_time(trial: Trial) -> None:
     """The trial's median step time into its row."""
     trial.row.measured_step_seconds = trial.median_seconds
-
-
-def _cuda_index(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
 
 
 def _units(row: TuneRow) -> int | None:
