@@ -37,7 +37,7 @@ from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.estimate import STRATEGIES, estimate_cells
 from memfit.precision.policy import PrecisionPolicy
-from memfit.precision.speed import MatmulSpeed, matmul_speed
+from memfit.precision.speed import MatmulSpeed, expand_precisions, matmul_speed
 from memfit.units import format_bytes
 
 __all__ = [
@@ -183,7 +183,7 @@ def rank_candidates(
 
         best = rank_candidates(model_fn, batch_fn, loss_fn, budget=2**28, global_batch=16)[0]
     """
-    modes = [PrecisionPolicy.of(p).mode for p in (precisions or DEFAULT_PRECISIONS)]
+    modes = expand_precisions(precisions or DEFAULT_PRECISIONS, device)
     splits = split_choices(global_batch, world_size)
     layout = rank_layout(world_size, data_parallel)
     if speed is None:

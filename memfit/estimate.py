@@ -58,6 +58,7 @@ from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
 from memfit.nested import call_model, map_tensors
 from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.speed import expand_precisions
 from memfit.scaling import NotAffine, affine_profile
 from memfit.units import format_bytes, parse_bytes
 
@@ -410,7 +411,8 @@ def estimate(
             ``memfit.plan`` calls it: ``model(x)``, ``model(*x)``, ``model(**x)``).
         optimizer_fn: ``params -> optimizer`` (default ``torch.optim.AdamW``);
             ``lambda p: None`` for none.
-        precisions: precision modes (default: fp32, bf16-mixed, bf16-master).
+        precisions: precision modes (default: fp32, bf16-mixed, bf16-master); ``"auto"``
+            gives a row for each mode ``precision="auto"`` chooses between.
         strategies: a subset of :data:`STRATEGIES` (default: all).
         accumulation_steps: micro-batches per optimizer step (above 1 the gradients are
             held through the last one's forward and backward).
@@ -430,7 +432,10 @@ def estimate(
                               batch_size=4, loss_fn=gpt_loss, device_memory="24GB")
         print(est.summary())
     """
-    modes = [PrecisionPolicy.of(p) for p in (precisions or ("fp32", "bf16-mixed", "bf16-master"))]
+    modes = [
+        PrecisionPolicy(m)
+        for m in expand_precisions(precisions or ("fp32", "bf16-mixed", "bf16-master"))
+    ]
     chosen = list(strategies or STRATEGIES)
     for s in chosen:
         if s not in STRATEGIES:

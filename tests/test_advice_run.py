@@ -325,7 +325,11 @@ def test_a_sqrt_plan_counts_its_segments_as_recomputed() -> None:
         *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(9)]
     )
     eng = memfit.Engine(
-        chain, torch.optim.SGD(chain.parameters(), lr=0.01), checkpoint="sqrt", log_every=5
+        chain,
+        torch.optim.SGD(chain.parameters(), lr=0.01),
+        checkpoint="sqrt",
+        log_every=5,
+        precision="bf16-mixed",
     )
     for i in range(20):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(i))

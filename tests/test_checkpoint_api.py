@@ -208,7 +208,7 @@ def test_malformed_budget_and_strategy() -> None:
 def test_model_without_blocks_says_how_to_name_units() -> None:
     model = torch.nn.Linear(4, 4)
     with pytest.raises(PlanError) as info:
-        memfit.plan(model, torch.randn(2, 4))
+        memfit.plan(model, torch.randn(2, 4), precision="fp32")
     assert "units" in str(info.value)
 
 
@@ -223,7 +223,12 @@ def test_plan_from_another_model_is_refused() -> None:
 def test_resume_restores_the_plan(tmp_path) -> None:
     torch.manual_seed(0)
     model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CASES["gpt"])
-    engine = memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint="full")
+    engine = memfit.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        checkpoint="full",
+        precision="bf16-mixed",
+    )
     engine.train_step(batch_fn(8, generator=0), loss_fn)
     engine.save(tmp_path / "ckpt.pt")
     model2, _, _ = build_model("gpt", data="synthetic", **CASES["gpt"])
@@ -238,9 +243,19 @@ def test_resume_restores_the_plan(tmp_path) -> None:
 def test_engine_rejects_a_misspelt_strategy_when_made() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="unknown checkpoint strategy"):
-        memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint="unifrom:4")
+        memfit.Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            checkpoint="unifrom:4",
+            precision="bf16-mixed",
+        )
     with pytest.raises(ConfigError, match="takes a Plan"):
-        memfit.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint=42)
+        memfit.Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            checkpoint=42,
+            precision="bf16-mixed",
+        )
 
 
 @pytest.mark.parametrize(
@@ -362,12 +377,18 @@ def test_layers_that_keep_state_between_calls_are_never_recomputed_and_the_plan_
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids}
     for strategy in ("full", "optimal"):
-        plan = memfit.plan(model, inputs, strategy=strategy, loss_fn=lambda out: out.loss)
+        plan = memfit.plan(
+            model, inputs, strategy=strategy, loss_fn=lambda out: out.loss, precision="fp32"
+        )
         assert all(d == "keep" for d in plan.decisions.values()), plan.decisions
         notes = " ".join(plan.notes)
         assert "model.layers.0, model.layers.1" in notes and "use_cache=False" in notes
     plan = memfit.plan(
-        model, {**inputs, "use_cache": False}, strategy="full", loss_fn=lambda o: o.loss
+        model,
+        {**inputs, "use_cache": False},
+        strategy="full",
+        loss_fn=lambda o: o.loss,
+        precision="fp32",
     )
     assert plan.decisions["model.layers.0"] == "recompute" and not plan.notes
 
@@ -404,7 +425,7 @@ def test_plan_summary_agrees_with_itself_when_the_optimizer_step_is_the_peak() -
     model = torch.nn.Sequential(*blocks)
     x = torch.randn(2, 512)
     for strategy in ("none", "full", "optimal"):
-        plan = memfit.plan(model, x, strategy=strategy)
+        plan = memfit.plan(model, x, strategy=strategy, precision="fp32")
         peaks = [p.peak_bytes for p in plan.frontier]
         assert plan.predicted_peak_bytes in peaks, (strategy, plan.predicted_peak_bytes, peaks)
         assert min(peaks) >= plan.static_bytes

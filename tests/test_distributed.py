@@ -185,7 +185,9 @@ def _errors(directory: Path) -> dict[str, str]:
     expect("kind_mismatch", lambda: memfit.Engine.resume(ddp_file, fresh, opt))
     ddp = _parallel("ddp", "fp32")
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    expect("engine_plans", lambda: memfit.Engine(ddp, sgd, checkpoint="auto"))
+    expect(
+        "engine_plans", lambda: memfit.Engine(ddp, sgd, checkpoint="auto", precision="bf16-mixed")
+    )
     return errors
 
 

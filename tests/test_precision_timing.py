@@ -18,7 +18,6 @@ from torch import nn
 import memfit
 from memfit.cli.main import main
 from memfit.engine.auto import timed_choice
-from memfit.engine.precision_timing import time_modes
 from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.monitor.monitor import MonitorConfig
@@ -29,6 +28,7 @@ from memfit.precision.speed import (
     choose_from_model,
     probe_settles,
 )
+from memfit.precision.timing import time_modes
 from tests.engine_cases import assert_bitwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import re
+import socket
+import struct
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,96 @@ def test_jsonl_sink_writes_flushed_strict_json_lines(tmp_path: Path) -> None:
     assert len(path.read_text().splitlines()) == 4
 
 
+def _float32(value: float) -> float:
+    """``value`` as TensorBoard stores a scalar (float32)."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def _records(path: Path) -> list[bytes]:
+    """The TFRecords of an event file, each length and data checked against its masked
+    CRC-32C as tensorboard's own pure-Python reader computes it."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data, pos, out = path.read_bytes(), 0, []
+    while pos < len(data):
+        header = data[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
+        assert header_crc == masked_crc32c(header)
+        body = data[pos + 12 : pos + 12 + length]
+        (body_crc,) = struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])
+        assert len(body) == length and body_crc == masked_crc32c(body)
+        out.append(body)
+        pos += 16 + length
+    return out
+
+
+def _scalars(path: Path) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+    """The file_version of an event file and its scalars: tag -> [(step, value)]."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    events = [Event.FromString(body) for body in _records(path)]
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for event in events[1:]:
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return events[0].file_version, scalars
+
+
+def test_crc32c_matches_published_check_values() -> None:
+    from memfit.monitor.sinks import _crc32c
+
+    # The CRC-32C check value, and iSCSI's (RFC 3720, B.4) 32 zero bytes and 32 0xFF bytes.
+    assert _crc32c(b"123456789") == 0xE3069283
+    assert _crc32c(bytes(32)) == 0x8A9136AA
+    assert _crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert _crc32c(b"") == 0
+
+
+def test_tensorboard_event_file_round_trips_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    sink = TensorBoardSink(tmp_path / "tb")
+    logged = {
+        10: {"loss": 2.5, "amp/scale": 65536.0, "lr": 1e-3, "grad/norm": math.inf},
+        20: {"loss": 1.0 / 3.0, "amp/scale": 32768.0, "lr": 3e-4, "grad/norm": -math.inf},
+        30: {"loss": math.nan, "amp/scale": 1.0, "lr": torch.tensor(1e-4), "step": 30.0},
+    }
+    for step, metrics in logged.items():
+        sink.log(step, metrics)
+    (path,) = (tmp_path / "tb").iterdir()
+    # Flushed on each log call (flush_every=1): complete before close.
+    assert len(_records(path)) == 1 + len(logged)
+    sink.close()
+    sink.close()
+    name = (
+        rf"events\.out\.tfevents\.\d{{10}}\.{re.escape(socket.gethostname())}\.{os.getpid()}\.\d+"
+    )
+    assert re.fullmatch(name, path.name)
+    version, scalars = _scalars(path)
+    assert version == "brain.Event:2"
+    assert set(scalars) == {"loss", "amp/scale", "lr", "grad/norm"}  # "step" is the step
+    for tag, points in scalars.items():
+        expected = [(s, _float32(float(m[tag]))) for s, m in logged.items() if tag in m]
+        assert [step for step, _ in points] == [step for step, _ in expected], tag
+        got = [value for _, value in points]
+        want = [value for _, value in expected]
+        assert [struct.pack("<f", v) for v in got] == [struct.pack("<f", v) for v in want], tag
+    with pytest.raises(ConfigError, match="closed"):
+        sink.log(40, {"loss": 1.0})
+
+
+def test_tensorboard_sinks_in_one_directory_write_separate_files(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    first, second = TensorBoardSink(tmp_path), TensorBoardSink(tmp_path, flush_every=2)
+    first.log(1, {"loss": 1.0})
+    second.log(1, {"loss": 2.0})
+    first.close()
+    second.close()
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    assert sorted(_scalars(f)[1]["loss"][0][1] for f in files) == [1.0, 2.0]
+
+
 def test_tensorboard_sink_events_read_back(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -72,16 +168,74 @@ def test_tensorboard_sink_events_read_back(tmp_path: Path) -> None:
     assert set(acc.Tags()["scalars"]) == {"loss", "amp/scale"}
     events = acc.Scalars("loss")
     assert [e.step for e in events] == [10, 20, 30]
-    assert [e.value for e in events] == pytest.approx([2.0, 1.0, 0.0])
+    assert [e.value for e in events] == [_float32(3.0 - step / 10) for step in (10, 20, 30)]
+
+
+# Trains a few logged steps with a log_dir, then reads the events back with tensorboard's
+# own reader held to its pure-Python path (tensorboard.compat.notf), which checks every
+# record's CRCs, all without TensorFlow. Prints what it found as JSON.
+_ENGINE_RUN = """
+    import json, sys, types
+    import torch
+    import memfit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = memfit.Engine(model, opt, precision="fp32", log_every=2, log_dir=sys.argv[1])
+    for _ in range(6):
+        engine.train_step(torch.randn(4, 4), lambda m, b: m(b).square().mean())
+    engine.close()
+    after_run = "tensorflow" in sys.modules
+
+    sys.modules["tensorboard.compat.notf"] = types.ModuleType("tensorboard.compat.notf")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(sys.argv[1] + "/tensorboard")
+    acc.Reload()
+    print(json.dumps({
+        "tensorflow_after_run": after_run,
+        "tensorflow_after_read": "tensorflow" in sys.modules,
+        "loss": [[e.step, e.value] for e in acc.Scalars("loss")],
+        "tags": sorted(acc.Tags()["scalars"]),
+    }))
+"""
+
+
+def test_engine_with_log_dir_writes_events_without_tensorflow(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    env = dict(os.environ)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # were TensorFlow imported, its logs would show
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ENGINE_RUN), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["tensorflow_after_run"] is False
+    assert found["tensorflow_after_read"] is False
+    assert "oneDNN" not in done.stderr and "absl" not in done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [step for step, _ in found["loss"]] == [row["step"] for row in rows] == [2, 4, 6]
+    assert [value for _, value in found["loss"]] == [_float32(row["loss"]) for row in rows]
+    jsonl_tags = {key for row in rows for key in row} - {"step"}
+    assert set(found["tags"]) == jsonl_tags
 
 
 def test_tensorboard_missing_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A None entry in sys.modules makes the import fail as if the package were absent.
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    for name in ("tensorboard", *(m for m in list(sys.modules) if m.startswith("tensorboard."))):
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in ("tensorboard.compat.proto.event_pb2", "tensorboard.compat.proto.summary_pb2"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ConfigError, match=r"pip install memfit\[tensorboard\]"):
         TensorBoardSink(tmp_path / "tb")
+    assert not (tmp_path / "tb").exists()
 
 
 def test_console_sink_prints_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,9 +174,9 @@ def test_micro_batch_auto_refuses_what_it_cannot_use() -> None:
     model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ConfigError, match="chooses accumulation_steps itself"):
-        memfit.Engine(model, opt, micro_batch="auto", accumulation_steps=2)
+        memfit.Engine(model, opt, micro_batch="auto", accumulation_steps=2, precision="bf16-mixed")
     with pytest.raises(ConfigError, match="takes 'auto' or None"):
-        memfit.Engine(model, opt, micro_batch=4)
+        memfit.Engine(model, opt, micro_batch=4, precision="bf16-mixed")
     engine = memfit.Engine(model, opt, precision="fp32", micro_batch="auto", memory_budget=2**30)
     with pytest.raises(ConfigError, match="split already"):
         engine.backward(batch_fn(2, generator=0), loss_fn)

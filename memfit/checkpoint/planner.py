@@ -57,7 +57,9 @@ from memfit.checkpoint.workspace import kernel_workspace_bytes
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.nested import call_model
 from memfit.precision.apply import precision_applied
-from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.kernels import module_device
+from memfit.precision.policy import PrecisionPolicy, is_auto
+from memfit.precision.timing import auto_choice
 from memfit.units import format_bytes, parse_bytes
 
 #: Share of the budget kept free when planning: the allocator's slack and the temporaries
@@ -525,13 +527,34 @@ def check_plan(
     return PlanCheck(predicted, measured, miss, replanned, again)
 
 
+def resolve_policy(
+    precision: str | PrecisionPolicy | None,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+) -> tuple[PrecisionPolicy, tuple[str, ...]]:
+    """The policy to plan under and a note on how it was chosen: ``"auto"`` is measured
+    as the Engine measures it on its first micro-batch
+    (:func:`~memfit.precision.timing.auto_choice`), so a plan made alone is made for the
+    mode training will choose; a mode or a policy is taken as given (None is fp32).
+
+    Example::
+
+        policy, notes = resolve_policy("auto", model, batch, loss_fn)   # fp32 on AVX2 only
+    """
+    if not is_auto(precision):
+        return PrecisionPolicy.of(precision), ()
+    choice = auto_choice(unwrap_compiled(model), batch, loss_fn, module_device(model))
+    return PrecisionPolicy(choice.mode), (choice.describe(),)
+
+
 def make_plan(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | PrecisionPolicy | None = None,
+    precision: str | PrecisionPolicy | None = "auto",
     strategy: str = "optimal",
     budget: Budget = None,
     accumulation_steps: int = 1,
@@ -557,8 +580,9 @@ def make_plan(
     """
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
-    policy = PrecisionPolicy.of(precision)
+    policy, chosen = resolve_policy(precision, model, batch, loss_fn)
     profiled = profile_step(model, batch, loss_fn, policy, units)
+    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
     layout = RankLayout(data_parallel, world_size)
     return solve_profile(
         model,
@@ -579,7 +603,7 @@ def plan(
     budget: Budget = None,
     strategy: str = "optimal",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    precision: str | PrecisionPolicy | None = None,
+    precision: str | PrecisionPolicy | None = "auto",
     optimizer: torch.optim.Optimizer | None = None,
     units: Sequence[str] | None = None,
     accumulation_steps: int = 1,
@@ -608,8 +632,12 @@ def plan(
     """
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
-    policy = PrecisionPolicy.of(precision)
+    loss_of = loss_fn or default_loss
+    policy, chosen = resolve_policy(
+        precision, model, example_inputs, lambda m, x: loss_of(call_model(m, x))
+    )
     profiled = profile_model(model, example_inputs, loss_fn, policy, units, keep_output)
+    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
     layout = RankLayout(data_parallel, world_size)
     return solve_profile(
         model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps), layout=layout
@@ -622,7 +650,7 @@ def plan_step(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     budget: Budget = None,
     strategy: str = "optimal",
-    precision: str | PrecisionPolicy | None = None,
+    precision: str | PrecisionPolicy | None = "auto",
     optimizer: torch.optim.Optimizer | None = None,
     frontier: bool = True,
     accumulation_steps: int = 1,

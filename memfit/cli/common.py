@@ -23,11 +23,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from memfit.nested import map_tensors
-
+# torch is imported where it is used: building the parser (memfit --help) needs none of it.
 if TYPE_CHECKING:
+    import torch
+
     from memfit.models import BuiltModel
 
 
@@ -36,7 +35,7 @@ class UsageError(Exception):
 
 
 #: The defaults of the model flags (``--set`` lands in ``overrides``).
-MODEL_DEFAULTS: dict[str, Any] = {"model": "gpt", "precision": "bf16-mixed", "overrides": []}
+MODEL_DEFAULTS: dict[str, Any] = {"model": "gpt", "precision": "auto", "overrides": []}
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
@@ -60,9 +59,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) ->
     p.add_argument(
         "--precision",
         default=default("precision"),
-        help="fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an alias; "
-        "default: bf16-mixed; memfit train also takes and defaults to auto: the faster of "
-        "fp32 and bf16-mixed, measured)",
+        help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an "
+        "alias; default: auto, the faster of fp32 and bf16-mixed for this model on this "
+        "machine, measured on its first micro-batch)",
     )
     p.add_argument(
         "--set",
@@ -103,6 +102,8 @@ def pick_device(name: str | None) -> torch.device:
         pick_device("cpu")    # device(type='cpu')
         pick_device("meta")   # UsageError: meta tensors hold no data ...
     """
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -139,6 +140,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
         batch = to_device({"x": torch.zeros(4, 3), "note": "a"}, torch.device("cpu"))
     """
+    from memfit.nested import map_tensors
+
     return map_tensors(batch, lambda t: t.to(device))
 
 
@@ -220,6 +223,8 @@ def builtin_model(
 ) -> BuiltModel:
     """``(model, loss_fn, batch_fn)`` of the built-in model ``name``, its weights drawn
     after ``torch.manual_seed(seed)``."""
+    import torch
+
     from memfit.models import build_model
 
     torch.manual_seed(seed)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
@@ -35,6 +33,10 @@ from memfit.cli.common import (
     parse_overrides,
     typed_value,
 )
+
+# torch is imported where it is used: building the parser (memfit --help) needs none of it.
+if TYPE_CHECKING:
+    import torch
 
 #: Hugging Face models ``--hf-config`` builds: (config class, model class, input kind).
 HF_MODELS: dict[str, tuple[str, str, str]] = {
@@ -162,6 +164,8 @@ def builtin_spec(name: str, items: list[str]) -> Built:
 
         model_fn, inputs_fn, loss_fn = builtin_spec("gpt", ["n_layer=2"])
     """
+    import torch
+
     from memfit.models import MODELS, GPTConfig, ResNetConfig, make_config
 
     overrides = parse_overrides(items, model_config_cls(name))
@@ -188,6 +192,8 @@ def hf_spec(name: str, items: list[str], seq_len: int) -> Built:
 
         model_fn, inputs_fn, loss_fn = hf_spec("llama", ["num_hidden_layers=2"], 128)
     """
+    import torch
+
     try:
         import transformers
     except ImportError:

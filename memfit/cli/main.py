@@ -3,7 +3,9 @@
 Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage.
 
 This module imports the subcommands (``train``, ``plan``, ``estimate``, ``tune``, ``report``); what they share is
-in :mod:`memfit.cli.common`.
+in :mod:`memfit.cli.common`. Those modules import torch and memfit's API inside the
+functions that use them, so building the parser (``memfit --help``, a bad flag) costs
+neither.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from memfit.cli.common import (
     UsageError,
     add_model_arguments,
@@ -54,13 +52,16 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     import memfit
-    from memfit.checkpoint.planner import plan_step
+    from memfit.checkpoint.planner import plan_step, resolve_policy
+    from memfit.checkpoint.profiler.runner import default_loss
+    from memfit.nested import call_model
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = pick_device(args.device)
-    policy = memfit.PrecisionPolicy(args.precision)
     if args.factory:
         made = load_factory(args.factory, "mypkg.models:build")()
         if not isinstance(made, tuple) or len(made) not in (2, 3):
@@ -76,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
             args.model, overrides, data="synthetic", device=device, seed=0
         )
         made = (model, batch_fn(args.batch_size, generator=0), loss_fn)
+    # "auto" is measured here, on the model and batch, as the Engine would measure it.
+    if len(made) == 3:
+        step_loss = made[2]
+    else:
+        step_loss = lambda m, b: default_loss(call_model(m, b))  # noqa: E731
+    policy, chosen = resolve_policy(args.precision, model, made[1], step_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # The Engine applies the precision (fp32 islands, low-precision weights and fp32
     # masters in the master modes), so the plan sees the step as training will run it.
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             precision=policy,
             optimizer=engine.optimizer,
         )
+    plan.notes.extend(chosen)
     text = plan.to_json()
     if args.out:
         Path(args.out).write_text(text)

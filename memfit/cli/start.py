@@ -32,11 +32,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import UsageError, model_config_cls, parse_overrides
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "config.json"
 CHECKPOINT = "checkpoint.pt"

@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from memfit.cli.common import (
     MODEL_DEFAULTS,
     UsageError,
@@ -63,10 +61,12 @@ from memfit.cli.start import (
     undone_on_failure,
     write_json,
 )
-from memfit.distributed import current_world, from_rank0, shard_batch
 from memfit.errors import CheckpointError
 
+# torch, memfit.distributed and rich are imported where they are used: building the
+# parser (memfit --help, memfit train --help) needs none of them.
 if TYPE_CHECKING:
+    import torch
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -207,6 +207,7 @@ def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
     from memfit.distributed import init_from_env
@@ -272,9 +273,11 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     """Settings, model, Engine (new or resumed) and checkpoint plan, all in memory; then
     the run directory and its files. A failure before the directory is made leaves
     nothing; one while making it removes what it made. Prints the run's header."""
+    import torch
+
     import memfit
     from memfit.checkpoint.solvers import parse_strategy
-    from memfit.distributed import check_global_batch
+    from memfit.distributed import check_global_batch, current_world, from_rank0, shard_batch
     from memfit.engine import split_batch
     from memfit.units import parse_bytes
 
@@ -437,6 +440,8 @@ def _tune(
 def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
     """The optimizer, its schedule and the Engine: a new one, or the one saved in the run
     directory (with the run's ``log_every``, which may have changed on resume)."""
+    import torch
+
     import memfit
 
     s = start.settings
@@ -518,6 +523,8 @@ def _progress_fields(metrics: dict[str, float], tokens_per_sample: int | None) -
 
 def _train_loop(job: _Job, console: Console) -> _Outcome:
     """Train to ``steps`` with a progress bar, validating and saving on schedule."""
+    from memfit.distributed import shard_batch
+
     s, engine = job.settings, job.engine
     val_loss = math.nan
     train_loss = math.nan
@@ -560,6 +567,7 @@ def _train_loop(job: _Job, console: Console) -> _Outcome:
 def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
     """Write summary.json, health.json and plan.json, close the Engine, print the summary
     and health tables and write the report."""
+    from memfit.distributed import current_world
     from memfit.monitor import health_to_dict, make_report, render_health
 
     engine, run_dir = job.engine, job.run_dir
@@ -651,6 +659,8 @@ def _summary_table(
 
 
 def _save(engine: Any, run_dir: Path) -> None:
+    from memfit.distributed import current_world
+
     # The new checkpoint is complete on disk before the last good one is moved aside.
     path = run_dir / CHECKPOINT
     fresh = engine.save(run_dir / (CHECKPOINT + ".new"))  # every rank: rank 0 writes

@@ -10,7 +10,7 @@
 - :mod:`~memfit.engine.batches`: batch sizes and micro-batch splitting;
 - :mod:`~memfit.engine.diagnose`: what to say when steps keep being skipped;
 - :mod:`~memfit.engine.auto`: ``precision="auto"`` and ``micro_batch="auto"``, chosen on the
-  first batch (:mod:`~memfit.engine.precision_timing`: the model timed in each mode).
+  first batch (:mod:`~memfit.precision.timing`: the model timed in each mode).
 """
 
 from memfit.engine.batches import batch_size, split_batch

@@ -4,7 +4,7 @@
 (``fp32`` and ``bf16-mixed``, or ``fp16-mixed`` with dynamic loss scaling on a GPU without
 bf16: :func:`memfit.precision.speed.auto_candidates`). On the first micro-batch, before
 the first plan (which depends on the precision), the model's own forward and backward is
-timed in each candidate (:mod:`memfit.engine.precision_timing`, which leaves training
+timed in each candidate (:mod:`memfit.precision.timing`, which leaves training
 bitwise as it was) and the Engine trains in the fastest (a 16-bit mode only when clearly
 faster). The matmul probe comes first: a 16-bit ratio far below 1 settles it on fp32
 without timing. The probe alone decides under DDP/FSDP2 (rank 0's, for every rank),
@@ -34,18 +34,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from memfit.engine.batches import Batch, batch_size, split_batch
+from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
 from memfit.errors import ConfigError
-from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.policy import AUTO, PrecisionPolicy, is_auto
 
 if TYPE_CHECKING:
     from memfit.candidates import Candidate
     from memfit.engine.core import Engine
     from memfit.precision.speed import PrecisionChoice
-
-AUTO = "auto"
 
 
 @dataclass
@@ -85,9 +82,9 @@ def auto_policy(
             f"micro_batch='auto' chooses accumulation_steps itself; drop "
             f"accumulation_steps={accumulation_steps!r} or micro_batch='auto'"
         )
-    is_auto = isinstance(precision, str) and precision.strip().lower() == AUTO
-    policy = PrecisionPolicy("fp32") if is_auto else PrecisionPolicy.of(precision)
-    return policy, AutoRequest(is_auto, micro_batch == AUTO, scaler is None)
+    auto = is_auto(precision)
+    policy = PrecisionPolicy("fp32") if auto else PrecisionPolicy.of(precision)
+    return policy, AutoRequest(auto, micro_batch == AUTO, scaler is None)
 
 
 def probe_choice(engine: Engine) -> PrecisionChoice:
@@ -106,45 +103,30 @@ def timed_choice(
     engine: Engine, probe: PrecisionChoice, micro: Batch, loss_fn: Any
 ) -> PrecisionChoice:
     """The choice remade from the model's own forward and backward of ``micro`` in each
-    candidate mode (:mod:`memfit.engine.precision_timing`); the probe's choice where the
-    model is not timed: data parallel (collectives in the passes would time the slowest
-    rank, differently on each), a probe that settles it (:func:`probe_settles`), or an
-    out-of-memory error while timing (noted). Errors of ``loss_fn`` propagate."""
+    candidate mode (:func:`memfit.precision.timing.auto_choice`); the probe's choice under
+    data parallel (collectives in the passes would time the slowest rank, differently on
+    each). Errors of ``loss_fn`` propagate."""
     from dataclasses import replace
 
-    from memfit.engine.precision_timing import time_modes
-    from memfit.precision.speed import choose_from_model, model_seconds_assumed, probe_settles
+    from memfit.precision.timing import auto_choice
 
     if engine.parallel is not None:
         return replace(probe, note="data parallel: rank 0's probe decides for every rank")
-    why = probe_settles(probe, engine.device)
-    if why:
-        return replace(probe, note=why)
-    if any(nn.parameter.is_lazy(p) for p in engine.model.parameters()):
-        # A lazy module makes its weights in its first forward; the timing puts the weights
-        # back as they were after each run, so it would undo that, and draw from the RNG.
-        return replace(probe, note="lazy modules: the model is not timed before its first step")
-    islands = engine.policy.fp32_islands
-    policies = [PrecisionPolicy(mode, fp32_islands=islands) for mode in probe.speedups]
     ranges = engine.monitor.ranges
-    try:
-        with ranges.unrecorded() if ranges is not None else contextlib.nullcontext():
-            times = time_modes(engine.model, micro, loss_fn, policies, engine.device)
-    except torch.OutOfMemoryError:
-        if engine.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return replace(probe, note="out of memory timing one micro-batch unplanned")
-    assumed = model_seconds_assumed(engine.device)
-    choice = choose_from_model(
-        probe, times.seconds if assumed is None else assumed, measured=assumed is None
-    )
-    return replace(choice, timing_seconds=times.total_seconds)
+    with ranges.unrecorded() if ranges is not None else contextlib.nullcontext():
+        return auto_choice(
+            engine.model,
+            micro,
+            lambda model, b: checked_loss(loss_fn(model, b)),
+            engine.device,
+            engine.policy.fp32_islands,
+        )
 
 
 def set_precision(engine: Engine, choice: PrecisionChoice) -> None:
     """Train in ``choice.mode`` from now on: the policy, its islands and, for fp16, a
     dynamic loss scaler (when the Engine made its own)."""
-    from memfit.precision.apply import apply_precision
+    from memfit.precision.apply import apply_precision, note_kernel_islands
     from memfit.precision.scaler import LossScaler
 
     auto: AutoRequest = engine.auto
@@ -155,6 +137,7 @@ def set_precision(engine: Engine, choice: PrecisionChoice) -> None:
     engine.islands = apply_precision(
         engine.model, parallel.precision(policy) if parallel else policy
     )
+    engine.settings.kernel_islands = note_kernel_islands(engine.model, policy)
     if policy.loss_scaling and auto.default_scaler:
         engine.scaler = LossScaler()
         if parallel is not None:  # the new scaler's skips must be decided by every rank

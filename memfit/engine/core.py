@@ -60,19 +60,14 @@ from memfit.monitor.health import HealthCheck
 from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
-from memfit.precision.apply import apply_precision
+from memfit.precision.apply import apply_precision, note_kernel_islands
+from memfit.precision.kernels import module_device
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.units import device_memory_bytes, parse_bytes
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 class Engine:
@@ -112,7 +107,7 @@ class Engine:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        precision: str | PrecisionPolicy = "bf16-mixed",
+        precision: str | PrecisionPolicy = "auto",
         checkpoint: Any = None,
         memory_budget: str | int | float | None = None,
         accumulation_steps: int = 1,
@@ -143,7 +138,7 @@ class Engine:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.device = _model_device(model)
+        self.device = module_device(model)
         self.policy.check_device(self.device)
         budget = None if memory_budget is None else parse_bytes(memory_budget, self.device)
         self.settings = EngineSettings(
@@ -174,6 +169,7 @@ class Engine:
         self.islands = apply_precision(
             model, self.parallel.precision(self.policy) if self.parallel else self.policy
         )
+        self.settings.kernel_islands = note_kernel_islands(model, self.policy)
         log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if isinstance(monitor, bool):

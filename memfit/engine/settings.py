@@ -17,8 +17,8 @@ from memfit.errors import ConfigError
 class EngineSettings:
     """The settings an Engine was made with; saved in every checkpoint."""
 
-    precision: str = "bf16-mixed"
-    """Precision mode (resolved name)."""
+    precision: str = "auto"
+    """Precision mode (resolved name; ``"auto"`` until the first micro-batch chose one)."""
     checkpoint: str = "none"
     """Checkpoint spec: "none", "auto", "full", "uniform:k", "sqrt", or "plan" for a given Plan."""
     memory_budget: int | None = None
@@ -31,6 +31,10 @@ class EngineSettings:
     """Read metrics from the device every this many steps."""
     max_consecutive_skips: int = 50
     """Raise NonFiniteError after this many skipped steps in a row."""
+    kernel_islands: tuple[str, ...] = ()
+    """Modules trained as fp32 islands because their kind has no kernel in the precision's
+    dtype on this device (an LSTM in bf16 on an AVX2-only CPU): found on the machine that
+    trains, so a run resumed elsewhere finds them anew (not an Engine argument)."""
 
 
 def check_arguments(

@@ -81,6 +81,7 @@ def resume_settings(
     state = read_checkpoint(path)
     settings = dict(state["settings"])
     settings.pop("checkpoint")
+    settings.pop("kernel_islands", None)  # this machine's, found when the Engine is made
     request = (
         overrides.pop("checkpoint") if "checkpoint" in overrides else saved_plan(state, overrides)
     )

@@ -5,7 +5,10 @@ and sinks as memfit's PyTorch path, on Keras's own primitives (dtype policies,
 ``LossScaleOptimizer``, ``keras.remat``). Needs the extra ``pip install 'memfit[keras]'``.
 
 Nothing here imports TensorFlow or Keras until a name is used: ``import memfit`` and
-``memfit.keras`` stay free of them. Example::
+``memfit.keras`` stay free of them. Importing ``memfit.keras`` sets
+``TF_CPU_ALLOCATOR_USE_BFC=true`` (unless set) while TensorFlow has not started, even when
+it is imported already, so that TensorFlow's CPU allocator counts every tensor the plans
+and the callback measure (:mod:`memfit.keras.memory`). Example::
 
     import memfit
 
@@ -24,6 +27,13 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from memfit.keras import memory as _memory
+
+# TensorFlow reads the variable when it starts (its first tensor), not when it is imported:
+# set here, at the first moment memfit.keras runs, so the usual order (tensorflow, keras,
+# then memfit.keras, then the model) gets an allocator that counts.
+_memory.request_counting_allocator()
 
 # name -> the module that defines it (imported on first use)
 _EXPORTS = {

@@ -8,8 +8,6 @@ and ``memfit.keras`` imports them on first use.
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from typing import Any
 
 from memfit.errors import ConfigError
@@ -24,25 +22,14 @@ if importlib.util.find_spec("keras") is None:
         f"'{EXTRA}' extra: {INSTALL}"
     )
 
-#: Set before TensorFlow starts: its CPU allocator then keeps statistics of every tensor
-#: (``tf.config.experimental.get_memory_info("CPU:0")``), which the profile and the step
-#: measurement read. Without it TensorFlow 2.21 counts only the tensors oneDNN's allocator
-#: serves (256 KiB and larger), and without oneDNN none. A value the user set is kept.
-BFC_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
-if "tensorflow" not in sys.modules:
-    os.environ.setdefault(BFC_VARIABLE, "true")
-
+# Importing Keras imports TensorFlow without starting it; the package's import already set
+# TF_CPU_ALLOCATOR_USE_BFC where it still can take effect (memfit.keras.memory).
 import keras  # noqa: E402
 
 if int(keras.__version__.split(".")[0]) < 3:
     raise ConfigError(
         f"memfit.keras needs Keras 3, found keras {keras.__version__}; upgrade it: {INSTALL}"
     )
-
-
-def counts_every_tensor() -> bool:
-    """Whether TensorFlow's CPU allocator counts every tensor (its BFC allocator is on)."""
-    return os.environ.get(BFC_VARIABLE, "").lower() in ("1", "true")
 
 
 def tensorflow(feature: str) -> Any:

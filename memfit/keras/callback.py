@@ -9,8 +9,9 @@ Metrics (names as in docs/monitoring.md): ``loss``, ``lr``, ``amp/scale``,
 ``amp/skipped``, ``amp/overflow_rate``, ``amp/overflow_rate_recent`` (with a
 ``LossScaleOptimizer``), ``grad/norm`` (of the unscaled gradients of the last step),
 ``throughput/samples_per_second``, ``time/step_seconds``, ``memory/allocated_peak_bytes``
-(TensorFlow's CPU allocator since the last log), ``plan/...`` (with ``plan=``) and
-``health/warnings``.
+(TensorFlow's CPU allocator since the last log; left out, with one warning that says what
+to set, where that allocator does not count every tensor), ``plan/...`` (with ``plan=``)
+and ``health/warnings``.
 
 Keras does not count skipped steps: its optimizer's ``iterations`` move only on applied
 steps, so a train batch that left them where they were was skipped. The gradient norm and
@@ -33,6 +34,7 @@ from typing import Any
 from memfit.checkpoint.plan import Plan
 from memfit.errors import ConfigError
 from memfit.keras.backend import keras, tensorflow
+from memfit.keras.memory import AllocatorMeter, allocator_meter
 from memfit.keras.policy import precision_of
 from memfit.keras.scaling import optimizer_scales, scaler_state
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health, health_to_dict
@@ -107,6 +109,7 @@ class MonitorCallback(keras.callbacks.Callback):
         self.skipped = 0
         self.last_metrics: dict[str, float] = {}
         self._sinks: MultiSink | None = None
+        self._meter: AllocatorMeter | None = None
         self._window = OverflowWindow()
         self._warned: set[str] = set()
 
@@ -135,10 +138,25 @@ class MonitorCallback(keras.callbacks.Callback):
         if self.plan is not None:
             (self.log_dir / PLAN).write_text(self.plan.to_json(), encoding="utf-8")
         self._watch(model, optimizer)
+        self._meter = self._memory_meter()
         self._iterations = scaler_state(optimizer).iterations - (self.steps - self.skipped)
         self._since_samples = 0.0
         self._since_time = time.perf_counter()
         self._since_steps = 0
+
+    def _memory_meter(self) -> AllocatorMeter | None:
+        """The allocator meter, its peak started now (not at whatever ran before fit); None,
+        warned once with the remedy, where it cannot count: training goes on without
+        memory metrics rather than failing the user's fit."""
+        try:
+            meter = allocator_meter("memfit.keras.MonitorCallback")
+        except ConfigError as exc:
+            if "memory meter" not in self._warned:
+                self._warned.add("memory meter")
+                log.warning("%s Training goes on without memory/allocated_peak_bytes.", exc)
+            return None
+        meter.reset_peak()
+        return meter
 
     def _watch(self, model: Any, optimizer: Any) -> None:
         """Wrap ``optimizer.apply`` (gradient norm) and ``model.train_step`` (batch size)
@@ -208,7 +226,7 @@ class MonitorCallback(keras.callbacks.Callback):
     def _log(self) -> None:
         if self._sinks is None or self._since_steps == 0:
             return
-        tf, optimizer = self._tf, self.model.optimizer
+        optimizer = self.model.optimizer
         state = scaler_state(optimizer)
         applied = state.iterations - self._iterations
         self.skipped = max(0, self.steps - applied)
@@ -234,10 +252,9 @@ class MonitorCallback(keras.callbacks.Callback):
                     **self._window.metrics(),
                 }
             )
-        memory = tf.config.experimental.get_memory_info("CPU:0")
-        if memory["peak"] > 0:  # some hosts' TensorFlow reports 0: no measurement
-            metrics["memory/allocated_peak_bytes"] = float(memory["peak"])
-        tf.config.experimental.reset_memory_stats("CPU:0")
+        if self._meter is not None:
+            metrics["memory/allocated_peak_bytes"] = self._meter.peak()
+            self._meter.reset_peak()
         if self.plan is not None:
             metrics.update(plan_metrics(self.plan))
         self.checks = check_health(

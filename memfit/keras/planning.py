@@ -21,6 +21,7 @@ from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.keras.backend import keras
+from memfit.keras.memory import allocator_meter
 from memfit.keras.profiling import (
     KerasProfile,
     LossArg,
@@ -105,7 +106,9 @@ def plan(
     machine's speed).
 
     Raises :class:`memfit.errors.BudgetError` when no plan fits the budget, and
-    :class:`memfit.errors.ConfigError` for a model memfit cannot walk or a bad setting.
+    :class:`memfit.errors.ConfigError` for a model memfit cannot walk, a bad setting, or
+    when TensorFlow's CPU allocator does not count every tensor (the message says what to
+    set: ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
 
     Example::
 
@@ -123,6 +126,9 @@ def plan(
                 "not read; give bytes or a size such as '64MiB'"
             )
         budget_bytes = float(parse_bytes(budget))
+    if profiled is None:
+        # Checked here first so that the refusal names plan, the function the user called.
+        allocator_meter("memfit.keras.plan")
     prof = profiled or profile(model, x, y, loss, optimizer, allow_random=allow_random)
     optimizer_phase = prof.optimizer_phase_bytes
     if budget_bytes is not None and optimizer_phase > budget_bytes:

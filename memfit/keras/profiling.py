@@ -7,9 +7,9 @@ eagerly once, on the example batch, to measure:
 * output bytes (by shape and compute dtype) and input bytes;
 * what it keeps for backward, as far as TensorFlow lets it be seen: the bytes its
   ``tf.GradientTape`` record holds once the layer's output and a private copy of its input
-  are released, read from TensorFlow's CPU allocator
-  (``tf.config.experimental.get_memory_info("CPU:0")``, which TensorFlow 2.21 keeps on CPU
-  too); whether it keeps its input and its output is seen by releasing each in turn;
+  are released, read from TensorFlow's CPU allocator (:mod:`memfit.keras.memory`, refused
+  with a ConfigError where it does not count every tensor); whether it keeps its input and
+  its output is seen by releasing each in turn;
 * parameter bytes, and the forward time (the median of eager runs).
 
 When the graph is a chain (one tensor from each unit to the next), consecutive units can
@@ -32,6 +32,7 @@ import numpy as np
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import ConfigError
 from memfit.keras.backend import keras, tensorflow
+from memfit.keras.memory import AllocatorMeter, allocator_meter
 from memfit.keras.policy import precision_of
 
 __all__ = [
@@ -307,6 +308,7 @@ def profile(
     tf = tensorflow("memfit.keras.profile")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an int >= 1, got {repeats!r}")
+    meter = allocator_meter("memfit.keras.profile")
     loss_fn = _loss_fn(loss)
     graph = model_graph(model, x)
     x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
@@ -314,9 +316,6 @@ def profile(
     calls: dict[int, list[tuple[list[int], list[int]]]] = {}
     costs: dict[int, LayerCost] = {}
     with_kwargs: set[int] = set()  # units called with keyword arguments: a piece passes none
-
-    def memory() -> float:
-        return float(tf.config.experimental.get_memory_info("CPU:0")["current"])
 
     def measured(op: Any) -> Callable[..., Any]:
         run = _call(op, training=True)
@@ -329,7 +328,7 @@ def profile(
             if set(kwargs) - {"training"}:
                 with_kwargs.add(id(op))
             if id(op) not in costs:
-                costs[id(op)] = _measure_unit(tf, op, run, args, kwargs, out, memory, repeats)
+                costs[id(op)] = _measure_unit(tf, op, run, args, kwargs, out, meter, repeats)
             return out
 
         return call
@@ -341,7 +340,7 @@ def profile(
             operation_fn=measured,
         )
         pred = model(x, training=True)
-        loss_bytes = _nbytes(pred) + _loss_saved(tf, loss_fn, y, pred, memory)
+        loss_bytes = _nbytes(pred) + _loss_saved(tf, loss_fn, y, pred, meter)
         del pred
     chain = _is_chain(graph, calls, x)
     layers = []
@@ -377,20 +376,20 @@ def _measure_unit(
     args: tuple,
     kwargs: dict,
     out: Any,
-    memory: Callable[[], float],
+    meter: AllocatorMeter,
     repeats: int,
 ) -> LayerCost:
     input_bytes = _nbytes((args, kwargs))
     output_bytes = _nbytes(out)
     # Twice, keeping the smaller: a kernel's first run on a shape can allocate a cache it
     # keeps (oneDNN's scratchpad), which is not the record's.
-    records = [_tape_record(tf, run, args, kwargs, memory) for _ in range(2)]
+    records = [_tape_record(tf, run, args, kwargs, meter) for _ in range(2)]
     held, out_freed, in_freed = min(records)
     input_saved = in_freed < input_bytes / 2
     output_saved = out_freed < output_bytes / 2
     # what the record holds, its copy of the input when kept, less that copy
     saved = max(0.0, held - (input_bytes if input_saved else 0.0))
-    hold = _backward_hold(tf, op, run, args, kwargs)
+    hold = _backward_hold(tf, op, run, args, kwargs, meter)
     seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -413,12 +412,12 @@ def _measure_unit(
 
 
 def _tape_record(
-    tf: Any, run: Callable[..., Any], args: tuple, kwargs: dict, memory: Callable[[], float]
+    tf: Any, run: Callable[..., Any], args: tuple, kwargs: dict, meter: AllocatorMeter
 ) -> tuple[float, float, float]:
     """(bytes a tape record of the call holds, bytes freed with its output, bytes freed
     with its input): the call runs on a private copy of the inputs under a tape, then the
     output and the copy are released one at a time while the tape lives."""
-    start = memory()
+    start = meter.current()
     copies_args, copies_kwargs = keras.tree.map_structure(
         lambda t: tf.identity(t) + tf.zeros((), t.dtype) if tf.is_tensor(t) else t,
         (args, kwargs),
@@ -429,16 +428,18 @@ def _tape_record(
                 tape.watch(t)
         result = run(*copies_args, **copies_kwargs)
     # The record outlives the block while the tape object lives.
-    with_output = memory()
+    with_output = meter.current()
     del result
-    without_output = memory()
+    without_output = meter.current()
     del copies_args, copies_kwargs
-    without_input = memory()
+    without_input = meter.current()
     del tape
     return without_input - start, with_output - without_output, without_output - without_input
 
 
-def _backward_hold(tf: Any, op: Any, run: Callable[..., Any], args: tuple, kwargs: dict) -> float:
+def _backward_hold(
+    tf: Any, op: Any, run: Callable[..., Any], args: tuple, kwargs: dict, meter: AllocatorMeter
+) -> float:
     """The most the unit's backward allocates above what forward left (its saved tensors,
     output and input): the incoming gradient, the input's gradient and temporaries; the
     parameter gradients are left out (the solver counts them)."""
@@ -454,23 +455,23 @@ def _backward_hold(tf: Any, op: Any, run: Callable[..., Any], args: tuple, kwarg
     if not outs or not (sources or variables):
         return 0.0
     seeds = [tf.ones_like(t) for t in outs]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = float(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    meter.reset_peak()
+    before = meter.current()
     grads = tape.gradient(outs, sources + variables, output_gradients=seeds)
-    peak = float(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    peak = meter.peak()
     del grads, tape, out, outs, seeds
     return max(0.0, peak - before - _variable_bytes(variables))
 
 
-def _loss_saved(tf: Any, loss_fn: Callable, y: Any, pred: Any, memory: Callable) -> float:
+def _loss_saved(tf: Any, loss_fn: Callable, y: Any, pred: Any, meter: AllocatorMeter) -> float:
     """What the loss's tape record holds beyond the prediction and the loss value."""
     copy = keras.tree.map_structure(lambda t: tf.identity(t) + tf.zeros((), t.dtype), pred)
-    start = memory()
+    start = meter.current()
     with tf.GradientTape() as tape:
         keras.tree.map_structure(tape.watch, copy)
         value = loss_fn(y, copy)
     del value
-    held = memory() - start
+    held = meter.current() - start
     del tape
     return max(0.0, held)
 
@@ -545,7 +546,8 @@ def measure_step(
 ) -> StepMeasurement:
     """Run one training step of ``model`` on ``(x, y)`` (forward, backward, and the
     optimizer's update when ``optimizer`` is given) and read its peak from TensorFlow's CPU
-    allocator; every variable is put back afterwards.
+    allocator; every variable is put back afterwards. A ConfigError with the remedy where
+    that allocator does not count every tensor (:mod:`memfit.keras.memory`).
 
     Eagerly by default, as the profile measures (the plan's prediction is of this step).
     ``compiled=True`` runs it as a ``tf.function``, as ``model.fit`` does, traced and run
@@ -558,6 +560,7 @@ def measure_step(
         m.peak_bytes   # comparable with plan.predicted_peak_bytes
     """
     tf = tensorflow("memfit.keras.measure_step")
+    meter = allocator_meter("memfit.keras.measure_step")
     loss_fn = _loss_fn(loss)
     x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
     y = keras.tree.map_structure(keras.ops.convert_to_tensor, y)
@@ -583,10 +586,10 @@ def measure_step(
     with _Restored(everything):
         if compiled:
             run(x, y)  # traced here, measured below
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        baseline = float(tf.config.experimental.get_memory_info("CPU:0")["current"])
+        meter.reset_peak()
+        baseline = meter.current()
         run(x, y)
-        peak = float(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+        peak = meter.peak()
     static = (
         _variable_bytes(model.variables)
         + (_variable_bytes(optimizer.variables) if optimizer else 0.0)

@@ -26,10 +26,15 @@ A custom sink::
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import json
 import math
 import numbers
 import os
+import socket
+import struct
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +44,7 @@ from memfit.errors import ConfigError
 
 __all__ = [
     "ConsoleSink",
+    "EventFileWriter",
     "JSONLSink",
     "MultiSink",
     "Sink",
@@ -200,12 +206,144 @@ class JSONLSink:
             self._file = None
 
 
+# CRC-32C (Castagnoli), the checksum of TFRecord framing: reflected polynomial 0x82F63B78,
+# one table lookup per byte. Event records are a few hundred bytes per log call, so a
+# pure-Python loop costs well under a millisecond there.
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = ((crc >> 1) ^ 0x82F63B78) if crc & 1 else (crc >> 1)
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C of ``data``; ``_crc32c(b"123456789") == 0xE3069283``."""
+    crc = 0xFFFFFFFF
+    table = _CRC32C_TABLE
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc32c(data: bytes) -> int:
+    # TFRecord stores the CRC rotated and offset, so that a CRC over bytes that themselves
+    # hold CRCs does not degenerate.
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _tfrecord(data: bytes) -> bytes:
+    """One TFRecord: length (uint64), its masked CRC, the data, the data's masked CRC."""
+    length = struct.pack("<Q", len(data))
+    return (
+        length
+        + struct.pack("<I", _masked_crc32c(length))
+        + data
+        + struct.pack("<I", _masked_crc32c(data))
+    )
+
+
+def _event_protos() -> tuple[Any, Any]:
+    """tensorboard's ``event_pb2`` and ``summary_pb2`` (protobuf classes only: importing
+    them does not import TensorFlow, unlike ``torch.utils.tensorboard``). ImportError
+    without the tensorboard package."""
+    # import_module on the full names: a test's None in sys.modules hides them.
+    event_pb2 = importlib.import_module("tensorboard.compat.proto.event_pb2")
+    summary_pb2 = importlib.import_module("tensorboard.compat.proto.summary_pb2")
+    return event_pb2, summary_pb2
+
+
+# Numbers event files made by this process, so two writers started in the same second
+# in one directory get different names.
+_FILE_NUMBERS = itertools.count()
+
+
+class EventFileWriter:
+    """A TensorBoard event file of scalars, written without TensorFlow.
+
+    The file is ``events.out.tfevents.<time>.<host>.<pid>.<n>`` in ``log_dir`` (which must
+    exist): TFRecords of ``Event`` protos, the first a ``file_version`` record, then one
+    event per :meth:`add_scalars` call holding every scalar of that step. Writes are
+    buffered until :meth:`flush` or :meth:`close`. Needs the ``tensorboard`` package (its
+    protobuf classes); raises ImportError without it.
+
+    Example::
+
+        writer = EventFileWriter(Path("runs/exp1/tb"))
+        writer.add_scalars(10, {"loss": 2.31, "lr": 1e-3})
+        writer.close()    # tensorboard --logdir runs/exp1/tb
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self._event_pb2, self._summary_pb2 = _event_protos()
+        self.log_dir = Path(log_dir)
+        self._file: IO[bytes] | None = None
+        stamp = int(time.time())
+        host, pid = socket.gethostname(), os.getpid()
+        while True:
+            name = f"events.out.tfevents.{stamp:010d}.{host}.{pid}.{next(_FILE_NUMBERS)}"
+            self.path = self.log_dir / name
+            try:
+                # "x": never append to, or truncate, a file another writer holds.
+                self._file = open(self.path, "xb")
+                break
+            except FileExistsError:
+                continue
+        self._write(self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def add_scalars(
+        self, step: int, values: Mapping[str, float], wall_time: float | None = None
+    ) -> None:
+        """Write one event at ``step`` with each of ``values`` as a scalar (tag = key),
+        stored as float32 as TensorBoard keeps scalars; nothing when ``values`` is empty."""
+        if self._file is None:
+            raise ValueError(f"EventFileWriter({self.path}) is closed")
+        if not values:
+            return
+        summary = self._summary_pb2.Summary(
+            value=[
+                self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
+                for tag, value in values.items()
+            ]
+        )
+        event = self._event_pb2.Event(
+            wall_time=time.time() if wall_time is None else wall_time,
+            step=int(step),
+            summary=summary,
+        )
+        self._write(event)
+
+    def _write(self, event: Any) -> None:
+        assert self._file is not None
+        self._file.write(_tfrecord(event.SerializeToString()))
+
+    def flush(self) -> None:
+        """Write the buffered events to the file."""
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class TensorBoardSink:
-    """Write each metric as a TensorBoard scalar (tag = metric name) with ``SummaryWriter``.
+    """Write each metric as a TensorBoard scalar (tag = metric name) into an event file.
 
     Needs the ``tensorboard`` package (``pip install memfit[tensorboard]``); without it the
-    constructor raises :class:`memfit.errors.ConfigError`. Events are flushed on each
-    ``log`` call, so TensorBoard shows them while training runs.
+    constructor raises :class:`memfit.errors.ConfigError`. The file is written by
+    :class:`EventFileWriter`, which uses tensorboard's protobuf classes only, so a
+    PyTorch run never imports TensorFlow even where it is installed. Events are flushed
+    on each ``log`` call (or every ``flush_every``-th), so TensorBoard shows them while
+    training runs; values are stored as float32, as TensorBoard keeps scalars.
 
     Args:
         log_dir: the event file directory, created if needed.
@@ -228,19 +366,25 @@ class TensorBoardSink:
         self.log_dir = Path(log_dir)
         self.enabled = all_ranks or is_rank_zero()
         self.flush_every = int(flush_every)
-        self._writer: Any = None
+        self._writer: EventFileWriter | None = None
         self._calls = 0
         self._warned: set[str] = set()
         if not self.enabled:
             return
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            _event_protos()
         except ImportError:
             raise ConfigError(
                 "TensorBoardSink needs the tensorboard package: pip install memfit[tensorboard]"
             ) from None
         check_log_dir(self.log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        try:
+            self._writer = EventFileWriter(self.log_dir)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create an event file in {self.log_dir}: {exc.strerror or exc}; "
+                "choose a writable directory"
+            ) from None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Add every metric as a scalar at ``step``."""
@@ -250,9 +394,9 @@ class TensorBoardSink:
             raise ConfigError(
                 f"TensorBoardSink({self.log_dir}) is closed; create a new sink to log again"
             )
-        for key, value in numeric_metrics(metrics, self._warned).items():
-            if key != "step":
-                self._writer.add_scalar(key, value, global_step=int(step))
+        values = numeric_metrics(metrics, self._warned)
+        values.pop("step", None)
+        self._writer.add_scalars(int(step), values)
         self._calls += 1
         if self._calls % self.flush_every == 0:
             self._writer.flush()

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memfit.nested import map_tensors, tensors
+from memfit.precision.kernels import module_device, warn_missing
 from memfit.precision.policy import PrecisionPolicy
 
 _ORIGINAL = "_memfit_island_forward"
@@ -106,8 +107,40 @@ class _InputCast:
             handle.remove()
 
 
+def kernel_islands(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
+    """The modules of ``model`` that :func:`apply_precision` makes fp32 islands because
+    their kind has no kernel in the policy's dtype on the model's device
+    (:mod:`memfit.precision.kernels`), beyond the policy's own islands.
+
+    Example::
+
+        kernel_islands(lstm_model, PrecisionPolicy("bf16-mixed"))   # ["rnn"] on AVX2 only
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if policy.is_island(module) and not policy.is_declared_island(module)
+    ]
+
+
+def note_kernel_islands(model: nn.Module, policy: PrecisionPolicy) -> tuple[str, ...]:
+    """:func:`kernel_islands`, with a warning (once per process) naming them and why.
+
+    Example::
+
+        engine.settings.kernel_islands = note_kernel_islands(model, policy)
+    """
+    names = tuple(kernel_islands(model, policy))
+    warn_missing(names, module_device(model), policy.compute_dtype, policy.mode)
+    return names
+
+
 def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
     """Make the policy's fp32 islands run in fp32; return their qualified names.
+
+    Layer kinds with no kernel in the policy's dtype on the model's device (an LSTM in
+    bf16 on a CPU without AVX-512: :mod:`memfit.precision.kernels`) are islands too, so
+    the model trains instead of failing inside torch (:func:`kernel_islands` names them).
 
     In the ``*-master`` modes, parameters outside the islands are cast to the compute dtype
     (:class:`~memfit.precision.master.MasterWeights` does this with an optimizer; calling it

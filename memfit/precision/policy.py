@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.precision.kernels import missing_kernel_types, module_device
 
 Mode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -70,6 +71,21 @@ DEFAULT_FP32_ISLANDS: tuple[type[nn.Module], ...] = tuple(
     )
     if t is not None
 )
+
+
+#: The precision that is measured, not named: fp32 or the device's 16-bit autocast mode,
+#: whichever trains the model faster here (:func:`memfit.precision.timing.auto_choice`).
+AUTO = "auto"
+
+
+def is_auto(precision: object) -> bool:
+    """Whether ``precision`` asks memfit to choose (``"auto"``, any case).
+
+    Example::
+
+        is_auto("Auto"), is_auto("bf16-mixed")   # (True, False)
+    """
+    return isinstance(precision, str) and precision.strip().lower() == AUTO
 
 
 def resolve_mode(name: str) -> str:
@@ -151,7 +167,18 @@ class PrecisionPolicy:
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
 
     def is_island(self, module: nn.Module) -> bool:
-        """Whether ``module`` is one of this policy's fp32 islands."""
+        """Whether ``module`` runs as an fp32 island: one of :attr:`fp32_islands`, or in a
+        16-bit mode a layer kind with no kernel in that dtype on the module's device (an
+        LSTM in bf16 on an AVX2-only CPU; :mod:`memfit.precision.kernels`)."""
+        if self.is_declared_island(module):
+            return True
+        if not self.mixed:
+            return False
+        no_kernel = missing_kernel_types(module_device(module), self.compute_dtype)
+        return bool(no_kernel) and isinstance(module, no_kernel)
+
+    def is_declared_island(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the types in :attr:`fp32_islands`."""
         return bool(self.fp32_islands) and isinstance(module, self.fp32_islands)
 
     def check_device(self, device: torch.device | str) -> None:

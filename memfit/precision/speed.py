@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "auto_candidates",
     "choose_from_model",
     "choose_precision",
+    "expand_precisions",
     "matmul_speed",
     "measure_matmul_speed",
     "model_seconds_assumed",
@@ -306,6 +307,25 @@ def auto_candidates(device: str | torch.device) -> tuple[str, ...]:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return ("fp32", "fp16-mixed")
     return ("fp32", "bf16-mixed")
+
+
+def expand_precisions(precisions: Sequence[Any], device: str | torch.device = "cpu") -> list[str]:
+    """Each precision resolved to its mode, ``"auto"`` to the modes it chooses between on
+    ``device`` (:func:`auto_candidates`): for the tools that compare modes (estimate, the
+    tuner) rather than train in one. Order kept, repeats dropped.
+
+    Example::
+
+        expand_precisions(["auto", "bf16-master"])   # ["fp32", "bf16-mixed", "bf16-master"]
+    """
+    from memfit.precision.policy import PrecisionPolicy, is_auto
+
+    modes: list[str] = []
+    for p in precisions:
+        for mode in auto_candidates(device) if is_auto(p) else (PrecisionPolicy.of(p).mode,):
+            if mode not in modes:
+                modes.append(mode)
+    return modes
 
 
 def choose_precision(device: str | torch.device) -> PrecisionChoice:

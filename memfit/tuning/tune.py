@@ -33,7 +33,7 @@ from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates,
 from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
-from memfit.precision.speed import matmul_speed
+from memfit.precision.speed import expand_precisions, matmul_speed
 from memfit.tuning.advice import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import (
@@ -83,7 +83,8 @@ def tune(
         global_batch: samples per optimizer step over all ranks; every split with
             ``micro_batch x accumulation_steps x world_size == global_batch`` is tried.
         optimizer_fn: ``params -> optimizer`` (default ``torch.optim.AdamW``).
-        precisions: the modes to compare (default fp32, bf16-mixed, bf16-master).
+        precisions: the modes to compare (default fp32, bf16-mixed, bf16-master);
+            ``"auto"`` stands for the modes ``precision="auto"`` chooses between.
         world_size: data-parallel ranks: the predicted peaks are one rank's (under
             ``data_parallel``), and each trial trains one rank's share of the batch in
             this process.
@@ -112,7 +113,7 @@ def tune(
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
     where = torch.device(device) if device is not None else _device_of(batch_fn)
     limit = parse_bytes(budget, where)
-    modes = [PrecisionPolicy.of(p).mode for p in (precisions or DEFAULT_PRECISIONS)]
+    modes = expand_precisions(precisions or DEFAULT_PRECISIONS, where)
     dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
     speed = matmul_speed(where, tuple(sorted(dtypes, key=str)))
     ranked = rank_candidates(

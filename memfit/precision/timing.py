@@ -1,4 +1,4 @@
-"""Timing the model's own first micro-batch in each candidate mode of ``precision="auto"``.
+"""``precision="auto"``: the model's own first micro-batch timed in each candidate mode.
 
 A matmul probe says how fast the device multiplies in each dtype, not how fast the model
 trains: a model whose time is in convolutions on a CPU, in tiny layers where autocast's
@@ -28,17 +28,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.engine.batches import Batch, checked_loss
 from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
+from memfit.precision.speed import (
+    PrecisionChoice,
+    choose_from_model,
+    choose_precision,
+    model_seconds_assumed,
+    probe_settles,
+)
 
-__all__ = ["ModeTimes", "TIMING_BUDGET_S", "TIMING_ROUNDS", "time_modes"]
+__all__ = ["ModeTimes", "TIMING_BUDGET_S", "TIMING_ROUNDS", "auto_choice", "time_modes"]
 
 #: Timed rounds after the warm-up (each mode runs once per round).
 TIMING_ROUNDS = 3
@@ -61,8 +67,8 @@ class ModeTimes:
 
 def time_modes(
     model: nn.Module,
-    micro: Batch,
-    loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+    micro: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     policies: Sequence[PrecisionPolicy],
     device: torch.device,
     *,
@@ -70,7 +76,8 @@ def time_modes(
     budget_s: float = TIMING_BUDGET_S,
 ) -> ModeTimes:
     """Time ``model``'s forward and backward of ``micro`` under each policy; leave the
-    model, its gradients and the random generators as they were.
+    model, its gradients and the random generators as they were. ``loss_fn(model, micro)``
+    returns the scalar loss (checked by the caller).
 
     Example::
 
@@ -87,7 +94,7 @@ def time_modes(
                 sync()
                 begin = time.perf_counter()
                 with policy.autocast(device.type):
-                    loss = checked_loss(loss_fn(model, micro))
+                    loss = loss_fn(model, micro)
                 loss.backward()
                 sync()
                 return time.perf_counter() - begin
@@ -145,3 +152,44 @@ def _put_back(buffers: list[tuple[nn.Module, str, torch.Tensor, Any]]) -> None:
         module._buffers[name] = buffer
         with torch.no_grad():  # a restore, outside every timed run
             buffer.copy_(value)
+
+
+def auto_choice(
+    model: nn.Module,
+    micro: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device,
+    fp32_islands: tuple[type[nn.Module], ...] | None = None,
+) -> PrecisionChoice:
+    """What ``precision="auto"`` trains ``model`` in, the one rule the Engine and the
+    planner share: the matmul probe (:func:`~memfit.precision.speed.choose_precision`),
+    then, unless the probe settles it (:func:`~memfit.precision.speed.probe_settles`),
+    the model's forward and backward of ``micro`` timed in each candidate
+    (:func:`time_modes`). The probe decides, with a note saying why, for a model with lazy
+    modules (their first forward makes the weights, which the timing would undo) and after
+    an out-of-memory error while timing. Errors of ``loss_fn`` propagate.
+
+    Example::
+
+        choice = auto_choice(model, micro, lambda m, b: m(b).mean(), torch.device("cpu"))
+        choice.mode   # "bf16-mixed" where the model is 1.1x faster in it, else "fp32"
+    """
+    probe = choose_precision(device)
+    why = probe_settles(probe, device)
+    if why:
+        return replace(probe, note=why)
+    if any(nn.parameter.is_lazy(p) for p in model.parameters()):
+        return replace(probe, note="lazy modules: the model is not timed before its first step")
+    islands = PrecisionPolicy().fp32_islands if fp32_islands is None else fp32_islands
+    policies = [PrecisionPolicy(mode, fp32_islands=islands) for mode in probe.speedups]
+    try:
+        times = time_modes(model, micro, loss_fn, policies, device)
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return replace(probe, note="out of memory timing one micro-batch unplanned")
+    assumed = model_seconds_assumed(device)
+    choice = choose_from_model(
+        probe, times.seconds if assumed is None else assumed, measured=assumed is None
+    )
+    return replace(choice, timing_seconds=times.total_seconds)

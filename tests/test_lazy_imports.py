@@ -1,0 +1,93 @@
+"""``import memfit`` and building the CLI's parser stay light: the public names load on
+first use, and ``memfit --help`` imports neither torch nor the subcommands' machinery."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+import memfit
+
+# Heavy packages a light import must not pull in.
+HEAVY = ("torch", "numpy", "rich", "matplotlib", "transformers", "tensorboard", "tensorflow")
+
+
+def _modules_after(code: str) -> list[str]:
+    """The heavy top-level packages in sys.modules after running ``code`` in a fresh
+    interpreter."""
+    script = textwrap.dedent(code) + (
+        f"\nimport json, sys\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    return list(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_import_memfit_imports_nothing_heavy() -> None:
+    assert _modules_after("import memfit; memfit.__version__") == []
+
+
+def test_building_the_cli_parser_imports_nothing_heavy() -> None:
+    code = """
+        from memfit.cli.main import build_parser
+        parser = build_parser()
+        for command in ("train", "plan", "estimate", "tune", "report"):
+            try:
+                parser.parse_args([command, "--help"])
+            except SystemExit:
+                pass
+    """
+    assert _modules_after(code) == []
+
+
+def test_help_and_bad_flags_through_python_m() -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "memfit", "--help"], capture_output=True, text=True, check=False
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("usage: memfit")
+    bad = subprocess.run(
+        [sys.executable, "-m", "memfit", "train", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "usage: memfit train" in bad.stderr and "--steps" in bad.stderr
+
+
+@pytest.mark.parametrize("name", memfit.__all__)
+def test_every_public_name_resolves_to_its_source(name: str) -> None:
+    value = getattr(memfit, name)
+    assert value is not None
+    assert name in dir(memfit)
+    source = getattr(memfit, "_SOURCES", {}).get(name)
+    if source is not None:
+        assert value is getattr(importlib.import_module(source), name)
+
+
+def test_functions_keep_their_names_over_same_named_submodules() -> None:
+    # memfit/estimate.py defines estimate(), memfit/capacity.py capacity(): importing the
+    # submodules must not turn memfit.estimate into a module.
+    importlib.import_module("memfit.estimate")
+    importlib.import_module("memfit.capacity")
+    assert callable(memfit.estimate) and not isinstance(memfit.estimate, types.ModuleType)
+    assert callable(memfit.capacity) and not isinstance(memfit.capacity, types.ModuleType)
+    from memfit import capacity, estimate
+
+    assert estimate is sys.modules["memfit.estimate"].estimate
+    assert capacity is sys.modules["memfit.capacity"].capacity
+
+
+def test_submodules_and_unknown_names() -> None:
+    assert isinstance(memfit.checkpoint, types.ModuleType)
+    assert memfit.checkpoint is sys.modules["memfit.checkpoint"]
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        memfit.not_a_name  # noqa: B018
+    assert not hasattr(memfit, "__wrapped__")
