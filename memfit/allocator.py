@@ -52,6 +52,9 @@ class AllocatorPeak:
     """The most any one op allocated and freed again inside itself, above what was
     allocated when it began and when it ended: a kernel's own workspace (CPU only; 0 on
     CUDA, where the allocator's statistics do not say which op allocated what)."""
+    end_bytes: int | None = None
+    """What was allocated when the work ended (what its result keeps alive included; CPU
+    only, None elsewhere)."""
 
 
 def _storage_bytes(objects: Iterable[Any]) -> int:
@@ -157,7 +160,9 @@ def allocator_peak(
     # work (after an earlier measured session made it) is counted twice; the profiler's
     # events carry no address to tell it apart.
     start += -lowest
-    return AllocatorPeak(start + highest, start, result, _op_workspace(times, levels, ops))
+    return AllocatorPeak(
+        start + highest, start, result, _op_workspace(times, levels, ops), start + running
+    )
 
 
 def _op_workspace(times: list[int], levels: list[int], ops: list[tuple[int, int]]) -> int:

@@ -72,3 +72,30 @@ def disable_native_checkpointing(model: nn.Module) -> str | None:
     )
     warnings.warn(note, stacklevel=3)
     return note
+
+
+def disable_training_cache(model: nn.Module) -> str | None:
+    """Set a Hugging Face model's ``config.use_cache`` to False while it trains, and return
+    a note saying so (also a warning); None when there was nothing to change.
+
+    A decoder called with its key/value cache on builds a cache object even in training and
+    appends each layer's keys to it: a layer run again in backward appends again, so it
+    cannot be recomputed (the rerun probe leaves it out). Training never reads the cache,
+    and Hugging Face's own gradient checkpointing turns it off the same way. A model in
+    eval mode, or one called with ``use_cache=True`` explicitly, is left as it is.
+
+    Example::
+
+        note = disable_training_cache(gpt2.train())   # config.use_cache is now False
+    """
+    config = getattr(model, "config", None)
+    if not model.training or getattr(config, "use_cache", None) is not True:
+        return None
+    config.use_cache = False
+    note = (
+        "memfit set model.config.use_cache=False for training: a key/value cache makes a "
+        "decoder layer do other work when recomputed, and training never reads it (as "
+        "Hugging Face's own gradient checkpointing does; pass use_cache=True to generate())"
+    )
+    warnings.warn(note, stacklevel=3)
+    return note

@@ -8,12 +8,24 @@ ops on other shapes, and torch either fails in backward ("A different number of 
 was saved during the original forward and recomputation", or selective checkpoint's "...
 not found in storage") or, worse, rebuilds something else without a word.
 
-The probe runs the forward once without autograd, recording each unit call's inputs and
-the ops it ran (aten op, output shapes and dtypes), then runs each call again on its own
-inputs, under the same autocast state and random state, and compares. A unit whose rerun
-differs, or fails, is returned with the first difference, so the planner can leave it out
-with a reason instead of crashing in backward. Buffers and the random state are restored
-afterwards: the probe leaves the model as it found it.
+The probe runs the forward once without autograd, recording each unit call's inputs, its
+outputs and the ops it ran (aten op, output shapes and dtypes, and which tensors each op
+read and made), then runs each call again on its own inputs, under the same autocast state
+and random state, and compares two things:
+
+* the ops on the unit's data: those that read the call's input tensors, the model's
+  parameters or buffers, or anything made from them. Ops on constants alone are not
+  compared: ``torch.tensor(...)`` (``aten.lift_fresh``), a Python scalar cast to a tensor,
+  a mask built from shapes, a view of any of these. A rerun may build them again or find
+  them cached from the first run (a lazily built causal mask), and neither changes what a
+  rebuild computes from the data; where a constant does change it (a cache's length, a
+  counter's value), an op on the data runs on another shape, or an output differs;
+* the unit's outputs: the same tensors, shapes and dtypes, and the same values (bitwise
+  on CPU; up to rounding elsewhere, where kernels may add in any order).
+
+A unit whose rerun differs, or fails, is returned with the first difference, so the
+planner can leave it out with a reason instead of crashing in backward. Buffers and the
+random state are restored afterwards: the probe leaves the model as it found it.
 
 Example::
 
@@ -25,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,21 +53,114 @@ OpRecord = tuple[str, tuple[tuple[tuple[int, ...], str], ...]]
 """One op: its name and the (shape, dtype) of each tensor it returned."""
 
 
-class _OpLog(TorchDispatchMode):
-    """Appends every aten op run under it, with its outputs' shapes and dtypes."""
+@dataclass(frozen=True)
+class _Op:
+    """One op run, with the tensors it read and made (as :class:`_Tokens` numbers)."""
 
-    def __init__(self, ops: list[OpRecord]) -> None:
+    record: OpRecord
+    reads: tuple[int, ...]
+    made: tuple[int, ...]
+
+
+class _Tokens:
+    """A number per tensor object, the same for as long as the object lives.
+
+    ``id()`` alone is reused once an object dies; a weak reference tells a live tensor
+    from a new one at a dead one's address, without keeping any tensor alive, and drops
+    the entry when its tensor dies (a forward makes many).
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._next = 0
+
+    def __call__(self, t: torch.Tensor) -> int:
+        key = id(t)
+        entry = self._known.get(key)
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        self._next += 1
+        self._known[key] = (weakref.ref(t, functools.partial(self._forget, key)), self._next)
+        return self._next
+
+    def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        entry = self._known.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer tensor's at the same id
+            del self._known[key]
+
+    def of(self, obj: Any) -> set[int]:
+        """The numbers of every tensor in ``obj`` (nested containers walked)."""
+        return {self(t) for t in tensors(obj)}
+
+
+class _OpLog(TorchDispatchMode):
+    """Appends every aten op run under it: outputs' shapes and dtypes, tensors read and made."""
+
+    def __init__(self, ops: list[_Op], tokens: _Tokens) -> None:
         super().__init__()
         self.ops = ops
-        self.paused = False  # while the probe's own hooks copy a unit's inputs
+        self.tokens = tokens
+        self.paused = False  # while the probe's own hooks copy a unit's inputs and outputs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
-        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in tensors(out))
-        self.ops.append((str(func), shapes))
+        made = tensors(out)
+        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in made)
+        self.ops.append(
+            _Op(
+                record=(str(func), shapes),
+                reads=tuple(self.tokens(t) for t in tensors((args, kwargs))),
+                made=tuple(self.tokens(t) for t in made),
+            )
+        )
         return out
+
+
+def _on_data(ops: Iterable[_Op], data: set[int]) -> list[OpRecord]:
+    """The ops that read ``data`` (a unit's inputs and the model's weights) or anything an
+    op made from it, in the order they ran: the work a rebuild must repeat exactly.
+
+    An op that read constants alone (a tensor made from Python values, a factory such as
+    ``torch.ones``, a tensor no op on the data made, or a view of one) is left out. An op
+    that writes the data into a constant in place (``cache.copy_(keys)``) makes it data.
+    """
+    data = set(data)
+    out: list[OpRecord] = []
+    for op in ops:
+        if any(t in data for t in op.reads):
+            data.update(op.made)
+            out.append(op.record)
+    return out
+
+
+@dataclass(frozen=True)
+class _RngState:
+    """The CPU generator's state and that of each CUDA device the model is on: a rerun
+    draws what its call drew (dropout on the GPU draws from the device's generator)."""
+
+    cpu: torch.Tensor
+    cuda: tuple[tuple[int, torch.Tensor], ...]
+
+    @staticmethod
+    def now(cuda: Sequence[int]) -> _RngState:
+        return _RngState(
+            torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in cuda)
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda:
+            torch.cuda.set_rng_state(state, device)
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA devices the model's parameters are on, and the current one."""
+    devices = {p.device.index for p in model.parameters() if p.device.type == "cuda"}
+    if torch.cuda.is_available():
+        devices.add(torch.cuda.current_device())
+    return sorted(d for d in devices if d is not None)
 
 
 @dataclass
@@ -66,14 +172,18 @@ class _Call:
     args: Any
     kwargs: dict[str, Any]
     autocast: tuple[str, bool, torch.dtype]
-    rng: torch.Tensor
+    rng: _RngState
+    data: set[int]
+    """The numbers (:class:`_Tokens`) of its input tensors in the recorded forward."""
     start: int
     end: int = -1
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    """Copies of the tensors it returned, as they were when it returned them."""
 
 
 @dataclass
 class _Recording:
-    ops: list[OpRecord] = field(default_factory=list)
+    ops: list[_Op] = field(default_factory=list)
     calls: list[_Call] = field(default_factory=list)
     open: list[_Call] = field(default_factory=list)
     active: bool = True
@@ -105,8 +215,40 @@ def _cache_hint(kwargs: dict[str, Any], args: Any) -> str:
 def _difference(first: list[OpRecord], again: list[OpRecord]) -> str:
     for i, (a, b) in enumerate(zip(first, again)):
         if a != b:
-            return f"op {i} was {a[0]} {list(a[1])}, then {b[0]} {list(b[1])}"
-    return f"it ran {len(first)} ops, then {len(again)}"
+            return (
+                f"op {i} on its inputs and weights was {a[0]} {list(a[1])}, "
+                f"then {b[0]} {list(b[1])}"
+            )
+    return f"it ran {len(first)} ops on its inputs and weights, then {len(again)}"
+
+
+def _same_values(first: torch.Tensor, again: torch.Tensor) -> bool:
+    """Bitwise equal on CPU (NaN where NaN was); elsewhere equal up to rounding in the
+    dtype (torch.testing's tolerances): a GPU kernel may add in another order each run."""
+    try:
+        if first.device.type == "cpu":
+            if torch.equal(first, again):
+                return True
+            nan = first.isnan() & again.isnan() if first.is_floating_point() else None
+            return nan is not None and bool(((first == again) | nan).all())
+        torch.testing.assert_close(again, first, equal_nan=True)
+    except AssertionError:
+        return False
+    except (RuntimeError, TypeError):  # a layout neither compares (sparse): the ops decide
+        return True
+    return True
+
+
+def _output_difference(first: list[torch.Tensor], again: list[torch.Tensor]) -> str | None:
+    """How the rerun's outputs differ from the first run's, or None where they do not."""
+    if len(first) != len(again):
+        return f"it returned {len(first)} tensors, then {len(again)}"
+    for i, (a, b) in enumerate(zip(first, again)):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return f"output {i} was {tuple(a.shape)} {a.dtype}, then {tuple(b.shape)} {b.dtype}"
+        if not _same_values(a, b):
+            return f"output {i} ({tuple(a.shape)} {a.dtype}) has other values"
+    return None
 
 
 @contextlib.contextmanager
@@ -140,7 +282,15 @@ def unstable_units(
     names: Sequence[str],
     autocast: tuple[str, torch.dtype, bool] = ("cpu", torch.bfloat16, False),
 ) -> dict[str, str]:
-    """The units of :func:`probe_units` whose forward does other work when run again."""
+    """The units of :func:`probe_units` whose forward does other work when run again.
+
+    Example::
+
+        unstable_units(model, lambda: model(input_ids=ids), ["transformer.h.0"])
+        # {} with use_cache=False; with a cache: {"transformer.h.0": "... (op 11 on its
+        # inputs and weights was aten.cat.default [((4, 2, 64, 16), ...)], then
+        # aten.cat.default [((4, 2, 128, 16), ...)]) ...; it is given a DynamicCache ..."}
+    """
     return probe_units(model, run_forward, names, autocast).unstable
 
 
@@ -152,7 +302,10 @@ def probe_units(
     workspace: bool = False,
 ) -> ProbeResult:
     """Units among ``names`` (qualified names in ``model``, not ``""``) whose forward does
-    not do the same when run again on the same inputs, each with the reason.
+    not do the same when run again on the same inputs, each with the reason: other ops on
+    its data (its input tensors, the model's weights and buffers, what ops make of them),
+    other shapes or dtypes there, or other outputs. Ops on constants alone are not
+    compared (a rerun may rebuild a mask, or find it cached, and compute the same).
 
     ``run_forward()`` runs the model's forward as training does; ``autocast`` is the
     training precision's ``(device type, dtype, enabled)``, run without autocast's weight
@@ -167,7 +320,38 @@ def probe_units(
     if not modules or any(p.device.type == "meta" for p in model.parameters()):
         return ProbeResult({}, {})
     rec = _Recording()
-    log = _OpLog(rec.ops)
+    tokens = _Tokens()
+    log = _OpLog(rec.ops, tokens)
+    cuda = _cuda_devices(model)
+    handles = _record_calls(modules, rec, log, cuda)
+    reasons: dict[str, str] = {}
+    workspaces: dict[str, int] = {}
+    try:
+        with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
+            weights = tokens.of([*model.parameters(), *model.buffers()])
+            with _autocast(*autocast), log:
+                run_forward()
+            rec.active = False
+            for call in rec.calls:
+                if call.name in reasons or call.end < 0:
+                    continue
+                why = _rerun_difference(call, rec.ops[call.start : call.end], tokens, weights)
+                if why is not None:
+                    reasons[call.name] = why
+            if workspace:  # buffers and the random state are restored after these too
+                workspaces = _forward_workspaces(model, rec.calls, reasons)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ProbeResult(reasons, workspaces)
+
+
+def _record_calls(
+    modules: dict[str, nn.Module], rec: _Recording, log: _OpLog, cuda: Sequence[int]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that record each call of ``modules`` into ``rec`` while ``rec.active``: copies
+    of its inputs, its random state (the CPU's and ``cuda`` devices') and autocast state,
+    its span of ``log`` and copies of its outputs."""
 
     def before(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -190,7 +374,8 @@ def probe_units(
                     torch.is_autocast_enabled(device),
                     torch.get_autocast_dtype(device),
                 ),
-                rng=torch.get_rng_state(),
+                rng=_RngState.now(cuda),
+                data=log.tokens.of((args, kwargs)),
                 start=len(rec.ops),
             )
             rec.calls.append(call)
@@ -199,8 +384,16 @@ def probe_units(
         return hook
 
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if rec.active and rec.open:
-            rec.open.pop().end = len(rec.ops)
+        if not (rec.active and rec.open):
+            return
+        call = rec.open.pop()
+        call.end = len(rec.ops)
+        # Copied now: whoever called the unit may change its output in place later.
+        log.paused = True
+        try:
+            call.outputs = [t.detach().clone() for t in tensors(output)]
+        finally:
+            log.paused = False
 
     handles = []
     for name, module in modules.items():
@@ -209,49 +402,43 @@ def probe_units(
             module.register_forward_pre_hook(before(name), with_kwargs=True, prepend=True)
         )
         handles.append(module.register_forward_hook(after, with_kwargs=True))
-    reasons: dict[str, str] = {}
-    workspaces: dict[str, int] = {}
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    return handles
+
+
+def _rerun_difference(
+    call: _Call, first: list[_Op], tokens: _Tokens, weights: set[int]
+) -> str | None:
+    """Why ``call`` run again on its own inputs is not what it was (``first``: the ops it
+    ran), or None where it is the same: the same ops on its data, the same outputs."""
+    again: list[_Op] = []
+    call.rng.restore()
+    device, enabled, dtype = call.autocast
+    hint = _cache_hint(call.kwargs, call.args)
+    data = tokens.of((call.args, call.kwargs)) | weights
     try:
-        with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
-            with _autocast(*autocast), log:
-                run_forward()
-            rec.active = False
-            for call in rec.calls:
-                if call.name in reasons or call.end < 0:
-                    continue
-                again: list[OpRecord] = []
-                torch.set_rng_state(call.rng)
-                device, enabled, dtype = call.autocast
-                try:
-                    with _autocast(device, dtype, enabled), _OpLog(again):
-                        call.module(*call.args, **call.kwargs)
-                except Exception as exc:  # a rerun that fails is as unsafe as one that differs
-                    reasons[call.name] = (
-                        f"its forward fails when run again ({type(exc).__name__}: {exc})"
-                        f"{_cache_hint(call.kwargs, call.args)}"
-                    )
-                    continue
-                first = rec.ops[call.start : call.end]
-                if again != first:
-                    reasons[call.name] = (
-                        "its forward does other work when run again on the same inputs "
-                        f"({_difference(first, again)}): it keeps state between calls, so a "
-                        f"recompute would not rebuild what forward saved{_cache_hint(call.kwargs, call.args)}"
-                    )
-            if workspace:  # buffers and the random state are restored after these too
-                workspaces = _forward_workspaces(model, rec.calls, reasons)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return ProbeResult(reasons, workspaces)
+        with _autocast(device, dtype, enabled), _OpLog(again, tokens):
+            output = call.module(*call.args, **call.kwargs)
+    except Exception as exc:  # a rerun that fails is as unsafe as one that differs
+        return f"its forward fails when run again ({type(exc).__name__}: {exc}){hint}"
+    work, work_again = _on_data(first, call.data | weights), _on_data(again, data)
+    if work != work_again:
+        found = _difference(work, work_again)
+    else:
+        found = _output_difference(call.outputs, tensors(output))
+        if found is None:
+            return None
+    return (
+        f"its forward does other work when run again on the same inputs ({found}): it "
+        f"keeps state between calls, so a recompute would not rebuild what forward "
+        f"saved{hint}"
+    )
 
 
 def _rerun_with_grad(
     module: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype, enabled: bool
-) -> None:
+) -> Any:
     with torch.enable_grad(), _autocast("cpu", dtype, enabled):  # as a rebuild runs it
-        module(*args, **kwargs)
+        return module(*args, **kwargs)  # returned: what it saves stays alive to the end
 
 
 def _forward_workspaces(
@@ -275,7 +462,7 @@ def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, 
         device = call.autocast[0]
         if call.name in unstable or call.end < 0 or device != "cpu":
             continue
-        torch.set_rng_state(call.rng)
+        call.rng.restore()
         _, enabled, dtype = call.autocast
         args, kwargs = map_tensors(
             (call.args, call.kwargs),
@@ -287,4 +474,9 @@ def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, 
             peak = allocator_peak(rerun, device="cpu")
         except Exception:  # the stability pass ran it; a failure here only loses the term
             continue
-        out[call.name] = max(out.get(call.name, 0), peak.op_workspace_bytes)
+        # A kernel's workspace counts only as far as it rose above what the rebuild keeps
+        # at its end: a convolution's scratch early in a unit (large where bf16 is
+        # emulated) comes before most of what the unit saves exists, not on top of it.
+        above_end = peak.peak_bytes - (peak.end_bytes or 0)
+        out[call.name] = max(out.get(call.name, 0), min(peak.op_workspace_bytes, above_end))
+        del peak  # the rerun's graph and output, before the next call's rerun
