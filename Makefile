@@ -54,3 +54,24 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# make test-floors: the tests of the optional frameworks (Hugging Face with its zoo,
+# Lightning, Keras on TensorFlow, matplotlib, TensorBoard) on the lowest versions that
+# pyproject.toml claims, pinned in constraints-floors.txt, in a second environment
+# (.venv-floors, created when missing and reused afterwards). make test runs the newest.
+FLOORS_VENV ?= .venv-floors
+FLOORS_BIN := $(FLOORS_VENV)/bin
+FLOORS_STAMP := $(FLOORS_VENV)/.memfit-installed
+FLOORS_TESTS = $(shell grep -l -E 'transformers|lightning|keras|matplotlib|tensorboard' tests/test_*.py)
+
+.PHONY: test-floors
+
+$(FLOORS_STAMP): pyproject.toml constraints-floors.txt
+	test -x $(FLOORS_BIN)/python || $(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_BIN)/python -m pip install -q --upgrade pip
+	$(FLOORS_BIN)/python -m pip install -q -c constraints-floors.txt -e '.[dev,plot,tensorboard,hf,integrations,keras]'
+	touch $(FLOORS_STAMP)
+
+test-floors: $(FLOORS_STAMP)
+	$(FLOORS_BIN)/python .ci/check_floors.py constraints-floors.txt
+	$(FLOORS_BIN)/python -m pytest -q -p no:cacheprovider -rfEs $(FLOORS_TESTS)

@@ -26,9 +26,24 @@ if importlib.util.find_spec("keras") is None:
 # TF_CPU_ALLOCATOR_USE_BFC where it still can take effect (memfit.keras.memory).
 import keras  # noqa: E402
 
-if int(keras.__version__.split(".")[0]) < 3:
+#: The oldest Keras memfit.keras runs on (keras.remat, the plans' executor, arrived in 3.9).
+MIN_KERAS = (3, 9)
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """``"3.9.0"`` -> ``(3, 9, 0)``; a part that is not a number ends the tuple."""
+    parts = []
+    for part in text.split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
+if _release(keras.__version__) < MIN_KERAS:
     raise ConfigError(
-        f"memfit.keras needs Keras 3, found keras {keras.__version__}; upgrade it: {INSTALL}"
+        f"memfit.keras needs Keras {'.'.join(map(str, MIN_KERAS))} or newer, found keras "
+        f"{keras.__version__}; upgrade it: {INSTALL}"
     )
 
 
