@@ -337,3 +337,31 @@ def test_memory_metrics_from_a_measured_step() -> None:
     assert memory_metrics(report.to_dict()) == m
     with pytest.raises(ConfigError):
         memory_metrics(object())
+
+
+def test_engine_recompute_overhead_counts_every_micro_batch_of_a_step() -> None:
+    """The plan's recompute FLOPs are one micro-batch's; a step of four micro-batches runs
+    them four times, so its overhead equals that of one micro-batch of the same size."""
+    from memfit.models import build_model
+
+    overheads = {}
+    for accumulation in (1, 4):
+        torch.manual_seed(0)
+        model, loss_fn, batch_fn = build_model(
+            "gpt", data="synthetic", n_layer=2, n_embd=32, n_head=2, block_size=16
+        )
+        engine = memfit.Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            precision="fp32",
+            checkpoint="full",
+            accumulation_steps=accumulation,
+            flops_per_sample=1e6,
+            log_every=1,
+        )
+        engine.train_step(batch_fn(2 * accumulation, generator=0), loss_fn)
+        assert engine.plan.recompute_flops > 0
+        overheads[accumulation] = engine.metrics["recompute/overhead"]
+        expected = engine.plan.recompute_flops * accumulation / (1e6 * 2 * accumulation)
+        assert overheads[accumulation] == pytest.approx(expected, rel=1e-12)
+    assert overheads[4] == pytest.approx(overheads[1], rel=1e-12)

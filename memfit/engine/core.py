@@ -194,6 +194,7 @@ class Engine:
         self._window_samples = 0
         self._window_steps = 0
         self._window_batch = 0
+        self._window_micro_batches = 0  # of the last step: the plan's work runs once each
         self._session_steps = 0  # steps taken by this object, resumed runs included
         self.memory_report: Any = None
         self.metrics: dict[str, float] = {}
@@ -371,6 +372,7 @@ class Engine:
         self.steps += 1
         self._window_samples += window.samples
         self._window_batch = window.samples
+        self._window_micro_batches = window.count
         self._session_steps += 1
         self._window_steps += 1
         error: NonFiniteError | None = None
@@ -570,15 +572,17 @@ class Engine:
             metrics["throughput/tokens_per_second"] = sps * self.tokens_per_sample
         if self.flops_per_sample:
             metrics["throughput/flops_per_second"] = sps * self.flops_per_sample
-        recompute = getattr(self.plan, "recompute_flops", 0) or 0
         if self.plan is not None:
+            # The plan's recompute is one micro-batch's; a step runs it once per micro-batch.
+            micro = max(self._window_micro_batches, 1)
             if self.flops_per_sample:
                 # The model's own work is 3x its forward; recompute adds forward FLOPs.
                 per_step = self.flops_per_sample * self._window_batch
+                recompute = (self.plan.recompute_flops or 0) * micro
                 metrics["recompute/overhead"] = recompute / per_step if per_step else 0.0
             elif metrics["time/step_seconds"] > 0:
                 metrics["recompute/overhead"] = (
-                    self.plan.recompute_seconds / metrics["time/step_seconds"]
+                    self.plan.recompute_seconds * micro / metrics["time/step_seconds"]
                 )
         metrics.update(plan_check_metrics(self.plan_check))
         metrics.update(extra or {})
