@@ -63,7 +63,7 @@ from torch import nn
 
 from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
 from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, Decision
-from memfit.checkpoint.native import disable_native_checkpointing, disable_training_cache
+from memfit.checkpoint.native import prepare_for_plan
 from memfit.checkpoint.recompute import (
     MATMUL_OPS,
     has_own_forward,
@@ -331,8 +331,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     _check_structure(model, plan)
     _validate(model, decisions, segments)
     remove_plan(model)
-    disable_native_checkpointing(model)  # a plan over it would recompute twice
-    disable_training_cache(model)  # a cached layer cannot be recomputed
+    prepare_for_plan(model)  # no recompute twice over its own, no cache in a recomputed layer
 
     for name, ranges in segments.items():
         if not ranges:

@@ -70,7 +70,7 @@ def disable_native_checkpointing(model: nn.Module) -> str | None:
         "plan replaces it (left on, the layers would be recomputed twice and the plan made "
         "for a step that does not run)"
     )
-    warnings.warn(note, stacklevel=3)
+    warnings.warn(note, stacklevel=4)  # the planner's caller, through prepare_for_plan
     return note
 
 
@@ -97,5 +97,18 @@ def disable_training_cache(model: nn.Module) -> str | None:
         "decoder layer do other work when recomputed, and training never reads it (as "
         "Hugging Face's own gradient checkpointing does; pass use_cache=True to generate())"
     )
-    warnings.warn(note, stacklevel=3)
+    warnings.warn(note, stacklevel=4)  # the planner's caller, through prepare_for_plan
     return note
+
+
+def prepare_for_plan(model: nn.Module) -> tuple[str, ...]:
+    """What memfit's plan replaces or cannot recompute with, turned off: the model's own
+    gradient checkpointing (:func:`disable_native_checkpointing`) and a training model's
+    key/value cache (:func:`disable_training_cache`); the notes saying what was changed.
+
+    Example::
+
+        plan.notes.extend(prepare_for_plan(model))
+    """
+    notes = (disable_native_checkpointing(model), disable_training_cache(model))
+    return tuple(n for n in notes if n)

@@ -39,7 +39,7 @@ from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.measured_fit import MeasuredFit, measured_least_plan
-from memfit.checkpoint.native import disable_native_checkpointing, disable_training_cache
+from memfit.checkpoint.native import prepare_for_plan
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
@@ -163,7 +163,7 @@ def profile_model(
     """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
     ``keep_output``: the training loop holds the output through backward."""
     model = unwrap_compiled(model)
-    native = [n for n in (disable_native_checkpointing(model), disable_training_cache(model)) if n]
+    native = prepare_for_plan(model)
     with precision_applied(model, policy):
         prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
         profiled = ModelProfile(
@@ -173,7 +173,7 @@ def profile_model(
             output_bytes=float(prof.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
-            notes=tuple(native),
+            notes=native,
         )
         loss_of = loss_fn or default_loss
         return _probed(
@@ -271,7 +271,7 @@ def profile_step(
     model is profiled uncompiled: ``loss_fn`` is given the module inside
     ``torch.compile``'s wrapper."""
     model = unwrap_compiled(model)
-    native = [n for n in (disable_native_checkpointing(model), disable_training_cache(model)) if n]
+    native = prepare_for_plan(model)
     if units is not None:
         names = ["", *dict.fromkeys(n for n in units if n)]  # the model is always one
     else:
@@ -298,7 +298,7 @@ def profile_step(
             output_bytes=float(prof.output_bytes + model_root.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
             output_held=False,  # loss_fn returns the loss: the output it made is its own
-            notes=tuple(native),
+            notes=native,
         )
 
         def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it

@@ -11,11 +11,9 @@ become fp32 islands (:func:`missing_kernel_types`, which
 :func:`~memfit.precision.apply.apply_precision` adds to the policy's own islands), named
 in a warning, so training goes on instead of crashing.
 
-A kind that runs but far slower than in fp32 is emulated: :meth:`KernelSupport.speedups`
-times each kind in both dtypes (only when asked: it costs tens of milliseconds), and
-``precision="auto"`` does not choose a mode whose matmul is emulated (the matmul probe of
-:mod:`memfit.precision.speed`). Asked for by hand, an emulated mode is kept (and warned
-about): it is slow, not wrong.
+A kind that runs but far slower than in fp32 is emulated: that is the matmul probe's to
+say (:mod:`memfit.precision.speed`), and ``precision="auto"`` then trains in fp32. Asked
+for by hand, an emulated mode is kept (and warned about): it is slow, not wrong.
 
 Tests, and anyone who knows better, inject the answer instead (:func:`assumed_kernels`).
 
@@ -30,14 +28,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+
+from memfit.errors import ConfigError
 
 __all__ = [
     "KINDS",
@@ -62,52 +61,51 @@ class KernelKind:
     """``"matmul"``, ``"conv"``, ``"rnn"``, ``"attention"`` or ``"norm"``."""
     module_type: type[nn.Module]
     """Modules of this type (and subclasses) become fp32 islands when the kind has no kernel."""
-    build: Callable[[int], tuple[nn.Module, torch.Tensor]]
-    """``build(scale)``: a module and an input; ``scale`` 1 for the kernel check, larger
-    for timing (enough work that the kernel's speed shows, not the call's overhead)."""
+    build: Callable[[], tuple[nn.Module, torch.Tensor]]
+    """A tiny module of the kind and an input for it."""
 
 
-def _linear(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.Linear(32 * s, 32 * s), torch.randn(4 * s, 32 * s)
+def _linear() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Linear(32, 32), torch.randn(4, 32)
 
 
-def _conv1d(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.Conv1d(4 * s, 4 * s, 3, padding=1), torch.randn(2, 4 * s, 16 * s)
+def _conv1d() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Conv1d(4, 4, 3, padding=1), torch.randn(2, 4, 16)
 
 
-def _conv2d(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.Conv2d(4 * s, 4 * s, 3, padding=1), torch.randn(2, 4 * s, 8 * s, 8 * s)
+def _conv2d() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Conv2d(4, 4, 3, padding=1), torch.randn(2, 4, 8, 8)
 
 
-def _conv3d(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.Conv3d(4, 4 * s, 3, padding=1), torch.randn(1, 4, 4 * s, 4 * s, 4 * s)
+def _conv3d() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Conv3d(4, 4, 3, padding=1), torch.randn(1, 4, 4, 4, 4)
 
 
-def _conv_transpose2d(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.ConvTranspose2d(4 * s, 4 * s, 3, padding=1), torch.randn(2, 4 * s, 8 * s, 8 * s)
+def _conv_transpose2d() -> tuple[nn.Module, torch.Tensor]:
+    return nn.ConvTranspose2d(4, 4, 3, padding=1), torch.randn(2, 4, 8, 8)
 
 
-def _rnn(kind: type[nn.RNNBase]) -> Callable[[int], tuple[nn.Module, torch.Tensor]]:
-    def build(s: int) -> tuple[nn.Module, torch.Tensor]:
-        return kind(8 * s, 8 * s, batch_first=True), torch.randn(2, 4 * s, 8 * s)
+def _rnn(kind: type[nn.RNNBase]) -> Callable[[], tuple[nn.Module, torch.Tensor]]:
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        return kind(8, 8, batch_first=True), torch.randn(2, 4, 8)
 
     return build
 
 
-def _attention(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.MultiheadAttention(16 * s, 2, batch_first=True), torch.randn(2, 8 * s, 16 * s)
+def _attention() -> tuple[nn.Module, torch.Tensor]:
+    return nn.MultiheadAttention(16, 2, batch_first=True), torch.randn(2, 8, 16)
 
 
-def _layer_norm(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.LayerNorm(16 * s), torch.randn(4 * s, 16 * s)
+def _layer_norm() -> tuple[nn.Module, torch.Tensor]:
+    return nn.LayerNorm(16), torch.randn(4, 16)
 
 
-def _group_norm(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.GroupNorm(2, 4 * s), torch.randn(2, 4 * s, 8 * s)
+def _group_norm() -> tuple[nn.Module, torch.Tensor]:
+    return nn.GroupNorm(2, 4), torch.randn(2, 4, 8)
 
 
-def _batch_norm2d(s: int) -> tuple[nn.Module, torch.Tensor]:
-    return nn.BatchNorm2d(4 * s), torch.randn(2, 4 * s, 8 * s, 8 * s)
+def _batch_norm2d() -> tuple[nn.Module, torch.Tensor]:
+    return nn.BatchNorm2d(4), torch.randn(2, 4, 8, 8)
 
 
 #: The kinds probed. Each builds a tiny instance; a subclass of a kind shares its verdict.
@@ -127,9 +125,6 @@ KINDS: tuple[KernelKind, ...] = (
 )
 
 _BY_NAME = {k.name: k for k in KINDS}
-
-#: A kind timed at below this fraction of its fp32 speed is called emulated.
-EMULATED_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -151,7 +146,6 @@ class KernelSupport:
     dtype: torch.dtype
     checks: dict[str, KernelCheck]
     measured: bool = True
-    _speedups: dict[str, float] | None = field(default=None, repr=False)
 
     def missing(self) -> tuple[str, ...]:
         """The kinds with no kernel in this dtype (they train as fp32 islands).
@@ -161,26 +155,6 @@ class KernelSupport:
             kernel_support("cpu", torch.bfloat16).missing()   # ("LSTM",) on AVX2 only
         """
         return tuple(name for name, check in self.checks.items() if not check.works)
-
-    def speedups(self) -> dict[str, float]:
-        """Each working kind's forward speed in this dtype relative to fp32 (2.0: twice as
-        fast), timed once on demand: the fastest of a few alternating runs per dtype.
-
-        Example::
-
-            kernel_support("cpu", torch.bfloat16).speedups()["Conv2d"]   # 0.05: emulated
-        """
-        if self._speedups is None:
-            self._speedups = {
-                name: _timed_speedup(_BY_NAME[name], self.device, self.dtype)
-                for name, check in self.checks.items()
-                if check.works
-            }
-        return dict(self._speedups)
-
-    def emulated(self) -> tuple[str, ...]:
-        """The kinds that run at under :data:`EMULATED_BELOW` of fp32's speed (timed)."""
-        return tuple(n for n, s in self.speedups().items() if s < EMULATED_BELOW)
 
     def describe(self) -> str:
         """One line per kind without a kernel, with torch's error."""
@@ -208,19 +182,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def _built(kind: KernelKind, device: torch.device, scale: int) -> tuple[nn.Module, torch.Tensor]:
+def _built(kind: KernelKind, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
     """The kind's module and input on ``device``, drawn without touching the caller's
     random stream (a probe inside training must not change what dropout draws)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        module, x = kind.build(scale)
+        module, x = kind.build()
     return module.to(device), x.to(device)
 
 
-def _run(kind: KernelKind, device: torch.device, dtype: torch.dtype, scale: int) -> None:
+def _run(kind: KernelKind, device: torch.device, dtype: torch.dtype) -> None:
     """One forward and backward of the kind under ``dtype``'s autocast (fp32 weights, as
     the mixed modes keep them; autocast casts them as training does)."""
-    module, x = _built(kind, device, scale)
+    module, x = _built(kind, device)
     x.requires_grad_(True)
     with torch.autocast(device.type, dtype=dtype):
         out = module(x, x, x)[0] if kind.family == "attention" else module(x)
@@ -234,34 +208,12 @@ def _check(kind: KernelKind, device: torch.device, dtype: torch.dtype) -> Kernel
     # a fake-tensor or recording dispatch mode): the probe is not part of the caller's work.
     try:
         with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
-            _run(kind, device, dtype, 1)
+            _run(kind, device, dtype)
     except RuntimeError as error:  # oneDNN/cuDNN: no primitive for this dtype here
         text = str(error).strip() or type(error).__name__
         first = text.splitlines()[0].split(". ")[0]  # oneDNN appends a debugging hint
         return KernelCheck(kind.name, kind.family, False, first)
     return KernelCheck(kind.name, kind.family, True)
-
-
-def _timed_speedup(kind: KernelKind, device_type: str, dtype: torch.dtype) -> float:
-    device = torch.device(device_type)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    modules = {dt: _built(kind, device, 4) for dt in (torch.float32, dtype)}
-    best = dict.fromkeys(modules, float("inf"))
-    with _disable_current_modes(), torch.no_grad():
-        for turn in range(4):  # the first turn warms up (kernel choice, lazy init)
-            for dt, (module, x) in modules.items():
-                ctx = (
-                    torch.autocast(device.type, dtype=dt)
-                    if dt != torch.float32
-                    else contextlib.nullcontext()
-                )
-                start = time.perf_counter()
-                with ctx:
-                    module(x, x, x) if kind.family == "attention" else module(x)
-                sync()
-                if turn:
-                    best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] / best[dtype]
 
 
 _CACHE: dict[tuple[str, torch.dtype], KernelSupport] = {}
@@ -311,8 +263,6 @@ def assumed_kernels(
     missing = tuple(missing)
     unknown = [m for m in missing if m not in _BY_NAME]
     if unknown:
-        from memfit.errors import ConfigError
-
         raise ConfigError(f"unknown layer kinds {unknown}; known: {sorted(_BY_NAME)}")
     checks = {
         k.name: KernelCheck(k.name, k.family, k.name not in missing, "assumed missing")
