@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 import memfit
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import RESERVE, plan_step
+from memfit.checkpoint.planner import RESERVE, plan
 from memfit.checkpoint.profiler import flop_counter
 from memfit.errors import BudgetError
 from memfit.models.gpt import gpt_loss
@@ -88,8 +88,15 @@ def main() -> None:
 
     def plan_for(strategy: str, budget: int | None = None) -> Plan:
         remove_plan(model)
-        return plan_step(
-            model, batch, gpt_loss, budget, strategy, engine.policy, optimizer, frontier=False
+        return plan(
+            model,
+            batch,
+            gpt_loss,
+            budget=budget,
+            strategy=strategy,
+            precision=engine.policy,
+            optimizer=optimizer,
+            frontier=False,
         )
 
     hi = plan_for("none")  # the planner's view of the step without checkpointing
@@ -119,7 +126,7 @@ def main() -> None:
     if not args.pairs_only:
         # Budgets from the least the planner can meet (its frontier's least peak plus the
         # reserve) to the unplanned peak.
-        opt = plan_step(model, batch, gpt_loss, None, "optimal", engine.policy, optimizer)
+        opt = plan(model, batch, gpt_loss, precision=engine.policy, optimizer=optimizer)
         lowest = min(p.peak_bytes for p in opt.frontier) / (1 - RESERVE) * 1.001
         for i in range(args.budgets):
             share = i / max(1, args.budgets - 1)

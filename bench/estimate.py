@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from memfit.cli.estimate import builtin_spec, hf_spec
-from memfit.estimate import estimate
+from memfit.cli.estimate_command import builtin_spec, hf_spec
+from memfit.estimator import estimate
 from memfit.units import format_bytes
 
 CASES = {

@@ -67,11 +67,6 @@ PRECISIONS = ("fp32", "bf16-mixed")
 TOP_SHARE = 0.9
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    """The loss a Hugging Face model computes itself when given labels."""
-    return out.loss
-
-
 @dataclass(frozen=True)
 class ZooModel:
     """One model of the zoo: its config, its class and an example batch."""
@@ -340,13 +335,13 @@ class Bench:
         }
         plan = None
         try:
-            # The step below keeps only the loss (loss = model(**inputs).loss), as
+            # The step below keeps only the loss (loss = model(**inputs).loss, the first
+            # tensor of the output, which the default loss sums), as
             # Hugging Face's Trainer does: the model's output is gone before backward.
             plan = memfit.plan(
                 model,
                 inputs,
-                budget,
-                loss_fn=loss_of,
+                budget=budget,
                 precision=precision,
                 optimizer=opt,
                 keep_output=False,
@@ -390,12 +385,12 @@ class Bench:
             # normalization layers in fp32; --plain-autocast: plain autocast, no islands.
             islands = self.args.islands and precision != "fp32"
             if islands:
-                memfit.apply_precision(model, memfit.PrecisionPolicy(precision))
+                memfit.precision.apply_precision(model, memfit.PrecisionPolicy(precision))
             try:
                 self.precision_rows(name, spec, config, model, opt, inputs, precision)
             finally:
                 if islands:
-                    memfit.remove_precision(model)
+                    memfit.precision.remove_precision(model)
 
     def precision_rows(
         self,
@@ -412,7 +407,6 @@ class Bench:
             whole = memfit.plan(
                 model,
                 inputs,
-                loss_fn=loss_of,
                 precision=precision,
                 optimizer=opt,
                 keep_output=False,

@@ -5,6 +5,10 @@ do not pay for torch and the planner until a name is used::
 
     import memfit                  # light: nothing below is imported yet
     engine = memfit.Engine(...)    # imports memfit.engine (and torch) here
+
+``__all__`` is what a training script uses daily; everything else lives in its module
+(``memfit.errors``, ``memfit.precision``, ``memfit.checkpoint``, ``memfit.units``, ...), all
+listed in docs/reference.md.
 """
 
 from __future__ import annotations
@@ -14,96 +18,79 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from memfit import deprecations
 from memfit.version import __version__
 
 if TYPE_CHECKING:
-    from memfit.capacity import Capacity, capacity
-    from memfit.checkpoint import Plan, apply_plan, find_units, plan, remove_plan
+    from memfit.capacity_view import capacity
+    from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
+    from memfit.cli.common import Workload
     from memfit.distributed import parallelize
     from memfit.engine import Engine, evaluate
-    from memfit.errors import (
-        BudgetError,
-        CheckpointError,
-        ConfigError,
-        DistributedError,
-        MemfitError,
-        NonFiniteError,
-        PlanError,
-        ScalerStateError,
-    )
-    from memfit.estimate import Estimate, estimate
-    from memfit.memory import MemoryReport, measure
+    from memfit.errors import MemfitError
+    from memfit.estimator import Estimate, estimate
+    from memfit.memory import measure
     from memfit.monitor.monitor import MonitorConfig
-    from memfit.precision import LossScaler, PrecisionPolicy, apply_precision, remove_precision
-    from memfit.tuning import TuneResult, run_advice, tune
-    from memfit.units import format_bytes, parse_bytes
+    from memfit.precision import PrecisionPolicy
+    from memfit.tuning import TuneResult, tune
 
 __all__ = [
     "__version__",
-    "BudgetError",
-    "Capacity",
-    "CheckpointError",
-    "ConfigError",
-    "DistributedError",
     "Engine",
     "Estimate",
-    "LossScaler",
-    "MemoryReport",
-    "MonitorConfig",
     "MemfitError",
-    "NonFiniteError",
+    "MonitorConfig",
     "Plan",
-    "PlanError",
     "PrecisionPolicy",
-    "ScalerStateError",
     "TuneResult",
+    "Workload",
     "apply_plan",
-    "apply_precision",
     "capacity",
     "estimate",
     "evaluate",
-    "find_units",
-    "format_bytes",
     "measure",
     "parallelize",
     "plan",
     "remove_plan",
-    "parse_bytes",
-    "remove_precision",
-    "run_advice",
     "tune",
 ]
 
 #: Where each public name lives (the module imported on its first use).
 _SOURCES: dict[str, str] = {
-    **dict.fromkeys(("Capacity", "capacity"), "memfit.capacity"),
-    **dict.fromkeys(
-        ("Plan", "apply_plan", "find_units", "plan", "remove_plan"), "memfit.checkpoint"
-    ),
+    "capacity": "memfit.capacity_view",
+    **dict.fromkeys(("Plan", "apply_plan", "plan", "remove_plan"), "memfit.checkpoint"),
+    "Workload": "memfit.cli.common",
     "parallelize": "memfit.distributed",
     **dict.fromkeys(("Engine", "evaluate"), "memfit.engine"),
+    "MemfitError": "memfit.errors",
+    **dict.fromkeys(("Estimate", "estimate"), "memfit.estimator"),
+    "measure": "memfit.memory",
+    "MonitorConfig": "memfit.monitor.monitor",
+    "PrecisionPolicy": "memfit.precision",
+    **dict.fromkeys(("TuneResult", "tune"), "memfit.tuning"),
+}
+
+#: Names that were public here and now live only in their module: each still works as
+#: ``memfit.NAME`` for one release, with a DeprecationWarning naming the module.
+_MOVED: dict[str, str] = {
+    "Capacity": "memfit.capacity_view",
     **dict.fromkeys(
         (
             "BudgetError",
-            "CheckpointError",
             "ConfigError",
             "DistributedError",
-            "MemfitError",
             "NonFiniteError",
             "PlanError",
             "ScalerStateError",
+            "StateFileError",
         ),
         "memfit.errors",
     ),
-    **dict.fromkeys(("Estimate", "estimate"), "memfit.estimate"),
-    **dict.fromkeys(("MemoryReport", "measure"), "memfit.memory"),
-    "MonitorConfig": "memfit.monitor.monitor",
-    **dict.fromkeys(
-        ("LossScaler", "PrecisionPolicy", "apply_precision", "remove_precision"),
-        "memfit.precision",
-    ),
-    **dict.fromkeys(("TuneResult", "run_advice", "tune"), "memfit.tuning"),
+    **dict.fromkeys(("LossScaler", "apply_precision", "remove_precision"), "memfit.precision"),
+    "find_units": "memfit.checkpoint",
     **dict.fromkeys(("format_bytes", "parse_bytes"), "memfit.units"),
+    "MemoryReport": "memfit.memory",
+    "run_advice": "memfit.tuning",
 }
 
 
@@ -114,6 +101,13 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(source), name)
         globals()[name] = value
         return value
+    # A demoted name: not kept, so that every use warns.
+    if name in _MOVED:
+        deprecations.warn_renamed(f"memfit.{name}", f"{_MOVED[name]}.{name}")
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    if name == "CheckpointError":  # saved training state is a "state file" now
+        deprecations.warn_renamed("memfit.CheckpointError", "memfit.errors.StateFileError")
+        return importlib.import_module("memfit.errors").StateFileError
     if name.startswith("__"):  # probes such as __wrapped__ or __path__: never a submodule
         raise AttributeError(f"module 'memfit' has no attribute {name!r}")
     # A submodule (memfit.keras, memfit.checkpoint, ...): imported on first use, as an
@@ -131,17 +125,17 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The memfit module, keeping ``memfit.estimate`` and ``memfit.capacity`` the functions.
+    """The memfit module, whose ``estimate`` and ``capacity`` stay the functions.
 
-    Importing a submodule sets it as an attribute of its package; two submodules share a
-    name with the function they define, and the function is the public name.
+    Importing a module binds it on its package; the old paths ``memfit.estimate`` and
+    ``memfit.capacity`` (modules renamed, :mod:`memfit.deprecations`) name functions here.
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and name in _SOURCES:
-            if value.__name__ == f"{__name__}.{name}":
-                value = getattr(value, name)
+        if isinstance(value, types.ModuleType) and value.__name__ != f"{__name__}.{name}":
+            return  # an old module path served by the deprecation finder: not an attribute
         super().__setattr__(name, value)
 
 
 sys.modules[__name__].__class__ = _Package
+deprecations.install()

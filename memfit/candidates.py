@@ -2,7 +2,7 @@
 
 Every way to make the global batch (``micro_batch x accumulation_steps x world_size ==
 global_batch``) is tried under each precision and checkpoint strategy on the estimator's
-meta model and fake tensors (:func:`memfit.estimate.estimate_cells`): nothing real is
+meta model and fake tensors (:func:`memfit.estimator.estimate_cells`): nothing real is
 allocated, so no candidate runs out of memory. Each candidate gets a predicted peak and a
 predicted step time, and they are ranked: those that fit first, then by time.
 
@@ -34,8 +34,9 @@ from torch import nn
 
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.step_memory import RankLayout
+from memfit.deprecations import warn_renamed
 from memfit.errors import BudgetError, ConfigError
-from memfit.estimate import STRATEGIES, estimate_cells
+from memfit.estimator import STRATEGIES, estimate_cells
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import MatmulSpeed, expand_precisions, matmul_speed
 from memfit.units import format_bytes
@@ -45,7 +46,6 @@ __all__ = [
     "meta_clone",
     "nothing_fits",
     "rank_candidates",
-    "rank_layout",
     "split_choices",
 ]
 
@@ -136,21 +136,13 @@ def meta_clone(model: nn.Module) -> nn.Module:
         ) from exc
 
 
-def rank_layout(world_size: int, data_parallel: str | None) -> RankLayout:
-    """One rank's layout: ``data_parallel`` over ``world_size`` ranks (``"ddp"`` when
-    more than one rank is named without a kind); ConfigError for a kind without ranks.
-
-    Example::
-
-        rank_layout(8, "fsdp")   # RankLayout(kind="fsdp", world_size=8)
-    """
-    if data_parallel is not None and world_size == 1:
-        raise ConfigError(
-            f"data_parallel={data_parallel!r} needs world_size > 1 (the ranks it spreads the "
-            "step over); give world_size, or drop data_parallel for one process"
-        )
-    kind = data_parallel or ("ddp" if world_size > 1 else None)
-    return RankLayout(kind, world_size)
+def __getattr__(name: str) -> Callable[[int, str | None], RankLayout]:
+    # One rule makes a rank's layout from (world_size, data_parallel), shared with planning
+    # and estimating.
+    if name == "rank_layout":
+        warn_renamed("memfit.candidates.rank_layout", "memfit.checkpoint.step_memory.RankLayout.of")
+        return RankLayout.of
+    raise AttributeError(f"module 'memfit.candidates' has no attribute {name!r}")
 
 
 def _rate(speed: MatmulSpeed, precision: str) -> float:
@@ -185,7 +177,7 @@ def rank_candidates(
     """
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, device)
     splits = split_choices(global_batch, world_size)
-    layout = rank_layout(world_size, data_parallel)
+    layout = RankLayout.of(world_size, data_parallel)
     if speed is None:
         dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
         speed = matmul_speed(device, tuple(sorted(dtypes, key=str)))

@@ -19,12 +19,13 @@ class NonFiniteError(MemfitError, FloatingPointError):
     """Training produced non-finite values for too many steps in a row."""
 
 
-class CheckpointError(MemfitError, RuntimeError):
-    """A checkpoint file is missing, truncated, tampered with or from elsewhere."""
+class StateFileError(MemfitError, RuntimeError):
+    """A saved training state (``Engine.save``) is missing, truncated, tampered with or
+    from elsewhere."""
 
 
 class PlanError(MemfitError, ValueError):
-    """A checkpoint plan cannot be made or applied."""
+    """An activation-checkpointing plan cannot be made or applied."""
 
 
 class BudgetError(PlanError):
@@ -33,3 +34,13 @@ class BudgetError(PlanError):
 
 class DistributedError(MemfitError, RuntimeError):
     """Another rank of a data-parallel run failed, or the ranks disagree."""
+
+
+def __getattr__(name: str) -> type[MemfitError]:
+    # "checkpoint" names activation checkpointing only; saved state is a state file.
+    if name == "CheckpointError":
+        from memfit.deprecations import warn_renamed
+
+        warn_renamed("memfit.errors.CheckpointError", "memfit.errors.StateFileError")
+        return StateFileError
+    raise AttributeError(f"module 'memfit.errors' has no attribute {name!r}")

@@ -11,7 +11,7 @@ Example::
     from memfit.nested import tensors, map_tensors, call_model
     out = call_model(model, {"input_ids": ids})      # model(**inputs)
     sizes = [t.shape for t in tensors(out)]
-    on_device = map_tensors(batch, lambda t: t.to("cuda"))
+    on_device = to_device(batch, "cuda")
 """
 
 from __future__ import annotations
@@ -110,6 +110,17 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return value
 
     return pytree.tree_map(leaf, obj)
+
+
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` (a tensor or a nested structure of them, as :func:`map_tensors` takes it)
+    with every tensor moved to ``device``; other values are kept as they are.
+
+    Example::
+
+        batch = to_device({"x": torch.zeros(4, 3), "note": "a"}, torch.device("cuda"))
+    """
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def call_model(model: nn.Module | Callable[..., Any], inputs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Checkpoint files that are written atomically and checked when read.
+"""State files (saved training state) that are written atomically and checked when read.
 
 A file is written to a temporary name in the same directory, flushed and fsynced, then
 renamed over the target: a crash leaves either the old file or the new one, never half of
@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
-from memfit.errors import CheckpointError
+from memfit.errors import StateFileError
 
+#: The header every state file carries. It keeps its old name ("checkpoint" in memfit now
+#: means activation checkpointing only): every state file written with it must still load.
 FORMAT = "memfit-checkpoint"
 VERSION = 1
 
@@ -49,7 +51,7 @@ def _digest(value: Any, sha: Any) -> None:
 
 
 def digest(payload: Any) -> str:
-    """SHA-256 of a checkpoint payload's contents (tensors by value)."""
+    """SHA-256 of a state file payload's contents (tensors by value)."""
     sha = hashlib.sha256()
     _digest(payload, sha)
     return sha.hexdigest()
@@ -115,25 +117,25 @@ def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[s
     """Load a file written by :func:`atomic_save`, checking its format and digest."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise StateFileError(f"state file {path} does not exist")
     try:
         record = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
-            "or not a memfit checkpoint. Resume from an earlier checkpoint."
+        raise StateFileError(
+            f"state file {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
+            "or not a memfit state file. Resume from an earlier state file."
         ) from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a memfit checkpoint (no '{FORMAT}' header)")
+        raise StateFileError(f"{path} is not a memfit state file (no '{FORMAT}' header)")
     if record.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {record.get('version')}; this memfit reads "
+        raise StateFileError(
+            f"state file {path} has format version {record.get('version')}; this memfit reads "
             f"version {VERSION}. Use the memfit version that wrote it."
         )
     payload = record.get("payload")
     if digest(payload) != record.get("sha256"):
-        raise CheckpointError(
-            f"checkpoint {path} failed its integrity check: its contents changed after it was "
-            "written. Resume from an earlier checkpoint."
+        raise StateFileError(
+            f"state file {path} failed its integrity check: its contents changed after it was "
+            "written. Resume from an earlier state file."
         )
     return payload

@@ -17,12 +17,12 @@ import torch
 from engine_cases import batch, inf_loss, loss, net
 
 import memfit
-from memfit.cli import report as report_cli
+from memfit.cli import report_command as report_cli
 from memfit.cli.main import main
 from memfit.errors import ConfigError
 from memfit.monitor import Advice, Monitor, MonitorConfig, RunFacts, advise, load_run
 from memfit.monitor import monitor as monitor_module
-from memfit.tuning.advice import engine_facts
+from memfit.tuning.hints import engine_facts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +52,7 @@ def too_high(tmp_path_factory: pytest.TempPathFactory) -> memfit.Engine:
     Its records also go to ``log_dir``'s metrics.jsonl."""
     eng = train(
         40,
-        scaler=memfit.LossScaler(init_scale=2.0**24),
+        scaler=memfit.precision.LossScaler(init_scale=2.0**24),
         memory_budget=BUDGET,
         accumulation_steps=4,
         log_dir=tmp_path_factory.mktemp("too_high"),
@@ -65,7 +65,7 @@ def test_a_scale_that_starts_too_high_is_advised_the_settled_one(
     too_high: memfit.Engine,
 ) -> None:
     records = too_high.monitor.records
-    advice = by_topic(memfit.run_advice(too_high))
+    advice = by_topic(memfit.tuning.run_advice(too_high))
     scale = advice["loss scale"]
     skipped = records[-1]["amp/skipped"]
     settled = records[-1]["amp/scale"]
@@ -85,20 +85,22 @@ def test_a_scale_that_starts_too_high_is_advised_the_settled_one(
 def test_an_engine_log_dir_gives_the_live_records_advice(too_high: memfit.Engine) -> None:
     """The JSONL a monitor wrote reads back to the same numbers; without config.json the
     precision is told by the logged scale, and the scaler's start is unknown."""
-    live = by_topic(memfit.run_advice(too_high))["loss scale"].numbers
-    saved = by_topic(memfit.run_advice(too_high.log_dir))["loss scale"].numbers
+    live = by_topic(memfit.tuning.run_advice(too_high))["loss scale"].numbers
+    saved = by_topic(memfit.tuning.run_advice(too_high.log_dir))["loss scale"].numbers
     assert saved == {k: v for k, v in live.items() if k != "init_scale"}
     # A loop of its own asks its monitor, with the facts it knows.
     own = by_topic(too_high.monitor.advice(RunFacts(precision="fp16-mixed")))["loss scale"]
     assert own.numbers == saved
-    assert too_high.monitor.advice(engine_facts(too_high)) == memfit.run_advice(too_high)
+    assert too_high.monitor.advice(engine_facts(too_high)) == memfit.tuning.run_advice(too_high)
 
 
 def test_starting_at_the_advised_scale_skips_no_step(too_high: memfit.Engine) -> None:
-    advised = by_topic(memfit.run_advice(too_high))["loss scale"].numbers["recommended_init_scale"]
+    advised = by_topic(memfit.tuning.run_advice(too_high))["loss scale"].numbers[
+        "recommended_init_scale"
+    ]
     again = train(
         40,
-        scaler=memfit.LossScaler(init_scale=advised),
+        scaler=memfit.precision.LossScaler(init_scale=advised),
         memory_budget=BUDGET,
         accumulation_steps=4,
     )
@@ -109,7 +111,7 @@ def test_headroom_under_a_large_budget_suggests_less_accumulation(
     too_high: memfit.Engine,
 ) -> None:
     records = too_high.monitor.records
-    advice = by_topic(memfit.run_advice(too_high))
+    advice = by_topic(memfit.tuning.run_advice(too_high))
     peak = max(
         r[k] for r in records for k in ("memory/peak_bytes", "plan/measured_peak_bytes") if k in r
     )
@@ -132,7 +134,7 @@ def test_headroom_under_a_large_budget_suggests_less_accumulation(
 
 def test_a_peak_over_the_budget_says_so(too_high: memfit.Engine) -> None:
     facts = engine_facts(too_high)
-    peak = by_topic(memfit.run_advice(too_high))["checkpointing"].numbers["peak_bytes"]
+    peak = by_topic(memfit.tuning.run_advice(too_high))["checkpointing"].numbers["peak_bytes"]
     small = dataclasses.replace(facts, budget_bytes=peak / 2)
     advice = by_topic(advise(too_high.monitor.records, small))
     assert advice["checkpointing"].numbers["peak_share_of_budget"] == 2.0
@@ -141,9 +143,9 @@ def test_a_peak_over_the_budget_says_so(too_high: memfit.Engine) -> None:
 
 
 def test_a_scale_that_keeps_growing_is_advised_to_start_higher() -> None:
-    eng = train(20, scaler=memfit.LossScaler(init_scale=2.0, growth_interval=2))
+    eng = train(20, scaler=memfit.precision.LossScaler(init_scale=2.0, growth_interval=2))
     records = eng.monitor.records
-    scale = by_topic(memfit.run_advice(eng))["loss scale"]
+    scale = by_topic(memfit.tuning.run_advice(eng))["loss scale"]
     assert records[-1]["amp/skipped"] == 0 and records[-1]["amp/scale"] > 2.0
     assert scale.numbers["recommended_init_scale"] == records[-1]["amp/scale"]
     assert "kept growing" in scale.text and "no overflow in 20 steps" in scale.text
@@ -163,14 +165,14 @@ def test_overflows_in_every_window_are_called_high() -> None:
         )
     for i in range(20):
         eng.train_step(batch(i), inf_loss)
-    scale = by_topic(memfit.run_advice(eng))["loss scale"]
+    scale = by_topic(memfit.tuning.run_advice(eng))["loss scale"]
     assert scale.numbers["skipped_steps"] == eng.monitor.records[-1]["amp/skipped"] == 20
     assert "is high" in scale.text and "every log window" in scale.text
 
 
 def test_bf16_needs_no_scale_and_a_fixed_plan_with_headroom_is_told_auto() -> None:
     eng = train(20, precision="bf16-mixed", checkpoint="full", memory_budget=BUDGET)
-    advice = by_topic(memfit.run_advice(eng))
+    advice = by_topic(memfit.tuning.run_advice(eng))
     assert advice["loss scale"].text.startswith("none needed in bf16-mixed")
     checkpointing = advice["checkpointing"]
     assert checkpointing.numbers["recomputed_units"] > 0
@@ -183,7 +185,7 @@ def test_bf16_needs_no_scale_and_a_fixed_plan_with_headroom_is_told_auto() -> No
 
 def test_too_few_steps_say_so_instead_of_guessing() -> None:
     eng = train(5)
-    advice = memfit.run_advice(eng)
+    advice = memfit.tuning.run_advice(eng)
     assert [a.topic for a in advice] == ["run"]
     assert "too few steps" in advice[0].text
     assert advice[0].numbers == {"steps": 5.0, "log_records": 1.0}
@@ -226,7 +228,7 @@ def test_memfit_train_prints_the_advice_of_its_run_directory(
     finished_run: tuple[Path, str],
 ) -> None:
     run_dir, printed = finished_run
-    advice = memfit.run_advice(run_dir)
+    advice = memfit.tuning.run_advice(run_dir)
     assert "advice" in printed
     for item in advice:
         assert f"{item.topic}: {item.text}" in printed
@@ -240,7 +242,7 @@ def test_a_finished_run_directory_gives_advice_matching_its_records(
     run_dir, _ = finished_run
     records = load_run(run_dir).records
     logged = [r for r in records if "amp/scale" in r]
-    advice = by_topic(memfit.run_advice(run_dir))
+    advice = by_topic(memfit.tuning.run_advice(run_dir))
     assert advice["loss scale"].text.startswith("none needed in fp32")
     assert advice["loss scale"].numbers["steps"] == logged[-1]["step"] == 20
     checkpointing = advice["checkpointing"]
@@ -265,7 +267,7 @@ def test_memfit_report_prints_the_advice_and_puts_it_in_the_page(
     assert args.run(args) == 0
     captured = capsys.readouterr()
     assert Path(captured.out.strip()) == tmp_path / "out" / "report.html"
-    for item in memfit.run_advice(run_dir):
+    for item in memfit.tuning.run_advice(run_dir):
         assert f"{item.topic}: {item.text}" in captured.err
     page = (tmp_path / "out" / "report.html").read_text()
     assert "<section id='advice'>" in page and "micro-batch" in page
@@ -275,12 +277,12 @@ def test_a_run_directory_without_metrics_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        memfit.run_advice(tmp_path / "missing")
+        memfit.tuning.run_advice(tmp_path / "missing")
     with pytest.raises(ConfigError, match="holds no metrics.jsonl.*memfit train --out"):
-        memfit.run_advice(tmp_path)
+        memfit.tuning.run_advice(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="no valid line"):
-        memfit.run_advice(tmp_path)
+        memfit.tuning.run_advice(tmp_path)
     assert main(["report", str(tmp_path)]) == 2
     assert "no valid line" in capsys.readouterr().err
 
@@ -288,7 +290,7 @@ def test_a_run_directory_without_metrics_is_a_clear_error(
 def test_a_short_run_directory_says_too_few_steps(tmp_path: Path) -> None:
     lines = [{"step": s, "amp/scale": 1.0, "amp/skipped": 0} for s in (1, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    advice = memfit.run_advice(tmp_path)
+    advice = memfit.tuning.run_advice(tmp_path)
     assert [a.topic for a in advice] == ["run"] and "too few steps" in advice[0].text
 
 
@@ -336,7 +338,7 @@ def test_a_sqrt_plan_counts_its_segments_as_recomputed() -> None:
         eng.train_step(x, lambda m, b: m(b).square().mean())
     # A sqrt plan keeps every unit's decision and recomputes through segments of them.
     assert all(d == "keep" for d in eng.plan.decisions.values()) and eng.plan.segments
-    checkpointing = by_topic(memfit.run_advice(eng))["checkpointing"]
+    checkpointing = by_topic(memfit.tuning.run_advice(eng))["checkpointing"]
     spans = [e - s + 1 for spans in eng.plan.segments.values() for s, e in spans]
     assert checkpointing.numbers["recomputed_units"] == sum(spans) > 0
     assert f"{sum(spans)} of" in checkpointing.text

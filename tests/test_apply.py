@@ -674,14 +674,14 @@ def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: 
     if kind == "llama":  # trained without its key/value cache, as with HF's own checkpointing
         inputs["use_cache"] = False
 
-    def loss_fn(out: object) -> torch.Tensor:
-        return out.loss
+    def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(**batch).loss
 
-    whole = memfit.plan(model, inputs, loss_fn=loss_fn, precision=precision)
+    whole = memfit.plan(model, inputs, loss_fn, precision=precision)
     peaks = [p.peak_bytes for p in whole.frontier]
     assert min(peaks) < max(peaks), "the blocks' activations must be worth checkpointing"
     budget = int((min(peaks) + max(peaks)) / 2 / (1 - RESERVE)) + 1  # plans keep RESERVE free
-    plan = memfit.plan(model, inputs, budget, loss_fn=loss_fn, precision=precision)
+    plan = memfit.plan(model, inputs, loss_fn, budget=budget, precision=precision)
     # Selective recompute re-runs no matmuls, so its FLOPs may be 0: look at decisions.
     assert any(d != "keep" for d in plan.decisions.values()) or plan.segments
     base, cp = copy.deepcopy(model), copy.deepcopy(model)

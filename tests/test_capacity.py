@@ -11,16 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import memfit
-from memfit.capacity import BASELINE, Capacity
-from memfit.cli.estimate import builtin_spec
+from memfit.capacity_view import BASELINE, Capacity
+from memfit.cli.estimate_command import builtin_spec
 from memfit.cli.main import main
 from memfit.errors import ConfigError
-from memfit.estimate import MAX_BATCH
+from memfit.estimator import MAX_BATCH
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ``memfit.estimate`` is also the name of the function the package exports.
-estimate_module = sys.modules["memfit.estimate"]
+estimate_module = sys.modules["memfit.estimator"]
 
 MEMORY = 6 * 2**20
 SIZES = [(1, 32), (2, 64), (4, 256)]
@@ -208,7 +208,7 @@ def test_fsdp_ranks_fit_a_model_one_device_cannot() -> None:
 def test_affine_profile_moves_numbers_and_refuses_other_differences() -> None:
     from typing import NamedTuple
 
-    from memfit.scaling import NotAffine, affine_profile
+    from memfit.interpolate import NotAffine, affine_profile
 
     class Row(NamedTuple):
         bytes: int

@@ -1,15 +1,19 @@
 """The CLI's modules: main imports the subcommands, the subcommands import only common
-(and train its start-up helpers, start, which imports only common)."""
+(and train its start-up helpers, start, which imports only common); every ``--factory``
+takes one form, a memfit.Workload."""
 
 from __future__ import annotations
 
 import ast
+import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
 
 import memfit.cli
-from memfit.cli.common import UsageError, model_config_cls, parse_overrides
+from memfit.cli.common import UsageError, load_workload, model_config_cls, parse_overrides
 from memfit.cli.main import main
 
 SUBCOMMANDS = {"train", "plan", "estimate", "report", "tune"}
@@ -35,12 +39,13 @@ def _cli_imports(path: Path) -> set[str]:
 
 def test_subcommands_import_only_common_and_main_imports_them() -> None:
     package = Path(memfit.cli.__file__).parent
-    for name in SUBCOMMANDS - {"train"}:
-        assert _cli_imports(package / f"{name}.py") <= {"common"}, name
-    assert _cli_imports(package / "train.py") == {"common", "start"}
+    modules = {f"{name}_command" for name in SUBCOMMANDS}
+    for module in modules - {"train_command"}:
+        assert _cli_imports(package / f"{module}.py") <= {"common"}, module
+    assert _cli_imports(package / "train_command.py") == {"common", "start"}
     assert _cli_imports(package / "start.py") == {"common"}
     assert _cli_imports(package / "common.py") == set()
-    assert _cli_imports(package / "main.py") == SUBCOMMANDS | {"common"}
+    assert _cli_imports(package / "main.py") == modules | {"common"}
 
 
 def test_no_cli_code_reads_private_engine_attributes() -> None:
@@ -69,3 +74,142 @@ def test_usage_errors_exit_2_with_the_message(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert err.startswith("usage: memfit")
     assert "memfit plan: error: unknown --model 'foo'; valid: gpt, resnet, lstm" in err
+
+
+# One factory contract: every --factory returns a memfit.Workload; the tuples each
+# subcommand took before keep working for one release, with a DeprecationWarning.
+
+FACTORIES = """
+import torch
+
+import memfit
+
+
+def net():
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(8, 1))
+
+
+def batch_of(n):
+    return {"x": torch.randn(n, 8), "y": torch.randn(n, 1)}
+
+
+def loss(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def workload():
+    return memfit.Workload(model_fn=net, batch_fn=batch_of, loss_fn=loss)
+
+
+def workload_without_loss():
+    return memfit.Workload(model_fn=net, batch_fn=lambda n: torch.randn(n, 8))
+
+
+def plan_tuple():
+    return net(), batch_of(4), loss
+
+
+def plan_pair():
+    return net(), torch.randn(4, 8)
+
+
+def tune_tuple():
+    return net, batch_of, loss
+
+
+def estimate_pair():
+    return net, lambda n: torch.randn(n, 8)
+
+
+def not_a_workload():
+    return 42
+
+
+def bad_workload():
+    return memfit.Workload(model_fn=net(), batch_fn=batch_of)
+"""
+
+COMMANDS = {
+    "plan": ["plan", "--precision", "fp32", "--device", "cpu", "--strategy", "full", "--json"],
+    "estimate": ["estimate", "--precision", "fp32", "--strategy", "none", "--json"],
+    "tune": [
+        "tune",
+        "--budget",
+        "1GiB",
+        "--global-batch",
+        "4",
+        "--precisions",
+        "fp32",
+        "--measure-top",
+        "0",
+        "--device",
+        "cpu",
+        "--json",
+    ],
+}
+
+
+@pytest.fixture
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "cli_factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "cli_factories"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("name", ["workload", "workload_without_loss"])
+def test_every_subcommand_takes_a_workload_without_a_warning(
+    command: str, name: str, factories: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*COMMANDS[command], "--factory", f"{factories}:{name}"]
+    if command != "tune":
+        args += ["--batch-size", "4"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*--factory", category=DeprecationWarning)
+        assert main(args) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    ("command", "name", "shape"),
+    [
+        ("plan", "plan_tuple", "(model, batch, loss_fn)"),
+        ("plan", "plan_pair", "(model, batch)"),
+        ("tune", "tune_tuple", "(model_fn, batch_fn, loss_fn)"),
+        ("estimate", "tune_tuple", "(model_fn, batch_fn, loss_fn)"),
+        ("estimate", "estimate_pair", "(model_fn, batch_fn)"),
+    ],
+)
+def test_the_old_factory_tuples_work_and_warn(
+    command: str, name: str, shape: str, factories: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*COMMANDS[command], "--factory", f"{factories}:{name}"]
+    with pytest.warns(DeprecationWarning, match=re.escape(shape) + r".*memfit\.Workload"):
+        assert main(args) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)
+
+
+def test_an_old_plan_tuple_is_the_same_model_and_batch(factories: str) -> None:
+    with pytest.warns(DeprecationWarning):
+        workload = load_workload(f"{factories}:plan_tuple")
+    model, batch = workload.model_fn(), workload.batch_fn(16)
+    assert model is workload.model_fn() and batch is workload.batch_fn(2)
+    assert workload.loss_fn(model, batch).ndim == 0
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_factory_that_returns_something_else_is_a_usage_error(
+    command: str, factories: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*COMMANDS[command], "--factory", f"{factories}:not_a_workload"]) == 2
+    assert "must return a memfit.Workload(model_fn, batch_fn, loss_fn), got int" in (
+        capsys.readouterr().err
+    )
+    assert main([*COMMANDS[command], "--factory", f"{factories}:bad_workload"]) == 2
+    assert "Workload.model_fn must be a function that builds the model, got a built Sequential" in (
+        capsys.readouterr().err
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.cli import plan as plan_cli
+from memfit.cli import plan_command as plan_cli
 from memfit.cli import start
 from memfit.cli.common import UsageError, pick_device, to_device
 from memfit.cli.main import main
@@ -297,19 +297,25 @@ def test_to_device_moves_every_tensor_of_a_nested_batch() -> None:
 FACTORY = """
 import torch
 
+import memfit
+
 SEEN = []
 
 
 def build():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 1), "name": "toy"}
 
     def loss_fn(model, batch):
         SEEN.append(batch["x"].device)
         return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
-    return model, batch, loss_fn
+    return memfit.Workload(
+        model_fn=lambda: torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+        ),
+        batch_fn=lambda n: {"x": torch.randn(n, 8), "y": torch.randn(n, 1), "name": "toy"},
+        loss_fn=loss_fn,
+    )
 """
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.checkpoint import find_units, plan_step
+from memfit.checkpoint import find_units, plan
 from memfit.checkpoint.apply import applied_plan, is_applied
 from memfit.checkpoint.recompute import selective_contexts
 from memfit.errors import ConfigError
@@ -68,8 +68,8 @@ def plans(gpt: Any) -> dict[str, Any]:
     compiled = torch.compile(copy.deepcopy(model), backend="aot_eager")
     # Plans made on the compiled model: its names are the model's own.
     return {
-        "full": plan_step(compiled, batch, loss_fn, strategy="full", precision="fp32"),
-        "uniform:2": plan_step(compiled, batch, loss_fn, strategy="uniform:2", precision="fp32"),
+        "full": plan(compiled, batch, loss_fn, strategy="full", precision="fp32"),
+        "uniform:2": plan(compiled, batch, loss_fn, strategy="uniform:2", precision="fp32"),
         "selective": {"blocks.0": "selective", "blocks.1": "selective"},
     }
 
@@ -140,7 +140,7 @@ def test_blocks_compiled_one_by_one_are_refused_with_the_order_that_works(gpt: A
     with pytest.raises(ConfigError, match=r"'blocks\.1' .*precision -> plan -> compile"):
         memfit.apply_plan(per_block, {"blocks.0": "recompute"})
     with pytest.raises(ConfigError, match="compile its blocks"):
-        plan_step(per_block, batch_fn(2, generator=0), loss_fn, strategy="full", precision="fp32")
+        plan(per_block, batch_fn(2, generator=0), loss_fn, strategy="full", precision="fp32")
     assert not is_applied(per_block)
 
 

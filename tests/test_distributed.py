@@ -237,7 +237,7 @@ def _too_many_skips() -> int | None:
     try:
         for step in range(4):
             engine.train_step(shard_batch(toy_batch(step, 8, (6,))), toy_loss)
-    except memfit.NonFiniteError:
+    except memfit.errors.NonFiniteError:
         return engine.steps
     return None
 
@@ -326,7 +326,7 @@ def test_a_failing_rank_stops_the_other_with_its_name(tmp_path: Path) -> None:
 
 
 def _failing_save(rank: int, world_size: int, directory: Path) -> None:
-    import memfit.distributed.checkpoint as ckpt
+    import memfit.distributed.state_files as ckpt
 
     model = memfit.parallelize(toy_model(), data_parallel="ddp")
     engine = _engine(model, "fp32")
@@ -347,7 +347,7 @@ def test_a_failed_save_on_rank_0_stops_the_others_at_once(tmp_path: Path) -> Non
     r0, r1 = launch(_failing_save, tmp_path, timeout=90)
     assert r0["type"] == "OSError" and "No space left" in r0["error"]
     assert r1["type"] == "DistributedError", r1
-    assert "rank 0 failed to write the checkpoint" in r1["error"]
+    assert "rank 0 failed to write the state file" in r1["error"]
     assert "No space left on device" in r1["error"]
     assert (tmp_path / "good.pt").exists() and not (tmp_path / "second.pt").exists()
 
@@ -381,10 +381,10 @@ def _failing_rename(rank: int, world_size: int, directory: Path) -> dict[str, An
     return {"error": None}
 
 
-def test_a_failed_fsdp2_rename_puts_the_previous_checkpoint_back(tmp_path: Path) -> None:
+def test_a_failed_fsdp2_rename_puts_the_previous_saved_state_back(tmp_path: Path) -> None:
     r0, r1 = results(launch(_failing_rename, tmp_path, timeout=120))
     assert r0["error"].startswith("PermissionError") and r0["previous"]
-    assert "rank 0 failed to put the checkpoint in place" in r1["error"] and r1["previous"]
+    assert "rank 0 failed to put the saved state in place" in r1["error"] and r1["previous"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]
 
 
@@ -427,7 +427,7 @@ def test_per_rank_estimate_shards_weights_gradients_and_state() -> None:
 
 def test_cli_refuses_a_global_batch_the_ranks_cannot_share() -> None:
     from memfit.cli.common import UsageError
-    from memfit.cli.train import TRAIN_DEFAULTS, _check_distributed
+    from memfit.cli.train_command import TRAIN_DEFAULTS, _check_distributed
 
     settings = {**TRAIN_DEFAULTS, "batch_size": 10, "precision": "bf16-mixed"}
     with pytest.raises(UsageError, match="--batch-size: .*10 samples .*4 ranks.*8, 12, 16"):

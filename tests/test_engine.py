@@ -24,7 +24,7 @@ from torch import nn
 
 import memfit
 from memfit.engine import Engine, batch_size, split_batch
-from memfit.errors import CheckpointError, ConfigError, NonFiniteError
+from memfit.errors import ConfigError, NonFiniteError, StateFileError
 from memfit.precision import MODES, LossScaler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -439,7 +439,7 @@ def test_damaged_checkpoint_raises_and_the_previous_one_still_loads(
         torch.save(record, second)  # well-formed, with the old digest
 
     model = _net()
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(StateFileError) as info:
         Engine.resume(second, model, _optimizer(model, False))
     assert str(second) in str(info.value)
 

@@ -15,10 +15,10 @@ from torch import nn
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.apply import remove_plan
-from memfit.cli.estimate import builtin_spec
+from memfit.cli.estimate_command import builtin_spec
 from memfit.cli.main import main
 from memfit.errors import ConfigError
-from memfit.estimate import STRATEGIES, Estimate
+from memfit.estimator import STRATEGIES, Estimate
 from memfit.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -226,9 +226,9 @@ def test_cli_hf_config_and_factory(
     assert len(rows) == 1 and rows[0]["parts"]["params"] > 0
 
     (tmp_path / "myspec.py").write_text(
-        "import torch\n"
+        "import torch, memfit\n"
         "def spec():\n"
-        "    return (lambda: torch.nn.Linear(8, 8)), (lambda b: torch.zeros(b, 8))\n"
+        "    return memfit.Workload(lambda: torch.nn.Linear(8, 8), lambda b: torch.zeros(b, 8))\n"
     )
     monkeypatch.chdir(tmp_path)
     argv = ["estimate", "--factory", "myspec:spec", "--precision", "fp32", "--strategy", "none"]

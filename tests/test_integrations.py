@@ -6,6 +6,7 @@ import copy
 import importlib
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -130,6 +131,11 @@ def test_hf_plan_applied_and_metrics_logged(tmp_path: Path) -> None:
     assert "memfit/plan/predicted_peak_bytes" in trainer.state.log_history[-1]
     assert not any(k.startswith("memfit/amp/") for k in logs[0])
     assert model.config.use_cache is False
+    # The measured forward and backward is judged, never acted on (one plan for the run).
+    verdict = callback.run.verdict
+    assert verdict is not None and verdict.action == "keep" and verdict.fits
+    assert verdict.measured_bytes == callback.run.measured_peak_bytes
+    assert verdict.predicted_bytes == callback.plan.predicted_peak_bytes
 
 
 class _Recorder(transformers.TrainerCallback):
@@ -150,6 +156,7 @@ def test_hf_attach_puts_the_keys_before_every_reporter(tmp_path: Path) -> None:
     assert trainer.callback_handler.callbacks[:2] == [callback, reporter]
     trainer.train()
     assert "memfit/plan/predicted_peak_bytes" in reporter.logs[0]
+    assert callback.run is not None and callback.run.verdict is None  # nothing measured
 
 
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
@@ -404,6 +411,14 @@ def test_lightning_precision_and_accumulation_reach_the_planner() -> None:
     assert mf_lightning.lightning_precision("32-true") == "fp32"
     with pytest.raises(ConfigError, match="cannot plan under Lightning precision '64-true'"):
         mf_lightning.lightning_precision("64-true")
+
+
+def test_lightning_true_precisions_plan_under_the_master_mode_without_warning() -> None:
+    # Lightning trains "bf16-true" itself; memfit only plans it, over-predicting.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert mf_lightning.lightning_precision("bf16-true") == "bf16-master"
+        assert mf_lightning.lightning_precision("16-true") == "fp16-master"
 
 
 def test_lightning_module_names_the_planned_submodule() -> None:

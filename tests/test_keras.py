@@ -45,7 +45,7 @@ def test_missing_tensorflow_names_the_extra() -> None:
         "import memfit\n"
         "try:\n"
         "    memfit.keras.plan\n"
-        "except memfit.ConfigError as exc:\n"
+        "except memfit.errors.ConfigError as exc:\n"
         "    print(exc)\n"
     )
     assert "pip install 'memfit[keras]'" in out
@@ -166,7 +166,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_as_loss_scaler(
         keras.optimizers.SGD(0.1), "fp16-mixed", init_scale=64.0, growth_interval=3
     )
     optimizer.build(model.trainable_variables)
-    scaler = memfit.LossScaler(init_scale=64.0, growth_interval=3)
+    scaler = memfit.precision.LossScaler(init_scale=64.0, growth_interval=3)
     weight = torch.nn.Parameter(torch.zeros(2))
     torch_opt = torch.optim.SGD([weight], lr=0.1)
     x = np.random.default_rng(0).random((16, 8), dtype=np.float32)
@@ -238,11 +238,11 @@ with mk.precision("bf16-mixed"):
 print("dtypes", ",".join(layer.compute_dtype for layer in mixed.layers))
 try:
     memfit.plan(model, (batch[0],))
-except memfit.PlanError as exc:
+except memfit.errors.PlanError as exc:
     print("plan:", exc)
 try:
     mk.plan(model, batch[0].numpy(), batch[1].numpy(), "sparse_categorical_crossentropy")
-except memfit.ConfigError as exc:
+except memfit.errors.ConfigError as exc:
     print("keras plan:", exc)
 """
 

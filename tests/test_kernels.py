@@ -122,7 +122,7 @@ def test_the_islands_found_are_not_saved_as_a_setting_to_resume_with(tmp_path) -
 
 
 def test_injected_answers_name_known_kinds_only() -> None:
-    with pytest.raises(memfit.ConfigError, match="unknown layer kinds"):
+    with pytest.raises(memfit.errors.ConfigError, match="unknown layer kinds"):
         with assumed_kernels("cpu", torch.bfloat16, missing=("Lstm",)):
             pass
 
@@ -197,11 +197,11 @@ def test_auto_on_this_machine_never_chooses_an_emulated_bf16() -> None:
         assert engine.settings.precision in ("fp32", "bf16-mixed")
 
 
-def test_plan_and_plan_step_take_and_default_to_auto() -> None:
+def test_plan_takes_and_defaults_to_auto() -> None:
     model, loss_fn, batch_fn = build_model("gpt", data="synthetic", n_layer=2, n_embd=32)
     batch = batch_fn(2, generator=0)
     with assumed_speed("cpu", EMULATED):
-        plan = memfit.checkpoint.plan_step(model, batch, loss_fn, strategy="full")
+        plan = memfit.plan(model, batch, loss_fn, strategy="full")
     assert plan.precision == "fp32"
     assert any("precision auto: fp32" in n for n in plan.notes), plan.notes
     with assumed_speed("cpu", {torch.bfloat16: 2.7}):
@@ -216,5 +216,5 @@ def test_estimate_and_tune_take_auto_as_the_modes_it_chooses_between() -> None:
 
     assert expand_precisions(["auto"]) == ["fp32", "bf16-mixed"]
     assert expand_precisions(["bf16", "AUTO", "fp32"]) == ["bf16-mixed", "fp32"]
-    with pytest.raises(memfit.ConfigError, match="unknown precision"):
+    with pytest.raises(memfit.errors.ConfigError, match="unknown precision"):
         expand_precisions(["bf17"])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
@@ -73,16 +74,16 @@ def test_every_public_name_resolves_to_its_source(name: str) -> None:
 
 
 def test_functions_keep_their_names_over_same_named_submodules() -> None:
-    # memfit/estimate.py defines estimate(), memfit/capacity.py capacity(): importing the
+    # memfit/estimator.py defines estimate(), memfit/capacity_view.py capacity(): importing the
     # submodules must not turn memfit.estimate into a module.
-    importlib.import_module("memfit.estimate")
-    importlib.import_module("memfit.capacity")
+    importlib.import_module("memfit.estimator")
+    importlib.import_module("memfit.capacity_view")
     assert callable(memfit.estimate) and not isinstance(memfit.estimate, types.ModuleType)
     assert callable(memfit.capacity) and not isinstance(memfit.capacity, types.ModuleType)
     from memfit import capacity, estimate
 
-    assert estimate is sys.modules["memfit.estimate"].estimate
-    assert capacity is sys.modules["memfit.capacity"].capacity
+    assert estimate is sys.modules["memfit.estimator"].estimate
+    assert capacity is sys.modules["memfit.capacity_view"].capacity
 
 
 def test_submodules_and_unknown_names() -> None:
@@ -91,3 +92,36 @@ def test_submodules_and_unknown_names() -> None:
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         memfit.not_a_name  # noqa: B018
     assert not hasattr(memfit, "__wrapped__")
+
+
+def test_the_top_level_is_what_a_training_script_uses_daily() -> None:
+    # Everything else lives in its module (docs/reference.md); the names moved off the top
+    # level still resolve there for one release (tests/test_deprecations.py).
+    assert set(memfit.__all__) == {
+        "__version__",
+        "Engine",
+        "evaluate",
+        "plan",
+        "Plan",
+        "apply_plan",
+        "remove_plan",
+        "estimate",
+        "Estimate",
+        "capacity",
+        "tune",
+        "TuneResult",
+        "parallelize",
+        "measure",
+        "MonitorConfig",
+        "PrecisionPolicy",
+        "MemfitError",
+        "Workload",
+    }
+    assert not set(memfit._MOVED) & set(memfit.__all__)
+    assert set(memfit._SOURCES) == set(memfit.__all__) - {"__version__"}
+
+
+def test_every_public_name_is_in_the_reference() -> None:
+    reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
+    for name in [*memfit.__all__, *memfit._MOVED]:
+        assert f"`{name}`" in reference, name

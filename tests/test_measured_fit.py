@@ -10,7 +10,7 @@ import torch
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.costs import counted_times
-from memfit.checkpoint.measured_fit import MEASURE_MARGIN, measured_least_plan
+from memfit.checkpoint.measured_fit import MEASURE_MARGIN, judge_fit, measured_least_plan
 from memfit.checkpoint.planner import RESERVE, profile_step, solve_profile
 from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
@@ -190,3 +190,57 @@ def test_the_measurement_counts_and_gives_back_the_gradients_the_optimizer_steps
     peak = allocator_peak(step, live=live).peak_bytes
     # Within the allocator's run-to-run variation (see the test above).
     assert abs(peak - fit.measured_peak_bytes) <= 1024, (peak, fit.measured_peak_bytes)
+
+
+def test_one_judgement_of_a_measured_step_in_each_callers_terms() -> None:
+    # The closed loop's terms (check_plan): within the tolerance of the prediction the plan
+    # stands; beyond it, either way, a plan made under a budget is made again.
+    assert judge_fit(100.0, 102.0, 200.0, tolerance=0.02).action == "keep"
+    over = judge_fit(100.0, 103.0, 200.0, tolerance=0.02)
+    assert over.action == "replan" and over.fits
+    assert over.miss_bytes == 3.0 and over.error_fraction == pytest.approx(0.03)
+    assert judge_fit(100.0, 97.0, 200.0, tolerance=0.02).action == "replan"
+    # Without a budget there is nothing to re-plan for, and every step fits.
+    unbudgeted = judge_fit(100.0, 300.0, None, tolerance=0.02)
+    assert unbudgeted.action == "keep" and unbudgeted.fits
+    # A least plan (the planner's measured least plan, the Engine's 'full' fallback): at
+    # the budget it fits, a byte over it is refused; without a tolerance the miss of the
+    # prediction does not matter.
+    assert judge_fit(150.0, 200.0, 200.0, least_plan=True).action == "keep"
+    refused = judge_fit(150.0, 201.0, 200.0, least_plan=True)
+    assert refused.action == "refuse" and not refused.fits
+    # The reserve is the share of the budget kept free above the measurement.
+    assert judge_fit(100.0, 99.0, 100.0, reserve=0.02, least_plan=True).action == "refuse"
+    assert judge_fit(100.0, 98.0, 100.0, reserve=0.02, least_plan=True).action == "keep"
+    # Not a least plan: over the budget is the prediction's miss, re-planned, not refused.
+    assert judge_fit(100.0, 250.0, 200.0, tolerance=0.02).action == "replan"
+
+
+def test_solve_profile_leaves_the_solvers_solution_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import copy
+
+    from memfit.checkpoint import planner
+
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=2, n_embd=32, n_head=2, block_size=32
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = PrecisionPolicy.of("fp32")
+    profiled = profile_step(model, batch_fn(4, generator=0), loss_fn, policy)
+    solved: list[tuple[object, object]] = []
+    original = planner.solve
+
+    def solve(*args: object, **kwargs: object) -> object:
+        solution = original(*args, **kwargs)
+        solved.append((solution, copy.deepcopy(solution)))
+        return solution
+
+    monkeypatch.setattr(planner, "solve", solve)
+    budget = "20GiB"  # a budget: the solver's note is said again with the step's peak
+    plan = planner.solve_profile(model, profiled, policy, optimizer, "optimal", budget).plan
+    assert solved and plan.budget_bytes is not None
+    for solution, before in solved:
+        assert solution == before

@@ -21,6 +21,7 @@ from memfit.engine.auto import timed_choice
 from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.monitor.monitor import MonitorConfig
+from memfit.precision.mode_timing import time_modes
 from memfit.precision.speed import (
     PrecisionChoice,
     assumed_model_seconds,
@@ -28,7 +29,6 @@ from memfit.precision.speed import (
     choose_from_model,
     probe_settles,
 )
-from memfit.precision.timing import time_modes
 from tests.engine_cases import assert_bitwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,13 +168,13 @@ def test_injected_probe_alone_decides_without_timing() -> None:
 
 def test_data_parallel_keeps_rank_zeros_probe() -> None:
     probe = PrecisionChoice("bf16-mixed", {"fp32": 1.0, "bf16-mixed": 2.7}, True)
-    engine = types.SimpleNamespace(parallel=object(), device=torch.device("cpu"))
+    first = types.SimpleNamespace(data_parallel=True, device=torch.device("cpu"))
 
     def never(model, batch):  # noqa: ARG001
         raise AssertionError("the model must not be timed under DDP/FSDP2")
 
     with assumed_model_seconds("cpu", BF16_SLOWER):
-        choice = timed_choice(engine, probe, _batch(0), never)
+        choice = timed_choice(first, probe, _batch(0), never)
     assert choice.mode == "bf16-mixed" and choice.model_seconds == {}
     assert "rank 0's probe" in choice.note
 

@@ -343,7 +343,11 @@ def test_gpt2_with_its_key_value_cache_is_refused_for_the_cache_not_for_a_consta
     model, inputs = _zoo_model("gpt2")
     cached = {**inputs, "use_cache": True}
     plan = memfit.plan(
-        model, cached, strategy="full", loss_fn=_loss, precision="fp32", keep_output=False
+        model,
+        cached,
+        lambda model, batch: model(**batch).loss,
+        strategy="full",
+        precision="fp32",
     )
     assert all(d == "keep" for d in plan.decisions.values()), plan.decisions
     notes = " ".join(plan.notes)

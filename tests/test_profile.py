@@ -137,7 +137,7 @@ def test_selective_machinery_is_timed_and_charged_twice(monkeypatch: pytest.Monk
     # What the timing leaves is charged twice (forward and rebuild) on top of the share.
     def fixed(rounds: int, timing: object, stats: dict) -> None:
         for st in stats.values():
-            st.sel_overhead = 0.25
+            st.selective_overhead_seconds = 0.25
 
     monkeypatch.setattr(measure_module, "selective_overheads", fixed)
     charged = profile(_chain(), X)

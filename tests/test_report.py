@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.cli import report as report_cli
+from memfit.cli import report_command as report_cli
 from memfit.errors import ConfigError
 from memfit.monitor.health import check_health, health_to_dict
 from memfit.monitor.report import load_run, make_report

@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic writes, integrity digests, clear errors on bad files."""
+"""State files: atomic writes, integrity digests, clear errors on bad files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.errors import CheckpointError
+from memfit.errors import StateFileError
 from memfit.savefile import FORMAT, VERSION, atomic_save, atomic_write, digest, safe_load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,7 +121,7 @@ def test_a_failed_write_leaves_the_previous_file_intact(
     real_save = torch.save
 
     def failing_save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
-        # Write part of a real checkpoint, then die (disk full, killed, ...).
+        # Write part of a real state file, then die (disk full, killed, ...).
         import io
 
         buffer = io.BytesIO()
@@ -158,7 +158,7 @@ def test_truncated_file_raises_naming_it(tmp_path: Path, keep: float) -> None:
     bad = atomic_save(_payload(1), tmp_path / "step2.pt")
     data = bad.read_bytes()
     bad.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(StateFileError) as info:
         safe_load(bad)
     assert str(bad) in str(info.value)
     _assert_same(safe_load(good), _payload(0))
@@ -173,7 +173,7 @@ def test_flipped_bytes_in_tensor_data_raise_naming_the_file(tmp_path: Path) -> N
     assert start >= 0, "tensor data not stored raw in the file"
     data[start + 400] ^= 0x40  # one bit in the middle of the tensor's data
     bad.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(StateFileError) as info:
         safe_load(bad)
     assert str(bad) in str(info.value)
     _assert_same(safe_load(good), _payload(0))
@@ -185,40 +185,40 @@ def test_changed_tensor_with_the_old_digest_fails_the_integrity_check(tmp_path: 
     record = torch.load(bad, weights_only=True)
     record["payload"]["nested"]["a"][1][0, 0] = 2.0  # a valid file, but not what was written
     torch.save(record, bad)
-    with pytest.raises(CheckpointError, match="integrity") as info:
+    with pytest.raises(StateFileError, match="integrity") as info:
         safe_load(bad)
     assert str(bad) in str(info.value)
-    assert "earlier checkpoint" in str(info.value)
+    assert "earlier state file" in str(info.value)
     _assert_same(safe_load(good), _payload(0))
 
 
 def test_missing_foreign_and_future_files(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(StateFileError, match="does not exist"):
         safe_load(tmp_path / "nope.pt")
-    with pytest.raises(CheckpointError, match="does not exist"):
-        safe_load(tmp_path)  # a directory is not a checkpoint
+    with pytest.raises(StateFileError, match="does not exist"):
+        safe_load(tmp_path)  # a directory is not a state file
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)
-    with pytest.raises(CheckpointError, match="not a memfit checkpoint") as info:
+    with pytest.raises(StateFileError, match="not a memfit state file") as info:
         safe_load(foreign)
     assert str(foreign) in str(info.value)
     future = tmp_path / "future.pt"
     torch.save({"format": FORMAT, "version": VERSION + 1, "sha256": "", "payload": {}}, future)
-    with pytest.raises(CheckpointError, match="version") as info:
+    with pytest.raises(StateFileError, match="version") as info:
         safe_load(future)
     assert str(future) in str(info.value)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(os.urandom(256))
-    with pytest.raises(CheckpointError, match="cannot be read") as info:
+    with pytest.raises(StateFileError, match="cannot be read") as info:
         safe_load(garbage)
     assert str(garbage) in str(info.value)
 
 
 def test_refuses_pickled_code(tmp_path: Path) -> None:
-    # weights_only loading: a file that needs arbitrary unpickling is not a checkpoint.
+    # weights_only loading: a file that needs arbitrary unpickling is not a state file.
     path = tmp_path / "evil.pt"
     torch.save({"format": FORMAT, "version": VERSION, "payload": {"obj": _Boom("x")}}, path)
-    with pytest.raises(CheckpointError, match="cannot be read"):
+    with pytest.raises(StateFileError, match="cannot be read"):
         safe_load(path)
 
 

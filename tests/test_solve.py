@@ -14,15 +14,15 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.solvers import (
     FrontierPoint,
     Solution,
-    evaluate,
     limits,  # the work limits, which some tests lower
     parse_strategy,
+    plan_cost,
     solve,
 )
-from memfit.checkpoint.solvers.evaluate import NodePlan
 from memfit.checkpoint.solvers.fixed import family_plan
 from memfit.checkpoint.solvers.nodes import find_chains, flatten
 from memfit.checkpoint.solvers.optimal import polish
+from memfit.checkpoint.solvers.plan_cost import NodePlan
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.units import format_bytes
 
@@ -231,7 +231,7 @@ def test_budget_picks_the_cheapest_plan_that_fits(
     assert (sol.recompute_seconds, sol.recompute_flops) == (best[1], best[2])
     assert sol.predicted_peak_bytes <= budget
     # The decisions really have the reported cost, under an independent evaluation.
-    check = evaluate(root, sol.decisions, sol.segments, static, loss)
+    check = plan_cost(root, sol.decisions, sol.segments, static, loss)
     assert check.peak_bytes == sol.predicted_peak_bytes
     assert check.recompute_seconds == sol.recompute_seconds
     assert (sol.kept_bytes, sol.transient_bytes) == (check.kept_bytes, check.transient_bytes)
@@ -262,7 +262,7 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
             setattr(limits, name, value)
     assert approx.predicted_peak_bytes <= budget
     assert approx.recompute_seconds >= best[1]
-    check = evaluate(root, approx.decisions, approx.segments)
+    check = plan_cost(root, approx.decisions, approx.segments)
     assert check.peak_bytes == approx.predicted_peak_bytes
 
 
@@ -314,7 +314,7 @@ def test_of_equally_cheap_plans_the_one_whose_rebuilds_peak_lowest_wins() -> Non
     sol = solve(UnitCost("", children=blocks), "optimal", 350.0)
     assert {n for n, d in sol.decisions.items() if d != "keep"} == {"b0"}
     assert sol.predicted_peak_bytes == 310.0
-    assert evaluate(UnitCost("", children=blocks), sol.decisions).rebuild_bytes == 120.0
+    assert plan_cost(UnitCost("", children=blocks), sol.decisions).rebuild_bytes == 120.0
 
 
 def test_without_the_frontier_the_same_plan_is_chosen() -> None:
@@ -393,7 +393,7 @@ def test_the_checkpoint_machinery_is_charged_once_a_piece() -> None:
     assert sol.segments == {"": [(0, 1)]}
     # Recomputing each block on its own, as full does: four pieces, 4 x 1.5 s.
     assert solve(root, "full", None).recompute_seconds == 6.0
-    assert evaluate(root, {f"b{i}": "recompute" for i in range(2)}).recompute_seconds == 3.0
+    assert plan_cost(root, {f"b{i}": "recompute" for i in range(2)}).recompute_seconds == 3.0
 
 
 # --------------------------------------------------------------------------- budgets and notes
@@ -578,22 +578,22 @@ def test_bad_budgets_and_trees_are_refused() -> None:
         solve(bad, "none", None)
 
 
-def test_evaluate_refuses_impossible_plans() -> None:
+def test_plan_cost_refuses_impossible_plans() -> None:
     root = _chain(6)
     root.children[1].can_recompute = False
     with pytest.raises(PlanError, match="cannot be recomputed"):
-        evaluate(root, {"h.1": "recompute"})
+        plan_cost(root, {"h.1": "recompute"})
     with pytest.raises(PlanError, match="cannot be recomputed"):
-        evaluate(root, {}, {"": [(0, 2)]})
+        plan_cost(root, {}, {"": [(0, 2)]})
     with pytest.raises(PlanError, match="overlaps"):
-        evaluate(root, {}, {"": [(2, 4), (4, 5)]})
+        plan_cost(root, {}, {"": [(2, 4), (4, 5)]})
     with pytest.raises(PlanError, match="not in the cost tree"):
-        evaluate(root, {"nope": "recompute"})
+        plan_cost(root, {"nope": "recompute"})
     with pytest.raises(PlanError, match="root"):
-        evaluate(root, {"": "recompute"})
+        plan_cost(root, {"": "recompute"})
     root.children[2].can_select = False
     with pytest.raises(PlanError, match="cannot be selective.*'recompute'"):
-        evaluate(root, {"h.2": "selective"})
+        plan_cost(root, {"h.2": "selective"})
 
 
 def test_selective_is_not_chosen_where_it_cannot_run() -> None:
@@ -647,7 +647,7 @@ def test_a_thousand_units_are_planned_within_budget_and_no_worse_than_uniform(
     for share in (0.4, 0.7):
         sol = solve(root, "optimal", share * none_peak)
         assert sol.predicted_peak_bytes <= share * none_peak
-        check = evaluate(root, sol.decisions, sol.segments)
+        check = plan_cost(root, sol.decisions, sol.segments)
         assert math.isclose(check.peak_bytes, sol.predicted_peak_bytes, rel_tol=1e-9)
         # Never worse than the best uniform plan that fits.
         for k in (1, 2, 4, 8):

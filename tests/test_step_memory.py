@@ -161,9 +161,7 @@ def test_the_engine_measures_its_first_planned_step_and_reports_it() -> None:
         "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    whole = memfit.checkpoint.plan_step(
-        model, batch_fn(8, generator=0), loss_fn, None, "optimal", "fp32", opt
-    )
+    whole = memfit.plan(model, batch_fn(8, generator=0), loss_fn, precision="fp32", optimizer=opt)
     peaks = sorted(p.peak_bytes for p in whole.frontier)
     engine = memfit.Engine(
         model,
@@ -261,5 +259,39 @@ def test_a_budget_the_measured_full_plan_meets_is_not_refused() -> None:
         checkpoint="auto",
         memory_budget=int(0.5 * full_peak),
     )
-    with pytest.raises(memfit.BudgetError, match="peaked at|below"):
+    with pytest.raises(memfit.errors.BudgetError, match="peaked at|below"):
         tight.train_step(batch, loss_fn)
+
+
+def test_a_rank_layout_is_made_from_world_size_and_data_parallel_by_one_rule() -> None:
+    from memfit.checkpoint.step_memory import RankLayout
+    from memfit.errors import ConfigError
+
+    assert RankLayout.of() == RankLayout.of(1, None) == RankLayout()
+    # More than one rank without a kind: DDP, what memfit.parallelize runs by default.
+    assert RankLayout.of(4) == RankLayout.of(4, "ddp") == RankLayout("ddp", 4)
+    assert RankLayout.of(8, "fsdp") == RankLayout("fsdp", 8)
+    with pytest.raises(ConfigError, match="needs world_size > 1"):
+        RankLayout.of(1, "fsdp")
+    with pytest.raises(ConfigError, match="data_parallel must be"):
+        RankLayout.of(2, "zero")
+    with pytest.raises(ConfigError, match="world_size must be"):
+        RankLayout.of(0)
+
+
+def test_optimizer_state_is_predicted_before_a_step_or_counted_as_allocated() -> None:
+    from memfit.checkpoint.step_memory import optimizer_state_bytes
+
+    model = torch.nn.Linear(8, 4)  # 36 elements in 2 tensors
+    opt = torch.optim.AdamW(model.parameters())
+    assert optimizer_state_bytes(opt) == 2 * 36 * 4 + 2 * 4  # two fp32 buffers, two steps
+    assert optimizer_state_bytes(opt, predict=False) == 0  # nothing allocated yet
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    assert optimizer_state_bytes(opt, predict=False) == optimizer_state_bytes(opt) == 296
+    # A view counts its own elements, or with storages=True all of its base, once.
+    base = torch.zeros(10)
+    opt.state[model.weight]["extra"] = base[:2]
+    opt.state[model.bias]["extra"] = base[2:4]
+    assert optimizer_state_bytes(opt) == 296 + 2 * 2 * 4
+    assert optimizer_state_bytes(opt, storages=True) == 296 + 10 * 4

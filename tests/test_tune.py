@@ -25,7 +25,7 @@ from memfit.precision.speed import (
     matmul_speed,
     measure_matmul_speed,
 )
-from memfit.tuning.advice import initial_loss_scale, loss_scale_advice
+from memfit.tuning.hints import initial_loss_scale, loss_scale_advice
 from memfit.tuning.trials import GradStats, time_in_rounds
 from tests.engine_cases import assert_bitwise
 
@@ -241,7 +241,7 @@ def test_nothing_fits_gives_the_smallest_budget_that_would_and_that_budget_fits(
             memfit.tune(model_fn, batch_fn, loss_fn, budget=1024, global_batch=8, measure_top=0)
         ranked = rank_candidates(model_fn, batch_fn, loss_fn, budget=1024, global_batch=8)
         least = min(c.predicted_peak_bytes for c in ranked if c.predicted_peak_bytes)
-        assert memfit.format_bytes(least) in str(info.value)
+        assert memfit.units.format_bytes(least) in str(info.value)
         res = memfit.tune(
             model_fn, batch_fn, loss_fn, budget=int(least), global_batch=8, measure_top=0
         )
@@ -368,6 +368,41 @@ def test_a_trial_whose_timed_step_raises_gives_way_and_the_rng_is_left_alone(
     # Its split's next setting (or another split) was measured in its place.
     measured = [r for r in res.rows if r.measured_step_seconds is not None]
     assert len(measured) == measure_top and res.best in measured and len(calls) > measure_top
+
+
+@pytest.mark.parametrize(
+    "world_size, data_parallel", [(1, None), (4, None), (4, "ddp"), (4, "fsdp")]
+)
+def test_tune_and_estimate_count_the_same_rank_for_the_same_arguments(
+    world_size: int, data_parallel: str | None
+) -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    micro = 8 // world_size
+    with assumed_speed("cpu", FAST_BF16):
+        ranked = rank_candidates(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=2**40,
+            global_batch=8,
+            world_size=world_size,
+            data_parallel=data_parallel,
+            precisions=["fp32"],
+            strategies=["none"],
+        )
+    tuned = next(c for c in ranked if (c.micro_batch, c.accumulation_steps) == (micro, 1))
+    (row,) = memfit.estimate(
+        model_fn,
+        batch_fn,
+        batch_size=micro,
+        loss_fn=loss_fn,
+        precisions=["fp32"],
+        strategies=["none"],
+        world_size=world_size,
+        data_parallel=data_parallel,
+    ).rows
+    assert tuned.plan.static_bytes == row.plan.static_bytes
+    assert tuned.predicted_peak_bytes == row.peak_bytes
 
 
 def test_tuning_for_fsdp_ranks_predicts_one_ranks_share_and_trials_do_not_judge_it() -> None:

@@ -10,6 +10,13 @@ the measured step fits: the same judgement the Engine's closed loop makes on its
 planned step, made before training. No reserve is kept above a measurement: it is the
 allocator's count of the step itself (a training loop's own scalars, a few bytes such as
 the Engine's loss sum, come on top).
+
+Every judgement of a measured step is :func:`judge_fit`'s, returning a
+:class:`FitVerdict`: the planner's here (the least plan before training),
+:func:`memfit.checkpoint.planner.check_plan` (a planned step against its prediction), the
+Engine's first planned step (:mod:`memfit.engine.plan_stage`) and the training-loop
+callbacks' measurement at train begin (:mod:`memfit.integrations.common`). Where they judge
+differently they say so through its parameters, never with a rule of their own.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -35,6 +43,92 @@ from memfit.precision.policy import PrecisionPolicy
 #: least plan instead of refusing: the largest over-prediction of a least peak the zoo
 #: benchmark has shown (about 15%).
 MEASURE_MARGIN = 0.15
+
+
+FitAction = Literal["keep", "replan", "refuse"]
+"""What a :class:`FitVerdict` says to do with the plan: ``"keep"`` it; ``"replan"`` from
+the same profile with the step memory corrected by the miss (tighter when the step measured
+more than predicted, looser when less); ``"refuse"`` the budget, since the measured plan is
+the least any plan reaches and its step is over it."""
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """A measured step judged against its prediction and its budget (:func:`judge_fit`).
+
+    >>> verdict = judge_fit(100.0, 103.0, 200.0, tolerance=0.02)
+    >>> verdict.fits, verdict.action, round(verdict.error_fraction, 3)
+    (True, 'replan', 0.03)
+    """
+
+    predicted_bytes: float
+    """The peak the plan predicted for the step."""
+    measured_bytes: float
+    """The peak the step reached."""
+    budget_bytes: float | None
+    """The budget the step was judged against, or None (no limit)."""
+    reserve: float
+    """Share of the budget kept free above the measurement."""
+    fits: bool
+    """The measured step is within the budget less the reserve (True without a budget)."""
+    action: FitAction
+    """What to do with the plan."""
+
+    @property
+    def miss_bytes(self) -> float:
+        """measured - predicted: what the prediction missed by (negative: it was high)."""
+        return self.measured_bytes - self.predicted_bytes
+
+    @property
+    def error_fraction(self) -> float:
+        """(measured - predicted) / predicted (0 when nothing was predicted or measured)."""
+        if self.predicted_bytes == 0:
+            return 0.0 if self.measured_bytes == 0 else float("inf")
+        return self.miss_bytes / self.predicted_bytes
+
+
+def judge_fit(
+    predicted_bytes: float,
+    measured_bytes: float,
+    budget_bytes: float | None,
+    *,
+    tolerance: float | None = None,
+    reserve: float = 0.0,
+    least_plan: bool = False,
+) -> FitVerdict:
+    """Judge a measured step against the plan's prediction and the budget.
+
+    The step fits when it measured at most ``budget_bytes * (1 - reserve)`` (always without
+    a budget). The verdict, in this order:
+
+    * ``"refuse"``: ``least_plan`` (the measured plan is the least any plan reaches: the
+      least plan the planner measured, the Engine's ``full`` fallback) and the step does
+      not fit. Nothing else can fit the budget.
+    * ``"replan"``: a budget and a ``tolerance`` are given and the step missed the
+      prediction by more than ``tolerance`` of it, either way. A plan made under the budget
+      is made again with the miss counted.
+    * ``"keep"``: otherwise.
+
+    ``tolerance``: the share of the prediction a measurement may miss it by and still
+    confirm it; None judges the budget alone (a plan that was not solved under the budget,
+    or that its caller cannot re-plan). ``reserve``: the share of the budget kept free
+    above the measurement (0: a measurement is the allocator's count of the step itself).
+
+    Example::
+
+        verdict = judge_fit(plan.predicted_peak_bytes, peak, plan.budget_bytes, tolerance=0.02)
+        if verdict.action == "replan": ...
+    """
+    predicted, measured = float(predicted_bytes), float(measured_bytes)
+    budget = None if budget_bytes is None else float(budget_bytes)
+    fits = budget is None or measured <= budget * (1 - reserve)
+    action: FitAction = "keep"
+    if least_plan and not fits:
+        action = "refuse"
+    elif tolerance is not None and budget is not None:
+        if abs(measured - predicted) > tolerance * predicted:
+            action = "replan"
+    return FitVerdict(predicted, measured, budget, reserve, fits, action)
 
 
 @dataclass(frozen=True)
@@ -65,9 +159,9 @@ def measured_least_plan(
 ) -> MeasuredFit | None:
     """The least plan when its measured step fits ``budget_bytes`` less the ``reserve``
     share (what a training loop's own tensors and the allocator's slack may add to the
-    measured forward and backward), else None (also when
-    its predicted peak lies more than :data:`MEASURE_MARGIN` above the budget: no
-    measurement is spent on a budget the prediction is far from).
+    measured forward and backward), else None (:func:`judge_fit`'s ``"refuse"`` for the
+    least plan; also when its predicted peak lies more than :data:`MEASURE_MARGIN` above
+    the budget: no measurement is spent on a budget the prediction is far from).
 
     ``run_loss()`` computes the profiled step's loss; it runs once, under the precision's
     autocast, with the plan applied, and is differentiated. Gradients, buffers, modes,
@@ -86,7 +180,8 @@ def measured_least_plan(
     held, loss = mem.held_bytes, mem.loss_bytes
     walked = solve(root, strategy, None, held, loss, reserve=0.0, frontier=True)
     least = min(p.peak_bytes for p in walked.frontier)
-    if max(least, mem.optimizer_phase_bytes) > budget_bytes * (1 + MEASURE_MARGIN):
+    predicted = max(least, mem.optimizer_phase_bytes)
+    if predicted > budget_bytes * (1 + MEASURE_MARGIN):
         return None
     # The least point's plan: the cheapest under a budget just at its peak.
     chosen = solve(
@@ -135,6 +230,8 @@ def measured_least_plan(
     static = mem.base_bytes - mem.workspace_bytes
     activations = static + mem.accumulated_grad_bytes + held_output_bytes + rise
     measured = max(activations, mem.optimizer_phase_bytes)
-    if measured > budget_bytes * (1 - reserve):
+    # The least plan is measured: over the budget, no plan fits it.
+    verdict = judge_fit(predicted, measured, budget_bytes, reserve=reserve, least_plan=True)
+    if verdict.action == "refuse":
         return None
-    return MeasuredFit(chosen, float(measured))
+    return MeasuredFit(chosen, verdict.measured_bytes)

@@ -2,7 +2,7 @@
 
     profile  ->  step memory  ->  solve  ->  Plan
 
-1. **profile** (:func:`profile_step`, :func:`profile_model`): one instrumented step and a
+1. **profile** (:mod:`memfit.checkpoint.profile_stage`): one instrumented step and a
    few timed ones under the training precision give each unit's costs
    (:mod:`memfit.checkpoint.profiler`), cut down to the model's own units.
 2. **step memory** (:func:`memfit.checkpoint.step_memory.step_memory`): what the step holds
@@ -12,9 +12,10 @@
 4. **Plan**: decisions, segments and the predicted peak, ready for ``apply_plan``.
 
 :func:`make_plan` runs them in that order from plain arguments and returns a
-:class:`PlanResult`; ``memfit.plan`` (a model and a loss of its output) and
-:func:`plan_step` (a step written ``loss_fn(model, batch)``, the Engine's form) are thin
-fronts to it. Nothing here knows about the Engine: it passes what it holds.
+:class:`PlanResult`; :func:`plan` (``memfit.plan``) is the public front, taking the step as
+the Engine, ``memfit.estimate`` and ``memfit.tune`` do: ``plan(model, batch, loss_fn,
+budget=..., ...)`` with ``loss_fn(model, batch) -> loss``. Nothing here knows about the
+Engine: it passes what it holds.
 
 Example::
 
@@ -27,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,16 +37,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.measured_fit import MeasuredFit, measured_least_plan
-from memfit.checkpoint.native import prepare_for_plan
+from memfit.checkpoint.measured_fit import (
+    FitVerdict,
+    MeasuredFit,
+    judge_fit,
+    measured_least_plan,
+)
+from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position, takes_output
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.probe import probe_units
-from memfit.checkpoint.profiler import Profile, profile
+from memfit.checkpoint.profile_stage import ModelProfile, profile_model, profile_step
 from memfit.checkpoint.profiler.runner import default_loss
-from memfit.checkpoint.solvers import FrontierPoint, evaluate, parse_strategy, solve
+from memfit.checkpoint.solvers import FrontierPoint, parse_strategy, plan_cost, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import (
     RankLayout,
@@ -52,14 +57,12 @@ from memfit.checkpoint.step_memory import (
     step_memory,
     with_backward_costs,
 )
-from memfit.checkpoint.tree import find_units, structure_fingerprint
-from memfit.checkpoint.workspace import kernel_workspace_bytes
-from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.deprecations import warn_renamed
+from memfit.errors import BudgetError, ConfigError
 from memfit.nested import call_model
-from memfit.precision.apply import precision_applied
 from memfit.precision.kernels import module_device
+from memfit.precision.mode_timing import auto_choice
 from memfit.precision.policy import PrecisionPolicy, is_auto
-from memfit.precision.timing import auto_choice
 from memfit.units import format_bytes, parse_bytes
 
 #: Share of the budget kept free when planning: the allocator's slack and the temporaries
@@ -68,42 +71,6 @@ RESERVE = 0.02
 
 Budget = str | int | float | None
 """A step's peak memory: "2GiB", bytes, a fraction of device memory, or None (no limit)."""
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """A profiled training step, cut down to the model's own units (stage 1)."""
-
-    profile: Profile
-    """The whole profiled step (for a step, the model and its loss as one module)."""
-    root: UnitCost
-    """The model's unit tree; names relative to the model (``""`` is the model)."""
-    structure: list[tuple[str, str]]
-    """``structure_fingerprint`` of the model's units, for the plan to recognize it."""
-    output_bytes: float
-    """Held from the end of forward until the loss's backward: the model's output (and,
-    for a step, the loss module's)."""
-    loss_saved_bytes: float
-    """What the loss saves for backward outside the model."""
-    output_held: bool = True
-    """Whether the model's output is held through backward (``out = model(x)``), or freed
-    once the loss is computed (a step written ``loss_fn(model, batch)``)."""
-    workspace_bytes: float = 0.0
-    """What kernels allocate for themselves at the step's peak, which no dispatch-level
-    count sees (a CPU convolution's unfold buffers): the allocator's peak of one step less
-    the storage tracker's (:func:`kernel_workspace_bytes`)."""
-    unstable: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Units left out of every plan because their forward does other work when run again
-    (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
-    run_loss: Callable[[], torch.Tensor] | None = dataclasses.field(
-        default=None, compare=False, repr=False
-    )
-    """Computes the profiled step's loss again (the example batch it holds): the planner
-    measures a plan with it when the prediction cannot decide a budget
-    (:mod:`memfit.checkpoint.measured_fit`)."""
-    notes: tuple[str, ...] = ()
-    """What profiling changed that plans must say (the model's own gradient checkpointing
-    turned off: :mod:`memfit.checkpoint.native`)."""
 
 
 @dataclass(frozen=True)
@@ -150,161 +117,6 @@ class PlanCheck:
     def error(self) -> float:
         """(measured - predicted) / predicted."""
         return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
-
-
-def profile_model(
-    model: nn.Module,
-    example_inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    policy: PrecisionPolicy,
-    units: Sequence[str] | None = None,
-    keep_output: bool = True,
-) -> ModelProfile:
-    """Stage 1 for a model called on ``example_inputs``, with ``loss_fn(output)``;
-    ``keep_output``: the training loop holds the output through backward."""
-    model = unwrap_compiled(model)
-    native = prepare_for_plan(model)
-    with precision_applied(model, policy):
-        prof = profile(model, example_inputs, loss_fn=loss_fn, precision=policy, units=units)
-        profiled = ModelProfile(
-            profile=prof,
-            root=prof.root,
-            structure=prof.structure,
-            output_bytes=float(prof.output_bytes),
-            loss_saved_bytes=float(prof.loss_saved_bytes),
-            output_held=keep_output,
-            notes=native,
-        )
-        loss_of = loss_fn or default_loss
-        return _probed(
-            model,
-            profiled,
-            policy,
-            forward=lambda: call_model(model, example_inputs),
-            loss=lambda: loss_of(call_model(model, example_inputs)),
-            inputs=example_inputs,
-        )
-
-
-def _probed(
-    model: nn.Module,
-    profiled: ModelProfile,
-    policy: PrecisionPolicy,
-    forward: Callable[[], Any],
-    loss: Callable[[], torch.Tensor],
-    inputs: Any,
-) -> ModelProfile:
-    """``profiled`` with what the profile's own step cannot tell: the units that do other
-    work when run again and each unit's forward workspace (:func:`_without_unstable`),
-    and the kernels' workspace of a whole step (:func:`kernel_workspace_bytes`). Runs
-    under the precision the profile ran under."""
-    profiled = _without_unstable(model, profiled, forward, policy)
-    workspace = kernel_workspace_bytes(model, loss, policy, inputs)
-    return dataclasses.replace(profiled, workspace_bytes=float(workspace), run_loss=loss)
-
-
-def _without_unstable(
-    model: nn.Module,
-    profiled: ModelProfile,
-    run_forward: Callable[[], Any],
-    policy: PrecisionPolicy,
-) -> ModelProfile:
-    """``profiled`` with the units whose forward does other work when run again (state
-    kept between calls, e.g. a key/value cache) marked as not recomputable, with the
-    reason in ``profile.reasons``, and each other unit's forward workspace (what a kernel
-    of its rebuild holds for itself; :mod:`memfit.checkpoint.probe`)."""
-    names = [u.name for u in profiled.root.walk() if u.name and u.can_recompute]
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    with suspended(model):
-        probed = probe_units(
-            model,
-            run_forward,
-            names,
-            autocast=(device, policy.compute_dtype, policy.mixed),
-            workspace=True,
-        )
-    found = probed.unstable
-    for name, why in found.items():
-        profiled.profile.reasons.setdefault(name, []).append(why)
-
-    def mark(unit: UnitCost) -> UnitCost:
-        children = [mark(c) for c in unit.children]
-        stable = unit.can_recompute and unit.name not in found
-        return dataclasses.replace(
-            unit,
-            children=children,
-            can_recompute=stable,
-            forward_workspace_bytes=float(probed.forward_workspace.get(unit.name, 0)),
-        )
-
-    return dataclasses.replace(profiled, root=mark(profiled.root), unstable=found)
-
-
-class _StepModule(nn.Module):
-    """The model and the engine's loss as one module, so a whole micro-step can be profiled."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]):
-        super().__init__()
-        self.model = model
-        self._loss_fn = loss_fn
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self._loss_fn(self.model, batch)
-
-
-def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
-    name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
-    children = [_strip_prefix(c, prefix) for c in unit.children]
-    return dataclasses.replace(unit, name=name, children=children)
-
-
-def profile_step(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    policy: PrecisionPolicy,
-    units: Sequence[str] | None = None,
-) -> ModelProfile:
-    """Stage 1 for a step written ``loss_fn(model, batch)``: the model and the loss are
-    profiled as one module, then the model's units are cut out of it. ``units``: the
-    candidate units (qualified names) instead of those ``find_units`` finds. A compiled
-    model is profiled uncompiled: ``loss_fn`` is given the module inside
-    ``torch.compile``'s wrapper."""
-    model = unwrap_compiled(model)
-    native = prepare_for_plan(model)
-    if units is not None:
-        names = ["", *dict.fromkeys(n for n in units if n)]  # the model is always one
-    else:
-        names = find_units(model).names()
-    step_module = _StepModule(model, loss_fn)
-    prefixed = ["model" if not n else f"model.{n}" for n in names]
-    with precision_applied(model, policy):
-        prof = profile(
-            step_module,
-            (batch,),
-            loss_fn=lambda loss: loss,
-            precision=policy,
-            units=["", *prefixed],
-        )
-        model_root = next((c for c in prof.root.children if c.name == "model"), None)
-        if model_root is None:
-            raise PlanError("profiling did not see the model run; loss_fn must call the model")
-        # The loss outside the model saves its own tensors (e.g. fp32 logits), and the
-        # model's output lives until the loss's backward: neither can be recomputed.
-        profiled = ModelProfile(
-            profile=prof,
-            root=_strip_prefix(model_root, "model."),
-            structure=structure_fingerprint(model, names),
-            output_bytes=float(prof.output_bytes + model_root.output_bytes),
-            loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
-            output_held=False,  # loss_fn returns the loss: the output it made is its own
-            notes=native,
-        )
-
-        def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it
-            return loss_fn(model, batch)
-
-        return _probed(model, profiled, policy, forward=step, loss=step, inputs=batch)
 
 
 def _with_floor(points: list[FrontierPoint], floor: float) -> list[FrontierPoint]:
@@ -398,26 +210,34 @@ def solve_profile(
         if fit is None:
             raise exc from None
         solution, measured_fit = fit.solution, fit
-    solution.budget_bytes = budget_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
-    result = evaluate(
+    counted = plan_cost(
         root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
     )
-    solution.static_bytes = held
-    solution.kept_bytes = result.kept_bytes
-    solution.transient_bytes = result.transient_bytes
-    solution.predicted_peak_bytes = max(result.peak_bytes, optimizer_phase)
-    # The solver's frontier is the activation phase's; the step's peak is never below the
-    # optimizer step's, so the plan's frontier says that too (and agrees with its peak).
-    solution.frontier = _with_floor(solution.frontier, optimizer_phase)
-    if solution.note and budget_bytes is not None and solution.recompute_flops == 0:
+    predicted = max(counted.peak_bytes, optimizer_phase)
+    note = solution.note
+    if note and budget_bytes is not None and solution.recompute_flops == 0:
         # The solver's note speaks of activations only; say it with the whole step's peak.
-        solution.note = (
+        note = (
             f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "
-            f"without checkpointing, {format_bytes(solution.predicted_peak_bytes)} (memfit "
+            f"without checkpointing, {format_bytes(predicted)} (memfit "
             f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
         )
+    # A new Solution: the solver's (and a MeasuredFit's) stays as the solver made it.
+    solution = dataclasses.replace(
+        solution,
+        budget_bytes=budget_bytes,
+        static_bytes=held,
+        kept_bytes=counted.kept_bytes,
+        transient_bytes=counted.transient_bytes,
+        predicted_peak_bytes=predicted,
+        # The solver's frontier is the activation phase's; the step's peak is never below
+        # the optimizer step's, so the plan's frontier says that too (and agrees with its
+        # peak).
+        frontier=_with_floor(solution.frontier, optimizer_phase),
+        note=note,
+    )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
     if measured_fit is not None:
         plan_.notes.append(
@@ -472,6 +292,36 @@ def _measured_fit(
     )
 
 
+def planned_step_verdict(
+    result: PlanResult,
+    measured_peak_bytes: float,
+    least_plan_budget: float | None = None,
+) -> FitVerdict:
+    """:func:`~memfit.checkpoint.measured_fit.judge_fit` on a step under ``result``'s plan,
+    in the planner's terms: the measurement confirms the prediction within
+    :data:`RESERVE` of it, and a plan solved under a budget is made again when it does not
+    (one solved without a budget has nothing to re-plan for: the budget alone is judged).
+
+    ``least_plan_budget``: a budget the measured plan must meet although it was not solved
+    under it, being the least any plan reaches (the Engine's ``full`` fallback, or a plan
+    accepted on its measured step); a step over it gets ``"refuse"``.
+
+    Example::
+
+        verdict = planned_step_verdict(result, peak.peak_bytes)
+        verdict.action   # "keep" or "replan"
+    """
+    plan_ = result.plan
+    least_plan = least_plan_budget is not None
+    return judge_fit(
+        plan_.predicted_peak_bytes,
+        measured_peak_bytes,
+        least_plan_budget if least_plan else plan_.budget_bytes,
+        tolerance=RESERVE if result.budget is not None else None,
+        least_plan=least_plan,
+    )
+
+
 def check_plan(
     result: PlanResult,
     measured_peak_bytes: float,
@@ -484,7 +334,8 @@ def check_plan(
     memory is corrected by the difference (held all step: what the model did not explain)
     and the plan is solved again from the same profile, once; the plan says so in its
     notes. A correction under which no plan fits the budget keeps the plan, with a note
-    and a warning (training state is never touched here).
+    and a warning (training state is never touched here). The judgement is
+    :func:`planned_step_verdict`'s, what follows it :func:`follow_verdict`'s.
 
     Example::
 
@@ -492,14 +343,41 @@ def check_plan(
         if check.replanned:
             memfit.remove_plan(model); memfit.apply_plan(model, check.plan)
     """
-    predicted = float(result.plan.predicted_peak_bytes)
-    measured = float(measured_peak_bytes)
-    miss = measured - predicted
-    if abs(miss) <= RESERVE * predicted or result.budget is None:
+    verdict = planned_step_verdict(result, measured_peak_bytes)
+    return follow_verdict(result, verdict, model, optimizer, stacklevel=4)
+
+
+def follow_verdict(
+    result: PlanResult,
+    verdict: FitVerdict,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stacklevel: int = 3,
+) -> PlanCheck:
+    """Do what ``verdict`` (of a step under ``result``'s plan) says: keep the plan, or
+    solve it again from the same profile with the step memory corrected by the miss
+    (:func:`check_plan`). A ``"refuse"`` raises a BudgetError. ``stacklevel``: that of the
+    warning given when no corrected plan fits, as :func:`warnings.warn` counts it from here.
+
+    Example::
+
+        check = follow_verdict(result, planned_step_verdict(result, peak), model, optimizer)
+    """
+    predicted, measured = verdict.predicted_bytes, verdict.measured_bytes
+    if verdict.action == "refuse":
+        raise BudgetError(
+            f"budget {format_bytes(verdict.budget_bytes or 0)} is below the smallest peak any "
+            f"plan reaches: the step under the plan with the least peak measured "
+            f"{format_bytes(measured)}. Raise the budget, use a smaller micro-batch (more "
+            "accumulation steps) or a '*-master' precision."
+        )
+    if verdict.action == "keep":
         return PlanCheck(predicted, measured, 0.0, False, result.plan)
+    miss = verdict.miss_bytes
     said = (
         f"the first planned step peaked at {format_bytes(measured)} against the "
-        f"{format_bytes(predicted)} predicted ({miss / predicted:+.1%})"
+        f"{format_bytes(predicted)} predicted ({verdict.error_fraction:+.1%})"
     )
     try:
         again = solve_profile(
@@ -516,7 +394,7 @@ def check_plan(
     except BudgetError as exc:
         note = f"{said}; corrected by that, no plan fits the budget, so this plan is kept: {exc}"
         result.plan.notes.append(note)
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, stacklevel=stacklevel)
         return PlanCheck(predicted, measured, 0.0, False, result.plan)
     replanned = (again.decisions, again.segments) != (result.plan.decisions, result.plan.segments)
     outcome = "re-planned" if replanned else "the same plan still fits"
@@ -535,7 +413,7 @@ def resolve_policy(
 ) -> tuple[PrecisionPolicy, tuple[str, ...]]:
     """The policy to plan under and a note on how it was chosen: ``"auto"`` is measured
     as the Engine measures it on its first micro-batch
-    (:func:`~memfit.precision.timing.auto_choice`), so a plan made alone is made for the
+    (:func:`~memfit.precision.mode_timing.auto_choice`), so a plan made alone is made for the
     mode training will choose; a mode or a policy is taken as given (None is fp32).
 
     Example::
@@ -583,7 +461,7 @@ def make_plan(
     policy, chosen = resolve_policy(precision, model, batch, loss_fn)
     profiled = profile_step(model, batch, loss_fn, policy, units)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
-    layout = RankLayout(data_parallel, world_size)
+    layout = RankLayout.of(world_size, data_parallel)
     return solve_profile(
         model,
         profiled,
@@ -597,86 +475,190 @@ def make_plan(
     )
 
 
+def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of a step when none is given: the sum of the first floating-point tensor
+    of the model's output, the model called on ``batch`` as
+    :func:`~memfit.nested.call_model` calls it (``model(x)``, ``model(*x)``,
+    ``model(**x)``).
+
+    Example::
+
+        loss = default_step_loss(model, {"input_ids": ids, "labels": ids})  # out.loss
+    """
+    return default_loss(call_model(model, batch))
+
+
 def plan(
     model: nn.Module,
-    example_inputs: Any,
+    batch: Any = None,
+    *positional: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     budget: Budget = None,
     strategy: str = "optimal",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
     precision: str | PrecisionPolicy | None = "auto",
     optimizer: torch.optim.Optimizer | None = None,
     units: Sequence[str] | None = None,
     accumulation_steps: int = 1,
-    keep_output: bool = True,
+    frontier: bool = True,
+    keep_output: bool | None = None,
     world_size: int = 1,
     data_parallel: str | None = None,
+    example_inputs: Any = None,
 ) -> Plan:
-    """Profile ``model`` on ``example_inputs`` under ``precision`` and plan under ``budget``.
+    """Profile a training step ``loss_fn(model, batch)`` under ``precision`` and plan its
+    activation checkpointing under ``budget``.
 
-    ``example_inputs``: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
-    (``model(**kwargs)``) of the batch size training uses (one micro-batch).
-    ``loss_fn(output) -> scalar``; default: the sum of the first floating-point tensor in
-    the output. ``budget`` is the peak of a whole training step ("2GiB", bytes, or a
-    fraction of device memory); None plans without a limit (``optimal`` then recomputes
-    nothing). ``accumulation_steps``: micro-batches per optimizer step. ``keep_output``:
-    the training loop holds the model's output through backward (``out = model(x);
-    loss_fn(out).backward()``, the default); False for a loop that keeps only the loss
-    (``loss = model(**batch).loss``), whose output is freed before backward.
-    ``world_size`` and ``data_parallel`` (``"ddp"``, ``"fsdp"``): plan one rank of a
-    data-parallel run under a per-device budget (docs/distributed.md).
+    Called ``plan(model, batch, loss_fn, budget=..., ...)``: ``loss_fn`` by position (the
+    third argument) or keyword, every setting by keyword. ``batch``: one micro-batch as training feeds it (the Engine's ``train_step(batch,
+    loss_fn)`` form). ``loss_fn(model, batch) -> scalar``, as the Engine,
+    ``memfit.estimate`` and ``memfit.tune`` take it; None: the sum of the first
+    floating-point tensor of ``model(batch)`` (a dict is passed as keywords, a tuple as
+    positional arguments). ``budget`` is the peak of a whole training step ("2GiB",
+    bytes, or a fraction of device memory); None plans without a limit (``optimal`` then
+    recomputes nothing). ``strategy``: ``optimal``, ``none``, ``full``, ``uniform:K`` or
+    ``sqrt``. ``optimizer``: its state is counted (none without it).
+    ``accumulation_steps``: micro-batches per optimizer step. ``units``: the candidate
+    units (qualified names) instead of those ``find_units`` finds. ``frontier=False``
+    leaves out the (peak, time) frontier, most of the solve's time on large trees.
+    ``keep_output`` (with ``loss_fn=None`` only): the training loop holds the model's
+    output through backward (``out = model(x); loss(out).backward()``, the default);
+    False for a loop that keeps only the loss. ``world_size`` and ``data_parallel``
+    (``"ddp"``, ``"fsdp"``): plan one rank of a data-parallel run under a per-device
+    budget (docs/distributed.md). Raises :class:`~memfit.errors.BudgetError` when no plan
+    fits.
+
+    Kept for one release, each with a DeprecationWarning: a ``loss_fn(output)`` (a
+    function of one required positional parameter,
+    :func:`~memfit.checkpoint.old_calls.takes_output`), the settings
+    by position in the old orders (``plan(model, x, budget, strategy, loss_fn, ...)``,
+    ``plan_step(model, batch, loss_fn, budget, strategy, ...)``) and ``example_inputs=``
+    (now ``batch``).
 
     Example::
 
-        plan = memfit.plan(model, x, budget="1GiB", precision="bf16-mixed")
+        plan = memfit.plan(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
         memfit.apply_plan(model, plan)
     """
+    settings: dict[str, Any] = dict(
+        loss_fn=loss_fn,
+        budget=budget,
+        strategy=strategy,
+        precision=precision,
+        optimizer=optimizer,
+        units=units,
+        accumulation_steps=accumulation_steps,
+        frontier=frontier,
+        keep_output=keep_output,
+        world_size=world_size,
+        data_parallel=data_parallel,
+    )
+    if example_inputs is not None:
+        if batch is not None:
+            raise TypeError("memfit.plan() got batch and example_inputs (its old name): pass batch")
+        warn_renamed("memfit.plan(example_inputs=...)", "memfit.plan(model, batch, ...)")
+        batch = example_inputs
+    if batch is None:
+        raise TypeError("memfit.plan() needs a batch: memfit.plan(model, batch, loss_fn, ...)")
+    if positional:
+        first, rest = positional[0], positional[1:]
+        if callable(first) or (first is None and not rest):  # loss_fn, as it now is
+            if loss_fn is not None:
+                raise TypeError("memfit.plan() got multiple values for argument 'loss_fn'")
+            settings["loss_fn"] = first
+            order, values = PLAN_STEP_ORDER, rest  # any more: plan_step's old order
+        else:  # memfit.plan's old order: budget, strategy, loss_fn, ...
+            order, values = PLAN_ORDER, positional
+        if values:
+            defaults = {n: p.default for n, p in inspect.signature(plan).parameters.items()}
+            settings = by_position(order, values, settings, defaults, "memfit.plan()")
+            warn_renamed(
+                f"passing memfit.plan's settings by position ({', '.join(order[: len(values)])})",
+                f"keywords: memfit.plan(model, batch, loss_fn, {order[0]}=..., ...)",
+            )
+    loss_fn = settings.pop("loss_fn")
+    if loss_fn is not None and takes_output(loss_fn):
+        warn_renamed(
+            "memfit.plan with loss_fn(output)",
+            "loss_fn(model, batch) -> loss, the form the Engine, memfit.estimate and "
+            "memfit.tune take (e.g. lambda model, batch: model(**batch).loss), or no loss_fn "
+            "for the sum of the output",
+        )
+        return _plan_on_output(model, batch, loss_fn, **settings)
+    if loss_fn is None:
+        return _plan_on_output(model, batch, None, **settings)
+    return _plan_step(model, batch, loss_fn, **settings)
+
+
+def _plan_on_output(
+    model: nn.Module,
+    batch: Any,
+    output_loss: Callable[[Any], torch.Tensor] | None,
+    *,
+    keep_output: bool | None,
+    precision: str | PrecisionPolicy | None,
+    units: Sequence[str] | None,
+    accumulation_steps: int,
+    world_size: int,
+    data_parallel: str | None,
+    **solve_settings: Any,
+) -> Plan:
+    """:func:`plan` of ``output_loss(model(batch))`` (default: the sum of the output), the
+    model profiled alone with its output held through backward unless ``keep_output`` is
+    False."""
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
-    loss_of = loss_fn or default_loss
-    policy, chosen = resolve_policy(
-        precision, model, example_inputs, lambda m, x: loss_of(call_model(m, x))
-    )
-    profiled = profile_model(model, example_inputs, loss_fn, policy, units, keep_output)
+    loss_of = output_loss or default_loss
+    policy, chosen = resolve_policy(precision, model, batch, lambda m, x: loss_of(call_model(m, x)))
+    held = True if keep_output is None else keep_output
+    profiled = profile_model(model, batch, output_loss, policy, units, held)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
-    layout = RankLayout(data_parallel, world_size)
     return solve_profile(
-        model, profiled, policy, optimizer, strategy, budget, int(accumulation_steps), layout=layout
+        model,
+        profiled,
+        policy,
+        solve_settings["optimizer"],
+        solve_settings["strategy"],
+        solve_settings["budget"],
+        int(accumulation_steps),
+        solve_settings["frontier"],
+        layout=RankLayout.of(world_size, data_parallel),
     ).plan
+
+
+def _plan_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    keep_output: bool | None,
+    **settings: Any,
+) -> Plan:
+    """:func:`plan` of a step ``loss_fn(model, batch)``: :func:`make_plan`'s plan."""
+    if keep_output is not None:
+        raise ConfigError(
+            "keep_output applies to memfit.plan without a loss_fn (the output's sum): a "
+            "loss_fn(model, batch) is profiled with the model, so what it holds of the "
+            "output is measured; drop keep_output"
+        )
+    return make_plan(model, batch, loss_fn, **settings).plan
 
 
 def plan_step(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    budget: Budget = None,
-    strategy: str = "optimal",
-    precision: str | PrecisionPolicy | None = "auto",
-    optimizer: torch.optim.Optimizer | None = None,
-    frontier: bool = True,
-    accumulation_steps: int = 1,
-    units: Sequence[str] | None = None,
-    world_size: int = 1,
-    data_parallel: str | None = None,
+    *positional_settings: Any,
+    **settings: Any,
 ) -> Plan:
-    """The plan of :func:`make_plan` for a step written ``loss_fn(model, batch)``;
-    ``units``: the candidate units instead of those ``find_units`` finds; ``world_size``
-    and ``data_parallel``: one rank's step (:func:`make_plan`).
+    """Deprecated: ``memfit.plan(model, batch, loss_fn, budget=..., ...)`` is the same plan.
 
     Example::
 
-        plan = plan_step(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
+        plan = memfit.plan(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
     """
-    return make_plan(
-        model,
-        batch,
-        loss_fn,
-        optimizer=optimizer,
-        precision=precision,
-        strategy=strategy,
-        budget=budget,
-        accumulation_steps=accumulation_steps,
-        units=units,
-        frontier=frontier,
-        world_size=world_size,
-        data_parallel=data_parallel,
-    ).plan
+    warn_renamed(
+        "memfit.checkpoint.plan_step", "memfit.plan(model, batch, loss_fn, budget=..., ...)"
+    )
+    named = by_position(PLAN_STEP_ORDER, positional_settings, settings, {}, "plan_step()")
+    named.setdefault("keep_output", None)
+    return _plan_step(model, batch, loss_fn, **named)

@@ -31,6 +31,11 @@ already run are held while the later ones run forward and backward: the last mic
 holds all of them from its first op on, so they count as held for the whole activation
 phase instead of appearing one unit at a time as its backward makes them.
 
+:func:`static_bytes` counts the weights, buffers, gradients, masters and optimizer state
+(:func:`optimizer_state_bytes`) for every caller: the step memory, the estimator's rows and
+the capacity view. :meth:`RankLayout.of` makes the layout from the ``world_size`` and
+``data_parallel`` arguments for planning, estimating and tuning alike.
+
 Example::
 
     mem = step_memory(model, prof, PrecisionPolicy.of("bf16-mixed"), optimizer)
@@ -51,6 +56,7 @@ from memfit.checkpoint.profiler import Profile
 from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
 from memfit.fake import optimizer_step_temp_bytes
+from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -70,19 +76,38 @@ _STATE_ELEMENTS = {
 _STATE_SCALARS = {cls: 2 if cls is torch.optim.NAdam else 1 for cls in _STATE_ELEMENTS}
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the optimizer's state, measured if it exists, else predicted by type."""
+def optimizer_state_bytes(
+    optimizer: torch.optim.Optimizer | None, *, predict: bool = True, storages: bool = False
+) -> int:
+    """Bytes of the optimizer's state: every tensor in it (the step counts too), each once.
+
+    ``predict``: an optimizer with no state yet (before its first step) gets the state it
+    will make, by type (Adam/AdamW two fp32 buffers per parameter element and a step count
+    per parameter, SGD with momentum and Adagrad one buffer); False counts what is there
+    now, 0. ``storages``: count each tensor's whole storage, once per storage (what the
+    allocator holds: a view holds all of its base) instead of the tensor's own elements.
+
+    Example::
+
+        optimizer_state_bytes(torch.optim.AdamW(model.parameters()))  # before a step: predicted
+        optimizer_state_bytes(opt, predict=False, storages=True)      # what is allocated now
+    """
     if optimizer is None:
         return 0
-    if optimizer.state:
-        seen: set[int] = set()
-        total = 0
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
-                    seen.add(value.data_ptr())
-                    total += value.numel() * value.element_size()
-        return total
+    if not optimizer.state:
+        return _predicted_state_bytes(optimizer) if predict else 0
+    seen: dict[int, int] = {}
+    for value in tensors(list(optimizer.state.values())):
+        if storages:
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        else:
+            seen.setdefault(value.data_ptr(), value.numel() * value.element_size())
+    return sum(seen.values())
+
+
+def _predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The state ``optimizer`` will make on its first step, by its type."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     elements = sum(p.numel() for p in params)
     per = _STATE_ELEMENTS.get(type(optimizer), 0)
@@ -113,6 +138,105 @@ class RankLayout:
             raise ConfigError(f"data_parallel must be 'ddp', 'fsdp' or None, got {self.kind!r}")
         if int(self.world_size) != self.world_size or self.world_size < 1:
             raise ConfigError(f"world_size must be an int >= 1, got {self.world_size!r}")
+
+    @classmethod
+    def of(cls, world_size: int = 1, data_parallel: str | None = None) -> RankLayout:
+        """The layout of the ``world_size`` and ``data_parallel`` arguments that planning,
+        estimating and tuning take: one process for ``world_size=1``; over more ranks
+        ``data_parallel``, DDP when no kind is named (what ``memfit.parallelize`` and
+        ``memfit train --nproc`` run by default). A kind without ranks to spread over,
+        an unknown kind or a bad size is a ConfigError.
+
+        Example::
+
+            RankLayout.of(8)           # RankLayout(kind="ddp", world_size=8)
+            RankLayout.of(8, "fsdp")   # RankLayout(kind="fsdp", world_size=8)
+            RankLayout.of()            # one process
+        """
+        layout = cls(data_parallel, world_size)  # refuses an unknown kind or a bad size
+        if data_parallel is not None and world_size == 1:
+            raise ConfigError(
+                f"data_parallel={data_parallel!r} needs world_size > 1 (the ranks it spreads the "
+                "step over); give world_size, or drop data_parallel for one process"
+            )
+        if data_parallel is None and world_size > 1:
+            return cls("ddp", world_size)
+        return layout
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What a training step holds whatever the plan, on one rank (see :func:`static_bytes`)."""
+
+    params: float
+    """The weights as training holds them: 16-bit outside the fp32 islands in the
+    ``*-master`` modes; under FSDP2 the rank's fp32 shard and its gathered blocks."""
+    buffers: float
+    """The model's buffers."""
+    grads: float
+    """Gradients of what the optimizer updates (the fp32 masters' in the master modes;
+    under FSDP2 the rank's fp32 shard)."""
+    masters: float
+    """fp32 master weights of the ``*-master`` modes (0 under FSDP2: the shards are)."""
+    optimizer_state: float
+    """The optimizer's state (:func:`optimizer_state_bytes`; under FSDP2 the rank's share)."""
+
+    @property
+    def weights_and_state_bytes(self) -> float:
+        """Held through the whole step: weights, buffers, optimizer state and masters."""
+        return self.params + self.buffers + self.optimizer_state + self.masters
+
+    @property
+    def total_bytes(self) -> float:
+        """All of it: the weights and state, and the gradients (all present at the
+        optimizer step)."""
+        return self.weights_and_state_bytes + self.grads
+
+
+def static_bytes(
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    layout: RankLayout | None = None,
+    root: UnitCost | None = None,
+) -> StaticBytes:
+    """The weights, buffers, gradients, fp32 masters and optimizer state a step holds
+    whatever the plan (the module docstring says how each is counted), on one rank of
+    ``layout``. Under FSDP2 ``root``, the model's unit tree, names the blocks gathered
+    while they compute; without it (before profiling) they are left out, a lower bound.
+
+    Example::
+
+        s = static_bytes(model, PrecisionPolicy.of("bf16-master"), torch.optim.AdamW(model.parameters()))
+        s.params, s.masters   # 2 and 4 bytes per parameter element
+    """
+    trained = _trained_widths(model, policy)
+    param_bytes = sum(p.numel() * trained[id(p)] for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    if optimizer is not None:
+        updated = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    else:
+        updated = [p for p in model.parameters() if p.requires_grad]
+    model_params = {id(p) for p in model.parameters()}
+    # fp32 master copies live in the optimizer, not in the model. Before an Engine has
+    # made them (planning a fresh model), they are the ones it will make.
+    master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
+    if policy.master_weights and master_bytes == 0:
+        master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
+    grad_bytes = sum(
+        p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
+    )
+    state_bytes = optimizer_state_bytes(optimizer)
+    layout = layout or RankLayout()
+    if layout.kind == "fsdp":
+        # Sharded fp32 parameters are the masters; gradients are reduced in fp32.
+        n = layout.world_size
+        gathered = 0.0 if root is None else _gathered_bytes(model, root, policy)[0]
+        fp32_params = sum(p.numel() * 4 for p in model.parameters())
+        param_bytes, master_bytes = fp32_params / n + gathered, 0
+        grad_bytes = sum(p.numel() * 4 for p in updated) / n
+        state_bytes = state_bytes / n
+    return StaticBytes(param_bytes, buffer_bytes, grad_bytes, master_bytes, state_bytes)
 
 
 @dataclass(frozen=True)
@@ -180,40 +304,17 @@ def step_memory(
     the loss outlives the forward (``loss = loss_fn(model, batch)``, the Engine's form),
     so the output is freed before backward, but for what the loss saves of it.
     ``layout``: what one rank of a data-parallel run holds (module docstring)."""
-    trained = _trained_widths(model, policy)
-    param_bytes = sum(p.numel() * trained[id(p)] for p in model.parameters())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    if optimizer is not None:
-        updated = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    else:
-        updated = [p for p in model.parameters() if p.requires_grad]
-    model_params = {id(p) for p in model.parameters()}
-    # fp32 master copies live in the optimizer, not in the model. Before an Engine has
-    # made them (planning a fresh model), they are the ones it will make.
-    master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
-    if policy.master_weights and master_bytes == 0:
-        master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
-    grad_bytes = sum(
-        p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
-    )
+    layout = layout or RankLayout()
+    root = prof.root if root is None else root
+    static = static_bytes(model, policy, optimizer, layout, root)
     # Under autocast with fp32 weights, torch keeps a 16-bit copy of each weight it casts
     # until the autocast region ends, after the loss: held at the end of forward, gone in
     # backward (a recompute casts only its own piece's weights again).
     cast_cache = _cast_bytes(model, policy)
     output = prof.output_bytes if output_bytes is None else output_bytes
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
-    state_bytes = optimizer_state_bytes(optimizer)
-    gathered = block_grads = 0.0
-    layout = layout or RankLayout()
-    if layout.kind == "fsdp":
-        # Sharded fp32 parameters are the masters; gradients are reduced in fp32.
-        n = layout.world_size
-        gathered, block_grads = _gathered_bytes(model, root or prof.root, policy)
-        fp32_params = sum(p.numel() * 4 for p in model.parameters())
-        param_bytes, master_bytes = fp32_params / n + gathered, 0
-        grad_bytes = sum(p.numel() * 4 for p in updated) / n
-        state_bytes = state_bytes / n
-    base = param_bytes + buffer_bytes + state_bytes + master_bytes
+    # Under FSDP2 one block's full fp32 gradients, before they are reduce-scattered.
+    block_grads = _gathered_bytes(model, root, policy)[1] if layout.kind == "fsdp" else 0.0
     # The head of backward (the loss's ops, and the model's own ops after its blocks: an LM
     # head, or a loss computed inside the model) makes gradients while everything kept is
     # still held. For a loss outside the model: its own gradients, at most the size of what
@@ -221,21 +322,21 @@ def step_memory(
     # of what the head makes alive at once; the last of it is the gradient it hands to the
     # last block, which the in-flight term holds already. The larger of the two is taken.
     # It does not meet the cast copies: it runs after the autocast region has ended.
-    in_flight = _in_flight_bytes(prof.root if root is None else root)
+    in_flight = _in_flight_bytes(root)
     head = max(loss_saved + output, prof.head_backward_bytes - in_flight)
     if output_held:  # out = model(x); loss_fn(out).backward(): the output lives on
         loss_bytes = output + loss_saved + max(cast_cache, head)
     else:  # loss = loss_fn(model, batch): the output is gone when backward starts
         loss_bytes = loss_saved + max(output + cast_cache, head)
     return StepMemory(
-        base_bytes=float(base + prof.input_bytes),
+        base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
         loss_bytes=float(loss_bytes),
-        grad_bytes=float(grad_bytes),
+        grad_bytes=float(static.grads),
         in_flight_bytes=in_flight + block_grads,
         optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)) / layout.world_size
         if layout.kind == "fsdp"
         else float(_optimizer_temp_bytes(optimizer)),
-        accumulated_grad_bytes=float(grad_bytes)
+        accumulated_grad_bytes=float(static.grads)
         if accumulation_steps > 1 or layout.kind == "ddp"
         else 0.0,
     )

@@ -265,7 +265,7 @@ def unit_tree(model: nn.Module, names: Iterable[str]) -> UnitTree:
 
 def find_units(model: nn.Module, extra: Iterable[str] | None = None) -> UnitTree:
     """Find the candidate checkpoint units of ``model`` (rules in the module docstring);
-    public as ``memfit.find_units``.
+    public as ``memfit.checkpoint.find_units``.
 
     Returns:
         A :class:`UnitTree` rooted at the model (``""``): ``.names()`` lists the units'

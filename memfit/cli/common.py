@@ -1,5 +1,7 @@
 """What the ``memfit`` subcommands share: the usage error, the model flags, ``--set``
-parsing, the device choice (checked), moving a batch there and building a built-in model.
+parsing, the device choice (checked), moving a batch there, building a built-in model, and
+the one form every ``--factory MODULE:FUNCTION`` returns (:class:`Workload`, loaded by
+:func:`load_workload`).
 
 ``memfit.cli.main`` imports the subcommands; a subcommand imports this module (and
 ``train`` its start-up helpers, :mod:`memfit.cli.start`), never ``main`` or another
@@ -20,8 +22,14 @@ import argparse
 import dataclasses
 import importlib
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from memfit.deprecations import warn_renamed
+from memfit.errors import ConfigError
 
 # torch is imported where it is used: building the parser (memfit --help) needs none of it.
 if TYPE_CHECKING:
@@ -133,16 +141,16 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor or a nested structure of them) with every tensor moved to
-    ``device``; other values are kept as they are.
+    """:func:`memfit.nested.to_device`, imported when first called (building the parser
+    imports no torch).
 
     Example::
 
         batch = to_device({"x": torch.zeros(4, 3), "note": "a"}, torch.device("cpu"))
     """
-    from memfit.nested import map_tensors
+    from memfit.nested import to_device as move
 
-    return map_tensors(batch, lambda t: t.to(device))
+    return move(batch, device)
 
 
 def model_config_cls(name: str) -> type:
@@ -216,6 +224,101 @@ def load_factory(spec: str, example: str) -> Any:
     if not callable(factory):
         raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
     return factory
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a ``--factory MODULE:FUNCTION`` returns, to every subcommand that takes one
+    (``memfit plan``, ``memfit estimate``, ``memfit tune``): how to build the model, make a
+    micro-batch, and compute the loss, the arguments of ``memfit.estimate`` and
+    ``memfit.tune`` (``memfit.tune(w.model_fn, w.batch_fn, w.loss_fn, budget=...)``).
+
+    Example::
+
+        # mypkg/models.py; then: memfit plan --factory mypkg.models:workload --budget 1GiB
+        import memfit, torch
+
+        def workload() -> memfit.Workload:
+            return memfit.Workload(
+                model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
+                                                     torch.nn.Linear(64, 1)),
+                batch_fn=lambda n: (torch.randn(n, 8), torch.randn(n, 1)),
+                loss_fn=lambda model, batch: torch.nn.functional.mse_loss(
+                    model(batch[0]), batch[1]),
+            )
+    """
+
+    model_fn: Callable[[], Any]
+    """Builds the model, with no arguments and without moving it to a device: ``estimate``
+    builds it on the meta device (no weights allocated), ``plan`` moves it to
+    ``--device``, ``tune`` builds one per measured trial."""
+    batch_fn: Callable[[int], Any]
+    """``batch_fn(batch_size)``: one micro-batch (a tensor, a tuple or a dict of them) as
+    the step takes it; ``plan`` moves its tensors to ``--device``."""
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    """``loss_fn(model, batch) -> scalar``, the Engine's form; None: the sum of the first
+    floating-point tensor of the model's output (``model(x)``, ``model(*x)``,
+    ``model(**x)``)."""
+
+    def __post_init__(self) -> None:
+        nn = sys.modules.get("torch.nn")  # a built model is callable too; torch is loaded then
+        if nn is not None and isinstance(self.model_fn, nn.Module):
+            raise ConfigError(
+                "Workload.model_fn must be a function that builds the model, got a built "
+                f"{type(self.model_fn).__name__}; write model_fn=lambda: MyModel() (estimate "
+                "builds it on the meta device, without allocating its weights)"
+            )
+        for name in ("model_fn", "batch_fn", "loss_fn"):
+            value = getattr(self, name)
+            if not (callable(value) or (name == "loss_fn" and value is None)):
+                raise ConfigError(
+                    f"Workload.{name} must be a function, got {type(value).__name__}; "
+                    "write Workload(model_fn=lambda: Model(), batch_fn=lambda n: batch_of(n), "
+                    "loss_fn=lambda model, batch: ...)"
+                )
+
+
+def load_workload(spec: str) -> Workload:
+    """The :class:`Workload` that ``--factory MODULE:FUNCTION``'s ``FUNCTION()`` returns,
+    or a UsageError that says what to write.
+
+    The tuples the subcommands took before keep working for one release, with a
+    DeprecationWarning: ``(model, batch)`` or ``(model, batch, loss_fn)`` (``memfit
+    plan``'s; a built model and one batch), and ``(model_fn, batch_fn)`` or ``(model_fn,
+    batch_fn, loss_fn)`` (``memfit estimate``'s and ``memfit tune``'s).
+
+    Example::
+
+        workload = load_workload("mypkg.models:workload")
+        model = workload.model_fn()
+    """
+    made = load_factory(spec, "mypkg.models:workload")()
+    if isinstance(made, Workload):
+        return made
+    if not (isinstance(made, tuple) and len(made) in (2, 3)):
+        raise UsageError(
+            f"--factory {spec}: must return a memfit.Workload(model_fn, batch_fn, loss_fn), "
+            f"got {type(made).__name__}"
+        )
+    from torch import nn
+
+    if isinstance(made[0], nn.Module):  # memfit plan's: a built model and one batch
+        model, batch = made[0], made[1]
+        shape = "(model, batch, loss_fn)" if len(made) == 3 else "(model, batch)"
+        workload = Workload(lambda: model, lambda _: batch, *made[2:])
+    else:
+        shape = "(model_fn, batch_fn, loss_fn)" if len(made) == 3 else "(model_fn, batch_fn)"
+        workload = Workload(*made)
+    # A DeprecationWarning from a library is hidden by default; on the command line it is
+    # the one place the user learns of it, so it is shown unless -W says otherwise.
+    with warnings.catch_warnings():
+        if not sys.warnoptions:
+            warnings.simplefilter("always", DeprecationWarning)
+        warn_renamed(
+            f"--factory {spec} returning a tuple {shape}",
+            "a memfit.Workload(model_fn=..., batch_fn=..., loss_fn=...)",
+        )
+    return workload
 
 
 def builtin_model(

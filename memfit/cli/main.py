@@ -2,8 +2,8 @@
 
 Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage.
 
-This module imports the subcommands (``train``, ``plan``, ``estimate``, ``tune``, ``report``); what they share is
-in :mod:`memfit.cli.common`. Those modules import torch and memfit's API inside the
+This module imports the subcommands (``train_command`` for ``memfit train``, and so on); what
+they share is in :mod:`memfit.cli.common`. Those modules import torch and memfit's API inside the
 functions that use them, so building the parser (``memfit --help``, a bad flag) costs
 neither.
 """
@@ -14,7 +14,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from memfit.cli import estimate, plan, report, train, tune
+from memfit.cli import (
+    estimate_command,
+    plan_command,
+    report_command,
+    train_command,
+    tune_command,
+)
 from memfit.cli.common import UsageError
 from memfit.errors import ConfigError, MemfitError
 
@@ -26,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "activation checkpointing, planned together.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, plan, estimate, tune, report):
+    for module in (train_command, plan_command, estimate_command, tune_command, report_command):
         module.add_parser(sub)
     return parser
 

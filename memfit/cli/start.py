@@ -117,7 +117,8 @@ def resume_settings(
     """A resumed run's directory and settings: those in its ``config.json``, with the
     given flags of :data:`RESUMABLE` applied. Any other given flag whose value differs
     from the saved one is a usage error naming each flag, the saved and the given value.
-    Writes nothing.
+    Writes nothing. (The Engine's own settings come back from its state file with
+    :func:`memfit.engine.state.read_resume_point`, inside ``Engine.resume``.)
 
     Example::
 

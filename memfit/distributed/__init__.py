@@ -1,10 +1,10 @@
 """Data-parallel training on ``torch.distributed``: DDP and FSDP2, with memfit's precision,
-plans, skipped steps and checkpoints (docs/distributed.md).
+plans, skipped steps and saved state (docs/distributed.md).
 
 :func:`parallelize` makes a model data-parallel in one order (fp32 islands, the checkpoint
 plan, then DDP or FSDP2's ``fully_shard``); the Engine recognizes either wrapping, also one
-the user made, and adds what a data-parallel step needs (:mod:`.collectives`); checkpoints
-are rank 0's file or a sharded directory (:mod:`.checkpoint`).
+the user made, and adds what a data-parallel step needs (:mod:`.collectives`); saved state
+is rank 0's file or a sharded directory (:mod:`.state_files`).
 
 Example::
 

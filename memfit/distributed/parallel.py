@@ -136,7 +136,7 @@ def parallelize(
             ``"none"`` for no plan.
         mesh: a ``DeviceMesh`` for FSDP2 (default: all ranks of the default group).
         units: the blocks FSDP2 shards one by one (default: the outermost units
-            :func:`memfit.find_units` finds).
+            :func:`memfit.checkpoint.find_units` finds).
         device_ids: DDP's ``device_ids`` (default: the model's CUDA device, none on CPU).
 
     Raises:
@@ -171,7 +171,7 @@ def parallelize(
         if not isinstance(checkpoint, Plan):
             raise ConfigError(
                 f"parallelize(checkpoint=...) takes a Plan, got {checkpoint!r}: make one for a "
-                "rank's micro-batch with memfit.plan(model, example_inputs, strategy=..., "
+                "rank's micro-batch with memfit.plan(model, batch, loss_fn, strategy=..., "
                 "budget=...) before parallelize (or pass checkpoint= to the Engine)"
             )
     islands = apply_precision(model, islands_policy(policy))
@@ -208,7 +208,7 @@ def parallelize(
 
 
 def outer_units(model: nn.Module) -> list[str]:
-    """The units :func:`memfit.find_units` finds that no other unit contains: the blocks
+    """The units :func:`memfit.checkpoint.find_units` finds that no other unit contains: the blocks
     (none for a model without repeated blocks).
 
     Example::

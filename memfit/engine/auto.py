@@ -4,13 +4,13 @@
 (``fp32`` and ``bf16-mixed``, or ``fp16-mixed`` with dynamic loss scaling on a GPU without
 bf16: :func:`memfit.precision.speed.auto_candidates`). On the first micro-batch, before
 the first plan (which depends on the precision), the model's own forward and backward is
-timed in each candidate (:mod:`memfit.precision.timing`, which leaves training
+timed in each candidate (:mod:`memfit.precision.mode_timing`, which leaves training
 bitwise as it was) and the Engine trains in the fastest (a 16-bit mode only when clearly
 faster). The matmul probe comes first: a 16-bit ratio far below 1 settles it on fp32
 without timing. The probe alone decides under DDP/FSDP2 (rank 0's, for every rank),
 where injected probe speeds are given without model seconds (tests), and after an
 out-of-memory error while timing. From then on ``engine.settings.precision`` names the
-mode chosen, and checkpoints save it: a resumed run trains in the same mode without
+mode chosen, and a saved state keeps it: a resumed run trains in the same mode without
 measuring again.
 
 ``micro_batch="auto"`` (with ``memory_budget``, or 90% of the device's memory): the first
@@ -19,6 +19,12 @@ measuring again.
 picks how to split it (``accumulation_steps``) under the Engine's precision and checkpoint
 request, and the batch is split so. ``engine.settings.accumulation_steps`` then holds the
 choice and is saved with it.
+
+Nothing here takes the Engine: it is given what the choices need (:class:`FirstBatch`)
+and returns what was chosen (:class:`~memfit.precision.speed.PrecisionChoice`,
+:class:`SplitChoice`); the Engine records the choices itself, in the order of
+``Engine._first_batch_choices``, and trains in a chosen mode by
+:func:`memfit.engine.precision_stage.switched_precision`.
 
 Example::
 
@@ -31,17 +37,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch import nn
 
 from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
+from memfit.engine.settings import default_memory_budget
 from memfit.errors import ConfigError
 from memfit.precision.policy import AUTO, PrecisionPolicy, is_auto
 
 if TYPE_CHECKING:
     from memfit.candidates import Candidate
-    from memfit.engine.core import Engine
     from memfit.precision.speed import PrecisionChoice
 
 
@@ -62,9 +69,67 @@ class AutoRequest:
         return self.precision or self.micro_batch
 
 
+class StartingPolicy(NamedTuple):
+    """The policy an Engine starts with and what it has left to choose."""
+
+    policy: PrecisionPolicy
+    auto: AutoRequest
+
+
+@dataclass(frozen=True)
+class FirstBatch:
+    """What the first batch's choices need from the Engine (its own objects, not copies).
+
+    Example::
+
+        first = FirstBatch(model, optimizer, torch.device("cpu"), PrecisionPolicy("fp32"), "auto")
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    policy: PrecisionPolicy
+    """The policy the Engine trains in so far (fp32 until an ``"auto"`` one is chosen)."""
+    checkpoint_request: Any
+    """The Engine's ``checkpoint=`` request, not yet planned."""
+    memory_budget: int | None = None
+    data_parallel: bool = False
+    """Whether the Engine trains under DDP/FSDP2: rank 0's choices are every rank's."""
+    ranges: Any = None
+    """The monitor's activation ranges, which must not record the timing's passes."""
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """What ``micro_batch="auto"`` chose on the global batch.
+
+    Example::
+
+        choice = choose_split(first, batch, loss_fn, with_precision=False)
+        engine.settings.accumulation_steps = choice.fitting().accumulation_steps
+    """
+
+    split: Candidate | None
+    """The best split that fits (rank 0's under DDP/FSDP2), or None when none fits."""
+    ranked: list[Candidate]
+    """Every split, best first."""
+    budget: int
+    """The budget they were ranked under."""
+    precision: PrecisionChoice | None = None
+    """With ``precision="auto"`` too: the mode chosen with the split."""
+
+    def fitting(self) -> Candidate:
+        """The split; the BudgetError naming the least peak of all when none fits."""
+        if self.split is None:
+            from memfit.candidates import nothing_fits
+
+            raise nothing_fits(self.ranked, self.budget)
+        return self.split
+
+
 def auto_policy(
     precision: Any, micro_batch: Any, accumulation_steps: Any, scaler: Any
-) -> tuple[PrecisionPolicy, AutoRequest]:
+) -> StartingPolicy:
     """The policy the Engine starts with (fp32 until an ``"auto"`` precision is chosen)
     and what is left to choose; ConfigError for a ``micro_batch`` it cannot use.
 
@@ -84,15 +149,20 @@ def auto_policy(
         )
     auto = is_auto(precision)
     policy = PrecisionPolicy("fp32") if auto else PrecisionPolicy.of(precision)
-    return policy, AutoRequest(auto, micro_batch == AUTO, scaler is None)
+    return StartingPolicy(policy, AutoRequest(auto, micro_batch == AUTO, scaler is None))
 
 
-def probe_choice(engine: Engine) -> PrecisionChoice:
-    """The matmul probe's choice on the Engine's device (rank 0's under DDP/FSDP2)."""
+def probe_choice(device: torch.device, data_parallel: bool) -> PrecisionChoice:
+    """The matmul probe's choice on ``device`` (rank 0's under DDP/FSDP2).
+
+    Example::
+
+        probe_choice(torch.device("cpu"), data_parallel=False).mode   # "fp32" on most CPUs
+    """
     from memfit.precision.speed import choose_precision
 
-    choice = choose_precision(engine.device)
-    if engine.parallel is not None:  # every rank trains in rank 0's choice
+    choice = choose_precision(device)
+    if data_parallel:  # every rank trains in rank 0's choice
         from memfit.distributed.collectives import from_rank0
 
         choice = from_rank0(choice)
@@ -100,119 +170,90 @@ def probe_choice(engine: Engine) -> PrecisionChoice:
 
 
 def timed_choice(
-    engine: Engine, probe: PrecisionChoice, micro: Batch, loss_fn: Any
+    first: FirstBatch, probe: PrecisionChoice, micro: Batch, loss_fn: Any
 ) -> PrecisionChoice:
     """The choice remade from the model's own forward and backward of ``micro`` in each
-    candidate mode (:func:`memfit.precision.timing.auto_choice`); the probe's choice under
+    candidate mode (:func:`memfit.precision.mode_timing.auto_choice`); the probe's choice under
     data parallel (collectives in the passes would time the slowest rank, differently on
-    each). Errors of ``loss_fn`` propagate."""
+    each). Errors of ``loss_fn`` propagate.
+
+    Example::
+
+        choice = timed_choice(first, probe_choice(first.device, False), micro, loss_fn)
+    """
     from dataclasses import replace
 
-    from memfit.precision.timing import auto_choice
+    from memfit.precision.mode_timing import auto_choice
 
-    if engine.parallel is not None:
+    if first.data_parallel:
         return replace(probe, note="data parallel: rank 0's probe decides for every rank")
-    ranges = engine.monitor.ranges
+    ranges = first.ranges
     with ranges.unrecorded() if ranges is not None else contextlib.nullcontext():
         return auto_choice(
-            engine.model,
+            first.model,
             micro,
             lambda model, b: checked_loss(loss_fn(model, b)),
-            engine.device,
-            engine.policy.fp32_islands,
+            first.device,
+            first.policy.fp32_islands,
         )
 
 
-def set_precision(engine: Engine, choice: PrecisionChoice) -> None:
-    """Train in ``choice.mode`` from now on: the policy, its islands and, for fp16, a
-    dynamic loss scaler (when the Engine made its own)."""
-    from memfit.precision.apply import apply_precision, note_kernel_islands
-    from memfit.precision.scaler import LossScaler
+def choose_precision(first: FirstBatch, micro: Batch, loss_fn: Any) -> PrecisionChoice:
+    """``precision="auto"``'s mode, from the probe and the model timed on ``micro`` (the
+    first micro-batch).
 
-    auto: AutoRequest = engine.auto
-    policy = PrecisionPolicy(choice.mode, fp32_islands=engine.policy.fp32_islands)
-    engine.policy = policy
-    engine.settings.precision = policy.mode
-    parallel = engine.parallel
-    engine.islands = apply_precision(
-        engine.model, parallel.precision(policy) if parallel else policy
-    )
-    engine.settings.kernel_islands = note_kernel_islands(engine.model, policy)
-    if policy.loss_scaling and auto.default_scaler:
-        engine.scaler = LossScaler()
-        if parallel is not None:  # the new scaler's skips must be decided by every rank
-            from memfit.distributed.collectives import all_reduce_max
+    Example::
 
-            engine.scaler.register_found_inf_hook(all_reduce_max)
-    auto.precision_choice = choice
-    auto.precision = False
+        choose_precision(first, micro, loss_fn).mode   # "bf16-mixed" where clearly faster
+    """
+    return timed_choice(first, probe_choice(first.device, first.data_parallel), micro, loss_fn)
 
 
-def resolve_first(engine: Engine, micro: Batch, loss_fn: Any) -> None:
-    """Before the first plan (``prepare``, on the first micro-batch): an ``"auto"``
-    precision chosen by timing the model on ``micro``; ConfigError when a
-    ``micro_batch="auto"`` Engine is fed micro-batches that are split already."""
-    if engine.auto.micro_batch:
-        raise ConfigError(
-            "micro_batch='auto' chooses how train_step(batch) splits its batches; "
-            "micro-batches fed with backward() (or given to prepare()) are split already. "
-            "Call train_step(batch) with the global batch, or drop micro_batch='auto'"
-        )
-    if engine.auto.precision:
-        set_precision(engine, timed_choice(engine, probe_choice(engine), micro, loss_fn))
+def choose_split(
+    first: FirstBatch, batch: Batch, loss_fn: Any, with_precision: bool
+) -> SplitChoice:
+    """How ``train_step`` splits a ``micro_batch="auto"`` Engine's batches, chosen on its
+    first batch (the global batch). ``with_precision`` (``precision="auto"`` too): the
+    split the probe's mode would get gives the micro-batch the model is timed on; a mode
+    the timing changes is split anew, and the choice holds the mode.
 
+    Example::
 
-def resolve_micro_batch(engine: Engine, batch: Batch, loss_fn: Any) -> None:
-    """Choose how ``train_step`` splits an ``micro_batch="auto"`` Engine's batches, from its
-    first batch (the global batch). With ``precision="auto"`` too, the split the probe's
-    mode would get gives the micro-batch the model is timed on; a mode the timing changes
-    is then split anew. (Without ``micro_batch="auto"``, ``prepare`` chooses the precision
-    on the first micro-batch.)"""
-    auto: AutoRequest = engine.auto
-    if not auto.micro_batch:
-        return
-    rows = batch_size(batch)
-    if auto.precision:
-        probe = probe_choice(engine)
-        ranked = _ranked_splits(engine, batch, loss_fn, probe.mode)
-        choice = probe
+        choice = choose_split(first, batch, loss_fn, with_precision=True)
+        choice.precision.mode, choice.fitting().accumulation_steps
+    """
+    precision: PrecisionChoice | None = None
+    if with_precision:
+        probe = probe_choice(first.device, first.data_parallel)
+        ranked = _ranked_splits(first, batch, loss_fn, probe.mode)
+        precision = probe
         if ranked and ranked[0].fits:
-            micro = split_batch(batch, min(rows, ranked[0].accumulation_steps))[0]
-            choice = timed_choice(engine, probe, micro, loss_fn)
-        if choice.mode != probe.mode:
-            ranked = _ranked_splits(engine, batch, loss_fn, choice.mode)
-        set_precision(engine, choice)
+            micro = split_batch(batch, min(batch_size(batch), ranked[0].accumulation_steps))[0]
+            precision = timed_choice(first, probe, micro, loss_fn)
+        if precision.mode != probe.mode:
+            ranked = _ranked_splits(first, batch, loss_fn, precision.mode)
     else:
-        ranked = _ranked_splits(engine, batch, loss_fn, engine.policy.mode)
+        ranked = _ranked_splits(first, batch, loss_fn, first.policy.mode)
     best = ranked[0] if ranked and ranked[0].fits else None
-    if engine.parallel is not None:
+    if first.data_parallel:
         # Each rank ranked with its own measured speed, and near ties may fall either way:
         # every rank splits as rank 0 chose (and all raise together when nothing fits).
         from memfit.distributed.collectives import from_rank0
 
         best = from_rank0(best)
-    if best is None:
-        from memfit.candidates import nothing_fits
-
-        raise nothing_fits(ranked, engine.settings.memory_budget or _default_budget(engine))
-    engine.settings.accumulation_steps = best.accumulation_steps
-    auto.split_choice = best
-    auto.micro_batch = False
+    return SplitChoice(best, ranked, _budget(first), precision)
 
 
-def _default_budget(engine: Engine) -> int:
-    from memfit.units import device_memory_bytes
-
-    return int(0.9 * device_memory_bytes(engine.device))
+def _budget(first: FirstBatch) -> int:
+    return first.memory_budget or default_memory_budget(first.device)
 
 
-def _ranked_splits(engine: Engine, batch: Batch, loss_fn: Any, mode: str) -> list[Candidate]:
+def _ranked_splits(first: FirstBatch, batch: Batch, loss_fn: Any, mode: str) -> list[Candidate]:
     """Every split of ``batch`` under ``mode`` and the checkpoint request, best first."""
     from memfit.candidates import meta_clone, rank_candidates
-    from memfit.estimate import STRATEGIES
+    from memfit.estimator import STRATEGIES
 
-    budget = engine.settings.memory_budget or _default_budget(engine)
-    request = engine._checkpoint_request
+    request = first.checkpoint_request
     if isinstance(request, str) and request != AUTO:
         strategies: tuple[str, ...] = (request,)  # the strategy asked for, at each split
     elif isinstance(request, str):
@@ -222,7 +263,7 @@ def _ranked_splits(engine: Engine, batch: Batch, loss_fn: Any, mode: str) -> lis
             "micro_batch='auto' plans the micro-batch, so a Plan made for one micro-batch "
             "cannot be given; pass checkpoint='auto' (or a strategy) instead"
         )
-    model, optimizer = engine.model, engine.optimizer
+    model, optimizer = first.model, first.optimizer
     rows = batch_size(batch)
 
     def micro(n: int) -> Any:
@@ -232,12 +273,12 @@ def _ranked_splits(engine: Engine, batch: Batch, loss_fn: Any, mode: str) -> lis
         lambda: meta_clone(model),
         micro,
         loss_fn,
-        budget=budget,
+        budget=_budget(first),
         global_batch=rows,
         precisions=[mode],
         strategies=strategies,
         optimizer_fn=lambda params: type(optimizer)(params, **_plain_defaults(optimizer)),
-        device=engine.device,
+        device=first.device,
     )
 
 

@@ -23,38 +23,40 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from memfit.checkpoint.compiled import unwrap_compiled
-from memfit.distributed.collectives import total_norm
-from memfit.engine.auto import auto_policy, resolve_first, resolve_micro_batch
+from memfit.engine.auto import FirstBatch, auto_policy, choose_precision, choose_split
 from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
-from memfit.engine.diagnose import diagnose_skips
+from memfit.engine.data_parallel import EngineParallel
+from memfit.engine.diagnose import check_skips, named_trained_params
 from memfit.engine.evaluation import eval_context
 from memfit.engine.export import export_model, model_state_dict
-from memfit.engine.feed import Window, rescale_gradients, run_measured
-from memfit.engine.parallel import EngineParallel
-from memfit.engine.planning import EnginePlan, check_first_step, make_engine_plan
+from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_measured
+from memfit.engine.plan_stage import EnginePlan, check_first_step, make_engine_plan
+from memfit.engine.precision_stage import default_scaler, fp32_masters, switched_precision
 from memfit.engine.settings import (
     EngineSettings,
     check_arguments,
+    default_memory_budget,
     resolve_checkpoint,
     unit_names,
 )
 from memfit.engine.state import (
+    LoadedState,
+    StepCounters,
+    TrainingObjects,
     engine_state,
-    load_checkpoint,
     load_engine_state,
-    resume_settings,
+    load_state,
+    read_resume_point,
     save_state,
 )
+from memfit.engine.step_log import LogWindow, log_step_metrics
 from memfit.errors import ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
 from memfit.monitor.metrics import plan_check_metrics
@@ -62,10 +64,12 @@ from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
 from memfit.precision.apply import apply_precision, note_kernel_islands
 from memfit.precision.kernels import module_device
-from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
-from memfit.units import device_memory_bytes, parse_bytes
+from memfit.units import parse_bytes
+
+if TYPE_CHECKING:
+    from memfit.precision.speed import PrecisionChoice
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -85,9 +89,10 @@ class Engine:
     ``memory_budget`` without ``checkpoint`` implies ``checkpoint="auto"``; with an
     explicit ``checkpoint="none"`` it is a ConfigError (the budget would be ignored).
     ``units``: the candidate checkpoint units (module names or the modules) instead of
-    those :func:`memfit.find_units` finds, for models whose blocks it cannot find.
+    those :func:`memfit.checkpoint.find_units` finds, for models whose blocks it cannot find.
     ``precision="auto"`` and ``micro_batch="auto"`` choose the precision and the split of
-    the global batch on the first batch (:mod:`memfit.engine.auto`).
+    the global batch on the first batch, before the plan (:meth:`_first_batch_choices`
+    holds every first-batch choice, in order).
 
     A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
     (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
@@ -150,26 +155,12 @@ class Engine:
             log_every=int(log_every),
             max_consecutive_skips=int(max_consecutive_skips),
         )
-        if scaler is None:
-            scaler = (
-                LossScaler()
-                if self.policy.loss_scaling
-                else LossScaler(init_scale=1.0, dynamic=False)
-            )
-        self.scaler = scaler
-        # DDP or FSDP2 (memfit/engine/parallel.py); None on one process.
-        self.parallel = EngineParallel.of(model, optimizer, self.policy, scaler, checkpoint)
-        self.master: MasterWeights | None = None
-        if self.policy.master_weights and not (self.parallel and self.parallel.owns_masters):
-            # Named as the uncompiled model names them (no ``_orig_mod.``): a checkpoint's
-            # masters then load into a compiled model and an uncompiled one alike.
-            self.master = MasterWeights(
-                unwrap_compiled(model), optimizer, self.policy.compute_dtype, self.policy.is_island
-            )
-        self.islands = apply_precision(
-            model, self.parallel.precision(self.policy) if self.parallel else self.policy
-        )
-        self.settings.kernel_islands = note_kernel_islands(model, self.policy)
+        self.scaler = scaler if scaler is not None else default_scaler(self.policy)
+        # DDP or FSDP2 (memfit/engine/data_parallel.py); None on one process.
+        self.parallel = EngineParallel.of(model, optimizer, self.policy, self.scaler, checkpoint)
+        owned = self.parallel is not None and self.parallel.owns_masters  # FSDP2 keeps its own
+        self.master = fp32_masters(model, optimizer, self.policy, owned)
+        self._apply_policy()
         log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if isinstance(monitor, bool):
@@ -190,11 +181,7 @@ class Engine:
         self._applied_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self._last_loss: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
-        self._window_start = time.perf_counter()
-        self._window_samples = 0
-        self._window_steps = 0
-        self._window_batch = 0
-        self._window_micro_batches = 0  # of the last step: the plan's work runs once each
+        self._log_window = LogWindow()  # the steps since the last log step
         self._session_steps = 0  # steps taken by this object, resumed runs included
         self.memory_report: Any = None
         self.metrics: dict[str, float] = {}
@@ -231,8 +218,8 @@ class Engine:
         size = batch_size(batch)
         if size == 0:
             raise ConfigError("the batch is empty (0 samples); give at least one sample")
-        if self.auto.pending:  # the first batch: precision and split chosen on it
-            resolve_micro_batch(self, batch, loss_fn)
+        if self.auto.pending:  # the first batch: micro_batch="auto" splits it
+            self._first_batch_choices(batch, loss_fn, global_batch=True)
         micro_batches = split_batch(batch, min(size, self.settings.accumulation_steps))
         self._step_parts = len(micro_batches)
         try:
@@ -370,14 +357,18 @@ class Engine:
             raise
         self._window = None
         self.steps += 1
-        self._window_samples += window.samples
-        self._window_batch = window.samples
-        self._window_micro_batches = window.count
+        self._log_window.add_step(window.samples, window.count)
         self._session_steps += 1
-        self._window_steps += 1
         error: NonFiniteError | None = None
         if self.device.type == "cpu" or log_now:
-            error = self._check_skips()
+            error = check_skips(
+                self.scaler,
+                self.settings.max_consecutive_skips,
+                self._last_loss,
+                self.model,
+                self.master,
+                self.policy,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self._judge_measured(window)
         if error is not None:
@@ -399,22 +390,14 @@ class Engine:
         # Gradient statistics describe the unscaled gradients before clipping.
         grad_metrics = (
             self.monitor.gradient_metrics(
-                self._named_grad_params(), self.policy, self.scaler.scale_tensor
+                named_trained_params(self.model, self.master), self.policy, self.scaler.scale_tensor
             )
             if log_now
             else {}
         )
         self._grad_norm = None
         if self.settings.clip_grad_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            norm = total_norm(grads)  # of the whole model under FSDP2
-            self._grad_norm = norm
-            # A non-finite norm means this step is skipped: leave the gradients as they are
-            # so the diagnosis can still find the parameter that overflowed.
-            safe_norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
-            torch.nn.utils.clip_grads_with_norm_(
-                self.params, self.settings.clip_grad_norm, safe_norm, foreach=True
-            )
+            self._grad_norm = clip_gradients(self.params, self.settings.clip_grad_norm)
         applied = self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.master is not None:
@@ -426,7 +409,7 @@ class Engine:
 
     def _judge_measured(self, window: Window) -> None:
         """What a measured step tells: the closed loop's verdict on the first planned step
-        (:mod:`memfit.engine.planning`), and the monitor's memory step."""
+        (:mod:`memfit.engine.plan_stage`), and the monitor's memory step."""
         if window.check is not None:
             check = check_first_step(window.check, window.peak_bytes, self.model, self.optimizer)
             self.plan = check.plan
@@ -475,7 +458,8 @@ class Engine:
     def prepare(self, batch: Batch, loss_fn: LossFn) -> Any:
         """Make and apply the checkpoint plan for micro-batches like ``batch`` (stage two of
         the Engine's order; the first micro-batch, fed by ``train_step`` or ``backward``, calls
-        it when it has not run).
+        it when it has not run). With ``precision="auto"`` the precision is chosen on
+        ``batch`` first.
 
         A :class:`~memfit.checkpoint.plan.Plan` given as ``checkpoint=`` is applied as
         is. ``"auto"`` and ``"optimal"`` plan optimally under ``memory_budget`` (default:
@@ -488,20 +472,99 @@ class Engine:
             engine = memfit.Engine(model, opt, checkpoint="auto", memory_budget="8GiB")
             print(engine.prepare(batch, loss_fn).summary())
         """
-        resolve_first(self, batch, loss_fn)  # precision="auto" is chosen before planning
+        self._first_batch_choices(batch, loss_fn, global_batch=False)
+        return self.plan
+
+    def _first_batch_choices(self, batch: Batch, loss_fn: LossFn, *, global_batch: bool) -> None:
+        """Every choice the Engine makes on its first batch, here and in this order, each
+        made under those before it (the Engine's order: precision, then plan):
+
+        1. **precision**, for ``precision="auto"``: the matmul probe, then the model timed
+           in each candidate mode on the first micro-batch
+           (:func:`~memfit.engine.auto.choose_precision`);
+        2. **micro-batch**, for ``micro_batch="auto"``: how ``train_step`` splits the
+           global batch (``accumulation_steps``), under that precision; with both
+           ``"auto"``, 1 and 2 are chosen together, the model timed on the micro-batch the
+           probe's mode splits to (:func:`~memfit.engine.auto.choose_split`);
+        3. **checkpoint plan**, for micro-batches like the first, under both
+           (:meth:`_make_plan`).
+
+        ``train_step`` calls it with its whole batch before splitting it (``global_batch``:
+        2, with 1, when ``micro_batch="auto"``); the first micro-batch (``backward``,
+        through :meth:`prepare`) calls it for the rest: 1 where still open, then 3. A
+        choice made is not made again.
+        """
+        auto = self.auto
+        if auto.micro_batch and not global_batch:
+            raise ConfigError(
+                "micro_batch='auto' chooses how train_step(batch) splits its batches; "
+                "micro-batches fed with backward() (or given to prepare()) are split already. "
+                "Call train_step(batch) with the global batch, or drop micro_batch='auto'"
+            )
+        if auto.micro_batch:  # 2, with 1 when precision="auto" too
+            first = self._first_batch()
+            split = choose_split(first, batch, loss_fn, with_precision=auto.precision)
+            if split.precision is not None:
+                self._use_precision(split.precision)
+            chosen = split.fitting()  # BudgetError when nothing fits
+            self.settings.accumulation_steps = chosen.accumulation_steps
+            auto.split_choice = chosen
+            auto.micro_batch = False
+        if global_batch:
+            return  # the rest is for the first micro-batch of the split
+        if auto.precision:  # 1
+            self._use_precision(choose_precision(self._first_batch(), batch, loss_fn))
+        self._make_plan(batch, loss_fn)  # 3
+
+    def _first_batch(self) -> FirstBatch:
+        """What the first batch's choices need (:mod:`memfit.engine.auto`)."""
+        return FirstBatch(
+            model=self.model,
+            optimizer=self.optimizer,
+            device=self.device,
+            policy=self.policy,
+            checkpoint_request=self._checkpoint_request,
+            memory_budget=self.settings.memory_budget,
+            data_parallel=self.parallel is not None,
+            ranges=self.monitor.ranges,
+        )
+
+    def _use_precision(self, choice: PrecisionChoice) -> None:
+        """Train in the mode ``precision="auto"`` chose from now on: its policy, its islands
+        and, for fp16, a dynamic loss scaler (when the Engine made its own)."""
+        switch = switched_precision(
+            choice, self.policy, self.auto.default_scaler, self.parallel is not None
+        )
+        self.policy = switch.policy
+        self.settings.precision = switch.policy.mode
+        self._apply_policy()
+        if switch.scaler is not None:
+            self.scaler = switch.scaler
+        self.auto.precision_choice = choice
+        self.auto.precision = False
+
+    def _apply_policy(self) -> None:
+        """The policy's fp32 islands on the model (stage one of the Engine's order), and
+        the modules this device has no kernel for in its dtype."""
+        policy = self.parallel.precision(self.policy) if self.parallel else self.policy
+        self.islands = apply_precision(self.model, policy)
+        self.settings.kernel_islands = note_kernel_islands(self.model, self.policy)
+
+    def _make_plan(self, batch: Batch, loss_fn: LossFn) -> None:
+        """Make and apply the checkpoint plan the Engine was asked for (once)."""
         request = self._checkpoint_request
         if request is None:
-            return self.plan
+            return
         if isinstance(request, str) and request == "none":
             self._checkpoint_request = None
-            return None
+            return
         from memfit.checkpoint.apply import apply_plan
 
         if isinstance(request, str):
             strategy = "optimal" if request == "auto" else request
             budget = self.settings.memory_budget
             if budget is None and strategy == "optimal":
-                budget = int(0.9 * device_memory_bytes(self.device))
+                budget = default_memory_budget(self.device)
             planned = make_engine_plan(
                 self.model,
                 batch,
@@ -522,103 +585,71 @@ class Engine:
         apply_plan(self.model, request)
         self.plan = request
         self._checkpoint_request = None  # only now: a failed planning is tried again
-        return request
-
-    def _check_skips(self) -> NonFiniteError | None:
-        consecutive = self.scaler.consecutive_skips_tensor
-        if consecutive is None:
-            return None
-        skips = int(consecutive.item())
-        if skips < self.settings.max_consecutive_skips:
-            return None
-        return NonFiniteError(
-            diagnose_skips(
-                skips,
-                self._last_loss,
-                self._named_grad_params(),
-                self.policy,
-                self.scaler.get_scale(),
-            )
-        )
-
-    def _named_grad_params(self) -> list[tuple[str, torch.Tensor]]:
-        """Each model parameter by name, as its fp32 master where the mode keeps one: the
-        tensors whose gradients the optimizer steps."""
-        masters = dict(zip(self.master.names, self.master.masters)) if self.master else {}
-        named = unwrap_compiled(self.model).named_parameters()
-        return [(name, masters.get(name, p)) for name, p in named]
 
     def _read_metrics(self, extra: dict[str, float] | None = None) -> dict[str, float]:
-        stats = self.scaler.stats
-        elapsed = time.perf_counter() - self._window_start
-        metrics = {
-            "step": float(self.steps),
-            "applied_steps": float(self.applied_steps),
-            "loss": float(self._last_loss.item()) if self._last_loss is not None else math.nan,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "amp/scale": stats.scale,
-            "amp/skipped": float(stats.skipped),
-            "amp/overflow_rate": stats.overflow_rate,
-            "amp/consecutive_skips": float(stats.consecutive_skips),
-            "time/step_seconds": elapsed / max(self._window_steps, 1),
-            "throughput/samples_per_second": self._window_samples / elapsed if elapsed > 0 else 0.0,
-        }
-        if self._grad_norm is not None:
-            metrics["grad/norm"] = float(self._grad_norm.item())
-        if stats.skipped and self._last_loss is not None:
-            metrics["amp/nonfinite_loss"] = float(not torch.isfinite(self._last_loss).item())
-        sps = metrics["throughput/samples_per_second"]
-        if self.tokens_per_sample:
-            metrics["throughput/tokens_per_second"] = sps * self.tokens_per_sample
-        if self.flops_per_sample:
-            metrics["throughput/flops_per_second"] = sps * self.flops_per_sample
-        if self.plan is not None:
-            # The plan's recompute is one micro-batch's; a step runs it once per micro-batch.
-            micro = max(self._window_micro_batches, 1)
-            if self.flops_per_sample:
-                # The model's own work is 3x its forward; recompute adds forward FLOPs.
-                per_step = self.flops_per_sample * self._window_batch
-                recompute = (self.plan.recompute_flops or 0) * micro
-                metrics["recompute/overhead"] = recompute / per_step if per_step else 0.0
-            elif metrics["time/step_seconds"] > 0:
-                metrics["recompute/overhead"] = (
-                    self.plan.recompute_seconds * micro / metrics["time/step_seconds"]
-                )
+        metrics = log_step_metrics(
+            self._log_window,
+            self.scaler,
+            step=self.steps,
+            applied_steps=self._applied_steps,
+            loss=self._last_loss,
+            grad_norm=self._grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+            plan=self.plan,
+            tokens_per_sample=self.tokens_per_sample,
+            flops_per_sample=self.flops_per_sample,
+        )
         metrics.update(plan_check_metrics(self.plan_check))
         metrics.update(extra or {})
         self.metrics = self.monitor.log(metrics)
-        self._window_start = time.perf_counter()
-        self._window_samples = 0
-        self._window_steps = 0
+        self._log_window.restart()
         return metrics
 
     # ------------------------------------------------------------------ save / resume
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: weights, masters, optimizer, scaler, RNG, counters."""
-        return engine_state(self)
+        counters = StepCounters(self.steps, self.micro_steps, self.applied_steps)
+        return engine_state(
+            self._training_objects(), self.settings, counters, self.plan, self._checkpoint_request
+        )
+
+    def _training_objects(self) -> TrainingObjects:
+        """The objects whose state the Engine's state holds (:mod:`memfit.engine.state`)."""
+        kind = self.parallel.kind if self.parallel is not None else None
+        objects = (self.model, self.optimizer, self.scaler, self.master, self.lr_scheduler)
+        return TrainingObjects(*objects, parallel_kind=kind)
+
+    def _take_loaded(self, loaded: LoadedState) -> None:
+        """The counters and ``extra`` of a state just loaded into the training objects."""
+        self.steps = loaded.counters.steps
+        self.micro_steps = loaded.counters.micro_steps
+        self._applied_steps.fill_(loaded.counters.applied_steps)
+        self._last_loss = None
+        self._grad_norm = None
+        self.extra = loaded.extra
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint atomically (temp file, fsync, rename). ``extra`` is saved as is.
+        """Write the training state atomically (temp file, fsync, rename). ``extra`` is saved as is.
 
         Between optimizer steps only: the gradients of micro-batches fed since the last
-        :meth:`step` are not part of a checkpoint, so saving then is a ConfigError."""
+        :meth:`step` are not part of a saved state, so saving then is a ConfigError."""
         if self._window is not None:
             raise ConfigError(
                 f"save() called while {self._window.count} micro-batch(es) fed with backward() "
-                "wait for step(): their gradients would not be in the checkpoint; call "
+                "wait for step(): their gradients would not be in the saved state; call "
                 "engine.step() first"
             )
         state = self.state_dict()
         state["extra"] = extra or {}
-        return save_state(self, state, path)
+        return save_state(self._training_objects(), state, path)
 
     def load(self, path: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save` into this Engine: weights, masters,
+        """Load a state written by :meth:`save` into this Engine: weights, masters,
         optimizer, scaler, LR scheduler, random generators, counters and ``extra``. Training
         on continues exactly as the saved run did (bitwise, as with :meth:`resume`).
 
-        The checkpoint's ``precision`` and ``accumulation_steps`` must be this Engine's
+        The saved state's ``precision`` and ``accumulation_steps`` must be this Engine's
         (ConfigError names the one that differs); the other settings and this Engine's
         checkpoint plan are kept (a plan changes what is recomputed, never a value).
 
@@ -628,8 +659,8 @@ class Engine:
             ...                          # the loss diverges
             engine.load("run/good.pt")   # back to the saved step, same objects
         """
-        load_checkpoint(self, path)
-        # Micro-batches fed before belong to a step the checkpoint replaces.
+        self._take_loaded(load_state(self._training_objects(), self.settings, path))
+        # Micro-batches fed before belong to a step the saved state replaces.
         self._discard_window()
 
     # ------------------------------------------------------------------ evaluation / export
@@ -692,7 +723,8 @@ class Engine:
 
             engine = memfit.Engine.resume("run/last.pt", build_model(), build_optimizer())
         """
-        state, settings = resume_settings(path, optimizer, overrides)
-        engine = cls(model, optimizer, lr_scheduler=lr_scheduler, **settings)
-        load_engine_state(engine, state, path)
+        point = read_resume_point(path, optimizer, overrides)
+        engine = cls(model, optimizer, lr_scheduler=lr_scheduler, **point.arguments)
+        objects = engine._training_objects()
+        engine._take_loaded(load_engine_state(objects, engine.settings, point.state, path))
         return engine

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,8 +23,15 @@ from memfit.engine.batches import Batch, batch_size
 from memfit.errors import ConfigError
 from memfit.precision.policy import PrecisionPolicy
 
-if TYPE_CHECKING:
-    from memfit.engine.core import Engine
+
+class Evaluable(Protocol):
+    """What :func:`evaluate` needs of an Engine: its model and its evaluation block."""
+
+    model: nn.Module
+
+    def eval_context(self) -> contextlib.AbstractContextManager[Any]:
+        """A ``with`` block that evaluates as training computes (see :func:`eval_context`)."""
+        ...
 
 
 @contextlib.contextmanager
@@ -53,7 +60,7 @@ def eval_context(
 
 
 def evaluate(
-    engine: Engine,
+    engine: Evaluable,
     batches: Iterable[Batch],
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
 ) -> float:
@@ -62,7 +69,9 @@ def evaluate(
     precision, eval mode, no gradients; the modes are restored afterwards. One host sync,
     at the end.
 
-    ``loss_fn`` returns the batch's mean loss, as for :meth:`Engine.train_step`.
+    ``loss_fn`` returns the batch's mean loss, as for :meth:`Engine.train_step`. ``engine``
+    is an :class:`~memfit.engine.core.Engine`, or anything with its ``model`` and
+    ``eval_context()`` (:class:`Evaluable`).
 
     Example::
 

@@ -17,7 +17,7 @@ measurement, and the step's peak is the highest of theirs. Between the calls onl
 user's code runs; what the Engine holds then (the gradients so far) is counted at the start
 of the next call.
 
-**Data parallel** (DDP, FSDP2; :mod:`memfit.engine.parallel`): gradients are reduced only
+**Data parallel** (DDP, FSDP2; :mod:`memfit.engine.data_parallel`): gradients are reduced only
 in the last micro-batch's backward (``no_sync`` / ``set_requires_gradient_sync(False)``
 before it), known from ``accumulation_steps`` or ``train_step``'s split; a DDP step that
 ends early is averaged at ``step()``.
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.engine.planning import EnginePlan
-from memfit.nested import tensors
+from memfit.checkpoint.step_memory import optimizer_state_bytes
+from memfit.distributed.collectives import total_norm
+from memfit.engine.plan_stage import EnginePlan
 
 
 @dataclass
@@ -111,6 +112,23 @@ def rescale_gradients(params: list[torch.Tensor], factor: float) -> None:
             g.mul_(factor)
 
 
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of ``params`` to the total norm ``max_norm`` in place; return
+    their total norm before clipping, as a device tensor (no sync; the whole model's under
+    FSDP2). A non-finite norm clips nothing: that step is skipped, and its gradients are
+    left as they are so the diagnosis can still find the parameter that overflowed.
+
+    Example::
+
+        norm = clip_gradients(engine.params, 1.0)
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_norm(grads)
+    safe_norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, safe_norm, foreach=True)
+    return norm
+
+
 def run_measured(
     window: Window,
     work: Callable[[], Any],
@@ -163,9 +181,5 @@ def run_measured(
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors, each storage once."""
-    seen: dict[int, int] = {}
-    for tensor in tensors(list(optimizer.state.values())):
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    """Bytes of the optimizer's state tensors as allocated now, each storage once."""
+    return optimizer_state_bytes(optimizer, predict=False, storages=True)

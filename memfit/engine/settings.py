@@ -1,4 +1,4 @@
-"""The Engine's settings: what it was made with, checked when it is made, saved in every checkpoint."""
+"""The Engine's settings: what it was made with, checked when it is made, saved with every training state."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.units import device_memory_bytes
 
 
 @dataclass
 class EngineSettings:
-    """The settings an Engine was made with; saved in every checkpoint."""
+    """The settings an Engine was made with; saved with every training state."""
 
     precision: str = "auto"
     """Precision mode (resolved name; ``"auto"`` until the first micro-batch chose one)."""
     checkpoint: str = "none"
-    """Checkpoint spec: "none", "auto", "full", "uniform:k", "sqrt", or "plan" for a given Plan."""
+    """Activation checkpointing: "none", "auto", "full", "uniform:k", "sqrt", or "plan" for a given Plan."""
     memory_budget: int | None = None
     """Peak memory budget of a whole step in bytes, for planning; None = no budget."""
     accumulation_steps: int = 1
@@ -79,6 +81,17 @@ def resolve_checkpoint(checkpoint: Any, memory_budget: Any) -> Any:
     return checkpoint
 
 
+def default_memory_budget(device: torch.device) -> int:
+    """The budget planning uses when none was given: 90% of ``device``'s memory, leaving
+    the rest to what the allocator and the libraries hold besides the step.
+
+    Example::
+
+        default_memory_budget(torch.device("cuda"))  # 0.9 x the GPU's memory, in bytes
+    """
+    return int(0.9 * device_memory_bytes(device))
+
+
 def unit_names(model: nn.Module, units: Sequence[str | nn.Module] | None) -> list[str] | None:
     """The qualified names of ``units`` (names or submodules of ``model``), checked now
     rather than when the first step plans; None stays None (memfit finds the units).
@@ -116,7 +129,7 @@ def unit_names(model: nn.Module, units: Sequence[str | nn.Module] | None) -> lis
             raise ConfigError(
                 f"units= names {name!r}, which is not a submodule of {type(model).__name__}; "
                 f"{hint}valid names include {', '.join(map(repr, valid))} "
-                "(model.named_modules() lists them all; memfit.find_units(model) shows the "
+                "(model.named_modules() lists them all; memfit.checkpoint.find_units(model) shows the "
                 "units memfit finds itself)"
             )
         if name not in names:

@@ -1,84 +1,176 @@
-"""The Engine's checkpoint: everything needed to continue exactly, and loading it back.
+"""The Engine's saved state: everything needed to continue exactly, and loading it back.
 
 The state holds the settings, the model's state dict, the fp32 masters, the optimizer,
 the loss scaler, the LR scheduler, every random generator, the step counters and the
 plan. It is written atomically by :func:`memfit.savefile.atomic_save`. In a data-parallel
 run rank 0 writes that file (DDP), or every rank its shard of a directory (FSDP2); see
-:mod:`memfit.distributed.checkpoint`.
+:mod:`memfit.distributed.state_files`.
 
 Two ways back: :meth:`Engine.resume` builds a new Engine over a freshly built model and
-optimizer with the saved settings and plan; :meth:`Engine.load` (:func:`load_checkpoint`)
-loads into an Engine that already exists, whose settings must then match the saved ones.
+optimizer with the saved settings and plan (:func:`read_resume_point`);
+:meth:`Engine.load` (:func:`load_state`) loads into an Engine that already exists, whose
+settings must then match the saved ones.
+
+Nothing here takes the Engine: it is given the objects it trains
+(:class:`TrainingObjects`), its settings and its counters (:class:`StepCounters`), and
+returns what the Engine sets on itself (:class:`LoadedState`).
+
+Example::
+
+    objects = TrainingObjects(model, optimizer, LossScaler())
+    state = engine_state(objects, EngineSettings(), StepCounters(0, 0, 0), plan=None)
 """
 
 from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
-from memfit.distributed.checkpoint import load_weights, rank_rng, read_checkpoint, save_checkpoint
+from memfit.deprecations import warn_renamed
 from memfit.distributed.parallel import local_module
+from memfit.distributed.state_files import load_weights, rank_rng, read_state, write_state
+from memfit.engine.settings import EngineSettings
 from memfit.errors import ConfigError
+from memfit.precision.master import MasterWeights
+from memfit.precision.scaler import LossScaler
 
-if TYPE_CHECKING:
-    from memfit.engine.core import Engine
+
+@dataclass(frozen=True)
+class TrainingObjects:
+    """The objects an Engine trains, whose state a state file holds (the Engine's own,
+    not copies: loading a state loads into them).
+
+    Example::
+
+        TrainingObjects(model, optimizer, LossScaler(), lr_scheduler=scheduler)
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    master: MasterWeights | None = None
+    """The fp32 master weights of the ``*-master`` modes (None in the others)."""
+    lr_scheduler: Any = None
+    parallel_kind: str | None = None
+    """``"ddp"``, ``"fsdp"`` (each rank writes its shard) or None on one process."""
 
 
-def engine_state(engine: Engine) -> dict[str, Any]:
-    """The checkpoint of ``engine`` as a plain dict (tensors included, nothing copied)."""
+@dataclass(frozen=True)
+class StepCounters:
+    """An Engine's step counters, as saved and loaded.
+
+    Example::
+
+        StepCounters(steps=10, micro_steps=40, applied_steps=9)   # one step was skipped
+    """
+
+    steps: int
+    """Optimizer steps attempted."""
+    micro_steps: int
+    """Micro-batches fed."""
+    applied_steps: int
+    """Optimizer steps applied, not skipped."""
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """What loading a state gives back to the Engine besides the objects it loaded into."""
+
+    counters: StepCounters
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The ``extra`` dict given to ``save``."""
+
+
+class ResumePoint(NamedTuple):
+    """A state file read for :meth:`Engine.resume`, and the Engine's arguments from it."""
+
+    state: dict[str, Any]
+    """The saved state, to load into the new Engine."""
+    arguments: dict[str, Any]
+    """The Engine's keyword arguments: the saved settings, the checkpoint request and the
+    overrides."""
+
+
+def engine_state(
+    objects: TrainingObjects,
+    settings: EngineSettings,
+    counters: StepCounters,
+    plan: Any,
+    checkpoint_request: Any = None,
+) -> dict[str, Any]:
+    """The saved state of an Engine as a plain dict (tensors included, nothing copied).
+
+    ``plan``: the plan the Engine trains under (None before its first step, or without
+    one); a Plan given as ``checkpoint_request`` and not yet applied is saved in its place.
+
+    Example::
+
+        state = engine_state(objects, engine.settings, StepCounters(10, 40, 9), engine.plan)
+    """
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": _python_rng_state(),
     }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    plan = engine.plan
-    if plan is None and not isinstance(engine._checkpoint_request, str | None):
-        plan = engine._checkpoint_request  # a Plan given, saved before the first step
+    if plan is None and not isinstance(checkpoint_request, str | None):
+        plan = checkpoint_request  # a Plan given, saved before the first step
     # FSDP2's shards are written by torch.distributed.checkpoint, not in this dict.
-    sharded = engine.parallel is not None and engine.parallel.kind == "fsdp"
+    sharded = objects.parallel_kind == "fsdp"
     return {
-        "settings": asdict(engine.settings),
+        "settings": asdict(settings),
         # The module inside torch.compile's wrapper: keys without ``_orig_mod.``, so a
-        # checkpoint moves between a compiled and an uncompiled model.
+        # saved state moves between a compiled and an uncompiled model.
         # Under DDP the wrapped module's: the keys of the plain model.
-        "model": None if sharded else local_module(unwrap_compiled(engine.model)).state_dict(),
-        "master": engine.master.state_dict() if engine.master is not None else None,
-        "optimizer": None if sharded else engine.optimizer.state_dict(),
-        "scaler": engine.scaler.state_dict(),
-        "lr_scheduler": engine.lr_scheduler.state_dict()
-        if engine.lr_scheduler is not None
+        "model": None if sharded else local_module(unwrap_compiled(objects.model)).state_dict(),
+        "master": objects.master.state_dict() if objects.master is not None else None,
+        "optimizer": None if sharded else objects.optimizer.state_dict(),
+        "scaler": objects.scaler.state_dict(),
+        "lr_scheduler": objects.lr_scheduler.state_dict()
+        if objects.lr_scheduler is not None
         else None,
         "rng": rng,
         "counters": {
-            "steps": engine.steps,
-            "micro_steps": engine.micro_steps,
-            "applied_steps": engine.applied_steps,
+            "steps": counters.steps,
+            "micro_steps": counters.micro_steps,
+            "applied_steps": counters.applied_steps,
         },
         "plan": plan.to_json() if plan is not None and hasattr(plan, "to_json") else None,
     }
 
 
-def save_state(engine: Engine, state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` (:func:`engine_state` with ``extra``) for ``engine``: atomically to
-    one file, by rank 0 in a data-parallel run, or sharded into a directory under FSDP2."""
-    kind = engine.parallel.kind if engine.parallel is not None else None
-    return save_checkpoint(state, path, engine.model, engine.optimizer, kind)
+def save_state(objects: TrainingObjects, state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` (:func:`engine_state` with ``extra``): atomically to one file, by
+    rank 0 in a data-parallel run, or sharded into a directory under FSDP2.
+
+    Example::
+
+        save_state(objects, {**engine_state(...), "extra": {}}, "run/last.pt")
+    """
+    return write_state(state, path, objects.model, objects.optimizer, objects.parallel_kind)
 
 
-def resume_settings(
+def read_resume_point(
     path: str | Path, optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint at ``path`` and the Engine settings :meth:`Engine.resume` builds
-    with: the saved ones, the ``checkpoint`` request (:func:`saved_plan`), ``overrides``."""
+) -> ResumePoint:
+    """The state file at ``path`` and the Engine arguments :meth:`Engine.resume` builds
+    with: the saved settings, the ``checkpoint`` request (:func:`saved_plan`) and
+    ``overrides`` over them. (A ``memfit train --resume`` run directory's own settings are
+    :func:`memfit.cli.start.resume_settings`'s.)
+
+    Example::
+
+        state, arguments = read_resume_point("run/last.pt", optimizer, {"log_every": 5})
+    """
     check_fresh_optimizer(optimizer)
-    state = read_checkpoint(path)
+    state = read_state(path)
     settings = dict(state["settings"])
     settings.pop("checkpoint")
     settings.pop("kernel_islands", None)  # this machine's, found when the Engine is made
@@ -90,7 +182,7 @@ def resume_settings(
         settings["memory_budget"] = None
     settings.update(overrides)
     settings["checkpoint"] = request
-    return state, settings
+    return ResumePoint(state, settings)
 
 
 def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -> Any:
@@ -113,7 +205,7 @@ def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -
         what = " and ".join(f"{k}={overrides[k]!r}" for k in changed)
         if spec == "plan":
             raise ConfigError(
-                f"the checkpoint's plan was given by hand for the saved settings; with {what} "
+                f"the saved state's plan was given by hand for the saved settings; with {what} "
                 "pass checkpoint= (a Plan for them, or 'auto' to plan again)"
             )
         warnings.warn(
@@ -127,7 +219,7 @@ def saved_plan(state: dict[str, Any], overrides: dict[str, Any] | None = None) -
     return Plan.from_json(plan)
 
 
-#: Settings an Engine loading a checkpoint must share with the run that saved it: they
+#: Settings an Engine loading a saved state must share with the run that saved it: they
 #: decide what one step computes. The others (clipping, logging, budget) are the live ones.
 MATCHING_SETTINGS = ("precision", "accumulation_steps")
 
@@ -140,89 +232,105 @@ def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
     ):
         raise ConfigError(
             "this optimizer already belongs to an Engine (it holds memfit's fp32 master "
-            "weights); to continue that Engine from a checkpoint call engine.load(path), or "
+            "weights); to continue that Engine from a saved state call engine.load(path), or "
             "build the model and optimizer afresh, as for the saved run, for Engine.resume"
         )
 
 
-def check_settings(engine: Engine, state: dict[str, Any], path: str | Path) -> None:
+def check_settings(settings: EngineSettings, state: dict[str, Any], path: str | Path) -> None:
     """Raise ConfigError naming the first setting in :data:`MATCHING_SETTINGS` that differs
-    between ``engine`` and the checkpoint."""
+    between an Engine's ``settings`` and the saved state."""
     saved = state["settings"]
     for name in MATCHING_SETTINGS:
-        live = getattr(engine.settings, name)
+        live = getattr(settings, name)
         if saved[name] != live:
             raise ConfigError(
-                f"checkpoint {path} was saved with {name}={saved[name]!r} but this Engine has "
+                f"saved state {path} was saved with {name}={saved[name]!r} but this Engine has "
                 f"{name}={live!r}; make the Engine with {name}={saved[name]!r} to load it, or "
                 f"use Engine.resume(path, model, optimizer, {name}=...) with a fresh model and "
                 "optimizer to continue with another value"
             )
 
 
-def load_checkpoint(engine: Engine, path: str | Path) -> None:
-    """Load the checkpoint at ``path`` into ``engine`` as it is: the continuation is the one
-    :meth:`Engine.resume` gives, bit for bit.
+def load_state(objects: TrainingObjects, settings: EngineSettings, path: str | Path) -> LoadedState:
+    """Load the state file at ``path`` into the objects an Engine trains as they are: the
+    continuation is the one :meth:`Engine.resume` gives, bit for bit. Returns the counters
+    and ``extra`` for the Engine to take.
 
     The Engine's own checkpoint plan (or the plan it has yet to make) is kept: a plan
     chooses what is recomputed, not what is computed, so the saved plan, if another, would
     change the memory and the speed but not one value. Gradients of a step in progress are
     dropped.
+
+    Example::
+
+        loaded = load_state(objects, engine.settings, "run/good.pt")
+        loaded.counters.steps
     """
-    state = read_checkpoint(path)
-    check_settings(engine, state, path)
-    engine.optimizer.zero_grad(set_to_none=True)
-    engine.model.zero_grad(set_to_none=True)
-    engine.scaler.discard_step()
-    load_engine_state(engine, state, path)
+    state = read_state(path)
+    check_settings(settings, state, path)
+    objects.optimizer.zero_grad(set_to_none=True)
+    objects.model.zero_grad(set_to_none=True)
+    objects.scaler.discard_step()
+    return load_engine_state(objects, settings, state, path)
 
 
-def load_engine_state(engine: Engine, state: dict[str, Any], path: str | Path) -> None:
-    """Load a saved state into ``engine``: weights, masters, optimizer, scaler, scheduler,
-    counters, random generators and ``extra``. Raises ConfigError when the checkpoint does
-    not fit the model or optimizer."""
+def load_engine_state(
+    objects: TrainingObjects, settings: EngineSettings, state: dict[str, Any], path: str | Path
+) -> LoadedState:
+    """Load a saved state into the objects an Engine trains: weights, masters, optimizer,
+    scaler, scheduler and the random generators; return the counters and ``extra``.
+    Raises ConfigError when the state does not fit the model or optimizer.
+
+    Example::
+
+        loaded = load_engine_state(objects, engine.settings, read_state(path), path)
+    """
     saved = state["settings"]["precision"]
-    if (state["master"] is None) != (engine.master is None):
+    if (state["master"] is None) != (objects.master is None):
         raise ConfigError(
-            f"checkpoint {path} was saved with precision={saved!r}, which "
+            f"saved state {path} was saved with precision={saved!r}, which "
             f"{'keeps' if state['master'] is not None else 'keeps no'} fp32 master weights, "
-            f"but this Engine has precision={engine.settings.precision!r}; use a precision "
+            f"but this Engine has precision={settings.precision!r}; use a precision "
             f"that {'keeps' if state['master'] is not None else 'keeps no'} masters, e.g. "
             f"{saved!r}"
         )
-    kind = engine.parallel.kind if engine.parallel is not None else None
     try:
-        load_weights(state, path, unwrap_compiled(engine.model), engine.optimizer, kind)
-        if engine.master is not None:
-            engine.master.load_state_dict(state["master"])
+        load_weights(
+            state, path, unwrap_compiled(objects.model), objects.optimizer, objects.parallel_kind
+        )
+        if objects.master is not None:
+            objects.master.load_state_dict(state["master"])
     except ConfigError:
         raise
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ConfigError(
-            f"checkpoint {path} does not fit this model/optimizer ({exc}); build them the "
+            f"saved state {path} does not fit this model/optimizer ({exc}); build them the "
             "same way as for the saved run"
         ) from exc
-    engine.scaler.load_state_dict(state["scaler"])
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    objects.scaler.load_state_dict(state["scaler"])
+    if objects.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        objects.lr_scheduler.load_state_dict(state["lr_scheduler"])
     elif state["lr_scheduler"] is not None:
         warnings.warn(
-            f"checkpoint {path} holds LR scheduler state but no lr_scheduler was given; "
+            f"saved state {path} holds LR scheduler state but no lr_scheduler was given; "
             "pass lr_scheduler= to continue the schedule",
             stacklevel=3,
         )
     counters = state["counters"]
-    engine.steps = int(counters["steps"])
-    engine.micro_steps = int(counters["micro_steps"])
-    engine._applied_steps.fill_(int(counters["applied_steps"]))
-    engine._last_loss = None
-    engine._grad_norm = None
     rng = rank_rng(state)
     torch.set_rng_state(rng["torch"])
     random.setstate(_to_tuple(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    engine.extra = state.get("extra", {})
+    return LoadedState(
+        StepCounters(
+            steps=int(counters["steps"]),
+            micro_steps=int(counters["micro_steps"]),
+            applied_steps=int(counters["applied_steps"]),
+        ),
+        state.get("extra", {}),
+    )
 
 
 def _python_rng_state() -> list[Any]:
@@ -233,3 +341,11 @@ def _python_rng_state() -> list[Any]:
 def _to_tuple(state: list[Any]) -> tuple[Any, ...]:
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
+
+
+def __getattr__(name: str) -> Any:
+    # Renamed: the run directory's settings of ``memfit train --resume`` are another thing.
+    if name == "resume_settings":
+        warn_renamed("memfit.engine.state.resume_settings", "memfit.engine.state.read_resume_point")
+        return read_resume_point
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.apply import apply_plan, planned
+from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
 from memfit.checkpoint.planner import Budget, PlanResult, make_plan
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers.fixed import parse_strategy
@@ -42,7 +43,7 @@ from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
 from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
 from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
-from memfit.nested import map_tensors
+from memfit.nested import to_device
 from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("memfit.integrations")
@@ -82,11 +83,6 @@ def check_settings(budget: Budget, strategy: str) -> None:
     if budget is not None and not fraction:  # a fraction is of the model's device, later
         parse_bytes(budget)
     parse_strategy(strategy)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (a ``UserDict`` batch comes back a dict)."""
-    return map_tensors(batch, lambda t: t.to(device))
 
 
 def example_batch(dataloader: Any, device: torch.device) -> Any:
@@ -141,6 +137,11 @@ class PlannedRun:
     """FLOPs of one unplanned forward and backward (three times the forward's)."""
     device: torch.device
     """The model's device."""
+    verdict: FitVerdict | None = None
+    """That forward and backward judged against the plan's prediction and budget
+    (:func:`~memfit.checkpoint.measured_fit.judge_fit`), or None when not measured. Its
+    action is always ``"keep"``: the run trains one plan (no closed-loop re-plan), and the
+    optimizer step's peak is not in the measurement."""
 
 
 @contextlib.contextmanager
@@ -191,7 +192,11 @@ def plan_model(
             report, peak = _measure_planned(model, batch, loss_fn, result, optimizer, device)
     apply_plan(model, result.plan)
     flops = 3.0 * result.profile.profile.root.fwd_flops
-    return PlannedRun(result, report, peak, flops, device)
+    # No tolerance: the callback cannot re-plan under the training loop it is part of.
+    verdict = None
+    if peak is not None:
+        verdict = judge_fit(result.plan.predicted_peak_bytes, peak, result.plan.budget_bytes)
+    return PlannedRun(result, report, peak, flops, device, verdict)
 
 
 def _measure_planned(

@@ -34,9 +34,9 @@ from typing import Any
 from memfit.checkpoint.plan import Plan
 from memfit.errors import ConfigError
 from memfit.keras.backend import keras, tensorflow
+from memfit.keras.loss_scale import optimizer_scales, scaler_state
 from memfit.keras.memory import AllocatorMeter, allocator_meter
 from memfit.keras.policy import precision_of
-from memfit.keras.scaling import optimizer_scales, scaler_state
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health, health_to_dict
 from memfit.monitor.metrics import OverflowWindow, plan_metrics
 from memfit.monitor.report import CONFIG, HEALTH, METRICS, PLAN, SUMMARY

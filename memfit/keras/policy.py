@@ -36,7 +36,6 @@ __all__ = [
     "PrecisionScope",
     "fp32_islands",
     "keras_policy",
-    "layer_dtypes",
     "precision",
     "precision_of",
 ]
@@ -194,14 +193,3 @@ def precision(mode: str, final_fp32: bool = True) -> Iterator[PrecisionScope]:
         inner = {id(sub) for m in made for sub in _all_layers(m) if isinstance(sub, keras.Model)}
         for model in sorted((m for m in made if id(m) not in inner), key=lambda m: m.name):
             scope.islands[model.name] = fp32_islands(model, final=final_fp32)
-
-
-def layer_dtypes(model: keras.Model) -> Sequence[tuple[str, str, str]]:
-    """(layer name, compute dtype, variable dtype) of every layer of ``model``, nested ones
-    included, for a check of what a policy did.
-
-    Example::
-
-        layer_dtypes(model)[1]   # ("dense", "bfloat16", "float32")
-    """
-    return [(layer.name, layer.compute_dtype, layer.variable_dtype) for layer in _all_layers(model)]

@@ -13,7 +13,6 @@ from memfit.monitor.health import (
     render_health,
 )
 from memfit.monitor.metrics import (
-    FP16_MAX,
     ActivationRanges,
     GradNormStats,
     OverflowWindow,
@@ -24,10 +23,10 @@ from memfit.monitor.metrics import (
     gradient_underflow,
     memory_metrics,
     near_fp16_limit,
-    suggest_initial_scale,
 )
 from memfit.monitor.monitor import Monitor, MonitorConfig
-from memfit.monitor.report import RunLog, load_run, make_report
+from memfit.monitor.report import make_report
+from memfit.monitor.run_log import RunLog, load_run
 from memfit.monitor.sinks import (
     ConsoleSink,
     JSONLSink,
@@ -42,7 +41,9 @@ from memfit.monitor.throughput import (
     count_flops,
     recompute_overhead_from_flops,
     recompute_overhead_from_time,
+    throughput_metrics,
 )
+from memfit.precision.scaler import FP16_MAX, suggest_initial_scale
 
 __all__ = [
     "FP16_MAX",
@@ -84,4 +85,5 @@ __all__ = [
     "render_advice",
     "render_health",
     "suggest_initial_scale",
+    "throughput_metrics",
 ]

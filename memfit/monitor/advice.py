@@ -28,7 +28,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.monitor.health import HealthThresholds
-from memfit.monitor.report import RunLog, load_run
+from memfit.monitor.run_log import RunLog, load_run
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -149,7 +149,7 @@ def advise_run(run: RunLog | str | os.PathLike[str]) -> list[Advice]:
     wrote), with the facts its ``summary.json``, ``config.json`` and ``plan.json`` hold.
 
     Raises :class:`~memfit.errors.ConfigError` when the directory is missing or holds no
-    metrics (see :func:`~memfit.monitor.report.load_run`).
+    metrics (see :func:`~memfit.monitor.run_log.load_run`).
 
     Example::
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.errors import ConfigError
 from memfit.precision.policy import PrecisionPolicy, resolve_mode
+from memfit.precision.scaler import FP16_MAX
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -48,8 +49,6 @@ __all__ = [
 ]
 
 Status = Literal["pass", "warn", "n/a"]
-
-_FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -305,7 +304,7 @@ def _worst_unit(metrics: Mapping[str, Any]) -> tuple[str, float] | None:
 
 def _worst_unit_fraction(run: _Run) -> float | None:
     worst = _worst_unit(run.metrics)
-    return None if worst is None else worst[1] / _FP16_MAX
+    return None if worst is None else worst[1] / FP16_MAX
 
 
 def _worst_unit_name(run: _Run) -> str:
@@ -315,7 +314,7 @@ def _worst_unit_name(run: _Run) -> str:
 
 def _activation_detail(run: _Run, status: Status) -> str:
     unit = _worst_unit_name(run)
-    return f"largest in {unit!r}, share of fp16's 65504" if unit else ""
+    return f"largest in {unit!r}, share of fp16's {FP16_MAX:g}" if unit else ""
 
 
 def _activation_remedy(run: _Run) -> str:

@@ -40,6 +40,7 @@ from memfit.monitor.throughput import (
     recompute_overhead_from_time,
 )
 from memfit.nested import tensors
+from memfit.precision.scaler import FP16_MAX, suggest_initial_scale
 
 __all__ = [
     "FP16_MAX",
@@ -63,18 +64,28 @@ __all__ = [
     "suggest_initial_scale",
 ]
 
-FP16_MAX = 65504.0
-"""Largest finite fp16 value."""
 FP16_MIN_NORMAL = 2.0**-14
 """Smallest positive normal fp16 value; below it values are subnormal and lose bits."""
 FP16_MIN_SUBNORMAL = 2.0**-24
 """Smallest positive fp16 value (subnormal)."""
 
-# Headroom the suggested initial scale keeps between the largest scaled gradient and
-# fp16's maximum: gradients grow during training, and a first step that overflows is wasted.
-SCALE_HEADROOM = 8.0
-MIN_SUGGESTED_SCALE = 1.0
-MAX_SUGGESTED_SCALE = 2.0**24
+
+#: Old names of the initial-scale rule's constants, now :mod:`memfit.precision.scaler`'s.
+_MOVED = {
+    "SCALE_HEADROOM": "INITIAL_SCALE_HEADROOM",
+    "MIN_SUGGESTED_SCALE": "MIN_SCALE",
+    "MAX_SUGGESTED_SCALE": "MAX_SCALE",
+}
+
+
+def __getattr__(name: str) -> float:
+    if name in _MOVED:
+        from memfit.deprecations import warn_renamed
+        from memfit.precision import scaler
+
+        warn_renamed(f"memfit.monitor.metrics.{name}", f"memfit.precision.scaler.{_MOVED[name]}")
+        return float(getattr(scaler, _MOVED[name]))
+    raise AttributeError(f"module 'memfit.monitor.metrics' has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------- activation ranges
@@ -274,7 +285,8 @@ class UnderflowStats:
     scale: float
     """The loss scale the counts are for."""
     suggested_scale: float
-    """Largest power of two keeping ``max_abs × scale ≤ 65504 / 8``, within ``[1, 2**24]``."""
+    """:func:`~memfit.precision.scaler.suggest_initial_scale` of ``max_abs``: the largest
+    power of two keeping ``max_abs × scale ≤ FP16_MAX / 8``, within ``[1, 2**24]``."""
 
     @property
     def fraction(self) -> float:
@@ -295,30 +307,6 @@ class UnderflowStats:
             "grad/max_abs": self.max_abs,
             "amp/suggested_scale": self.suggested_scale,
         }
-
-
-def suggest_initial_scale(max_abs_grad: float, headroom: float = SCALE_HEADROOM) -> float:
-    """The largest ``2**k`` with ``max_abs_grad × 2**k ≤ 65504 / headroom``, clamped to ``[1, 2**24]``.
-
-    The largest gradient then sits ``headroom`` times below fp16's maximum, so small
-    gradients keep as many bits as they can without the first steps overflowing. All-zero
-    gradients give ``2**24``; non-finite ones give ``1``.
-
-    Example::
-
-        suggest_initial_scale(0.5)   # 8192.0: 0.5 * 8192 = 4096 <= 65504 / 8 = 8188
-    """
-    if not headroom >= 1.0:
-        raise ConfigError(f"headroom must be >= 1, got {headroom}")
-    if not math.isfinite(max_abs_grad):
-        return MIN_SUGGESTED_SCALE
-    if max_abs_grad <= 0.0:
-        return MAX_SUGGESTED_SCALE
-    k = math.floor(math.log2(FP16_MAX / headroom / max_abs_grad))
-    # log2 can land one off at exact powers of two; step down until the bound holds.
-    while k > -1000 and max_abs_grad * 2.0**k > FP16_MAX / headroom:
-        k -= 1
-    return min(max(2.0**k, MIN_SUGGESTED_SCALE), MAX_SUGGESTED_SCALE)
 
 
 def gradient_underflow(
@@ -354,7 +342,7 @@ def gradient_underflow(
     scale_value = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     if not tensors:
         value = float(scale_value)
-        return UnderflowStats(0, 0, 0, 0.0, value, MAX_SUGGESTED_SCALE)
+        return UnderflowStats(0, 0, 0, 0.0, value, suggest_initial_scale(0.0))
     device = tensors[0].device
     scale_t = scale_value.detach().to(device=device, dtype=torch.float64).reshape(())
     # Compare |g| with bound/scale rather than forming g*scale: no second temporary.
@@ -592,7 +580,7 @@ def _dtype_name(dtype: str) -> str:
 
 
 def memory_metrics(report: Any) -> dict[str, float]:
-    """A :class:`memfit.MemoryReport` (or its ``to_dict()``) as metrics.
+    """A :class:`memfit.memory.MemoryReport` (or its ``to_dict()``) as metrics.
 
     Keys: ``memory/peak_bytes``, ``memory/kind/<kind>`` (params, grads, optimizer,
     activations, temp), ``memory/dtype/<dtype>`` (``float32``, ``bfloat16``, ...) and

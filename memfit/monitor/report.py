@@ -1,9 +1,10 @@
-"""Read a run directory and turn it into figures and one self-contained HTML page.
+"""Turn a run directory into figures and one self-contained HTML page.
 
 A run directory (what ``memfit train`` writes) holds ``metrics.jsonl`` (one JSON object per
 logged step), ``summary.json``, ``config.json``, and optionally ``health.json`` (what
 :func:`memfit.monitor.health.health_to_dict` writes) and ``plan.json`` (the checkpoint
-plan with its Pareto frontier). :func:`make_report` writes one PNG per figure and
+plan with its Pareto frontier), read by :func:`memfit.monitor.run_log.load_run`.
+:func:`make_report` writes one PNG per figure and
 ``report.html`` with the figures embedded as data URIs, so the page can be mailed or
 archived alone. Plotting needs matplotlib (``pip install memfit[plot]``); it draws on
 ``matplotlib.figure.Figure`` directly, so the caller's pyplot backend is left alone.
@@ -25,182 +26,29 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.monitor.advice import advise_run
 from memfit.monitor.health import (
     HealthCheck,
     check_health,
     health_from_dict,
 )
+from memfit.monitor.run_log import CONFIG as CONFIG
+from memfit.monitor.run_log import HEALTH, RunLog, load_run
+from memfit.monitor.run_log import METRICS as METRICS
+from memfit.monitor.run_log import PLAN as PLAN
+from memfit.monitor.run_log import SUMMARY as SUMMARY
+from memfit.monitor.run_log import as_number as _number
 from memfit.monitor.sinks import check_log_dir
 from memfit.units import format_bytes
 
+# RunLog and load_run live in memfit.monitor.run_log; importable from here too.
 __all__ = ["RunLog", "load_run", "make_report"]
 
-METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
-CONFIG = "config.json"
-HEALTH = "health.json"
-PLAN = "plan.json"
 REPORT = "report.html"
-
-_NONFINITE = {
-    "nan": math.nan,
-    "NaN": math.nan,
-    "inf": math.inf,
-    "Infinity": math.inf,
-    "-inf": -math.inf,
-    "-Infinity": -math.inf,
-}
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        return _NONFINITE.get(value)
-    return None
-
-
-@dataclass
-class RunLog:
-    """A run directory's logs, read by :func:`load_run`.
-
-    Example::
-
-        run = load_run("runs/exp1")
-        steps, losses = run.series("loss")
-    """
-
-    run_dir: Path
-    """The run directory."""
-    records: list[dict[str, float]]
-    """The numeric entries of each valid line of ``metrics.jsonl``, in file order."""
-    summary: dict[str, Any] = field(default_factory=dict)
-    """``summary.json`` (empty when absent, e.g. after a crash)."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """``config.json`` (empty when absent)."""
-    health: dict[str, Any] | None = None
-    """``health.json`` when present."""
-    plan: dict[str, Any] | None = None
-    """``plan.json`` when present."""
-    skipped_lines: int = 0
-    """Lines of ``metrics.jsonl`` that were malformed and skipped."""
-
-    def keys(self) -> set[str]:
-        """Every metric name that appears in some record."""
-        return {k for r in self.records for k in r}
-
-    def series(self, key: str) -> tuple[list[float], list[float]]:
-        """``(steps, values)`` of the records that hold ``key`` and a step."""
-        steps, values = [], []
-        for r in self.records:
-            if key in r and "step" in r:
-                steps.append(r["step"])
-                values.append(r[key])
-        return steps, values
-
-    def latest(self) -> dict[str, float]:
-        """The last logged value of every metric."""
-        out: dict[str, float] = {}
-        for r in self.records:
-            out.update(r)
-        return out
-
-    @property
-    def precision(self) -> str | None:
-        """The run's precision mode: what it trained in (``summary.json``), else what it
-        asked for (``config.json``; ``"auto"`` names no mode)."""
-        value = self.summary.get("precision") or self.config.get("precision")
-        return str(value) if value and value != "auto" else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"{path}: not readable JSON ({exc}); ignored", stacklevel=3)
-        return None
-    if not isinstance(data, dict):
-        warnings.warn(
-            f"{path}: expected a JSON object, got {type(data).__name__}; ignored", stacklevel=3
-        )
-        return None
-    return data
-
-
-def load_run(run_dir: str | os.PathLike[str]) -> RunLog:
-    """Read a run directory's ``metrics.jsonl`` and its JSON files.
-
-    A malformed line of ``metrics.jsonl`` (such as the half-written last line of a run that
-    crashed) is skipped with a ``warnings.warn`` naming the file and line number; the rest
-    is read. Non-finite values written as ``"nan"``/``"inf"``/``"-inf"`` (or as bare
-    ``NaN``/``Infinity``) are read back as floats; non-numeric values are ignored.
-
-    Raises :class:`memfit.errors.ConfigError` when the directory does not exist or holds
-    no metrics.
-
-    Example::
-
-        run = load_run("runs/exp1")
-        print(run.latest()["loss"], run.summary.get("peak_memory_bytes"))
-    """
-    directory = Path(run_dir)
-    if not directory.exists():
-        raise ConfigError(
-            f"run directory {directory} does not exist; give the directory a run wrote"
-        )
-    if not directory.is_dir():
-        raise ConfigError(f"{directory} is a file, not a run directory")
-    path = directory / METRICS
-    if not path.is_file():
-        raise ConfigError(
-            f"{directory} holds no {METRICS}, so there is nothing to report; is it a memfit "
-            "run directory (memfit train --out DIR writes one)?"
-        )
-    records: list[dict[str, float]] = []
-    skipped = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-                if not isinstance(data, dict):
-                    raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            except ValueError as exc:
-                skipped += 1
-                warnings.warn(
-                    f"{path}:{lineno}: skipped a malformed line ({exc}); "
-                    "a crashed run can leave its last line half-written",
-                    stacklevel=2,
-                )
-                continue
-            record = {k: v for k, v in ((k, _number(v)) for k, v in data.items()) if v is not None}
-            if record:
-                records.append(record)
-    if not records:
-        raise ConfigError(
-            f"{path} holds no metrics (no valid line); the run may have stopped before its "
-            "first log step"
-        )
-    return RunLog(
-        run_dir=directory,
-        records=records,
-        summary=_read_json(directory / SUMMARY) or {},
-        config=_read_json(directory / CONFIG) or {},
-        health=_read_json(directory / HEALTH),
-        plan=_read_json(directory / PLAN),
-        skipped_lines=skipped,
-    )
-
 
 # ---------------------------------------------------------------------- figures
 
@@ -552,16 +400,13 @@ def _health_table(checks: list[HealthCheck]) -> str:
 
 
 def _advice_section(run: RunLog) -> str:
-    # Imported here: the advice reads run directories with this module's load_run.
-    from memfit.monitor.advice import advise_run
-
     rows = "".join(
         f"<tr><th>{html.escape(a.topic)}</th><td>{html.escape(a.text)}</td></tr>"
         for a in advise_run(run)
     )
     return (
         "<section id='advice'><h2>Advice</h2><p class='sub'>From the logged metrics "
-        "(memfit.run_advice); memfit tune measures the choice.</p>"
+        "(memfit.tuning.run_advice); memfit tune measures the choice.</p>"
         f"<table>{rows}</table></section>"
     )
 

@@ -1,9 +1,10 @@
 """Throughput and recompute overhead: samples/s, tokens/s, FLOP/s, MFU, counted FLOPs.
 
 Host-side only: nothing here reads the device except :func:`count_flops`, which runs the
-function it is given. The engine reports ``throughput/*`` and ``recompute/overhead`` itself
-every ``log_every`` steps; these are the pieces for measuring them outside it. Also
-importable from :mod:`memfit.monitor.metrics`.
+function it is given. :func:`throughput_metrics` is the one formula of the rates: the
+Engine reports its ``throughput/*`` with it every ``log_every`` steps, and
+:class:`Throughput` with it for measuring outside the Engine. Also importable from
+:mod:`memfit.monitor.metrics`.
 
 Example::
 
@@ -25,7 +26,36 @@ __all__ = [
     "count_flops",
     "recompute_overhead_from_flops",
     "recompute_overhead_from_time",
+    "throughput_metrics",
 ]
+
+
+def throughput_metrics(
+    samples: int,
+    seconds: float,
+    tokens_per_sample: float | None = None,
+    flops_per_sample: float | None = None,
+    peak_flops: float | None = None,
+) -> dict[str, float]:
+    """The ``throughput/*`` metrics of ``samples`` processed in ``seconds`` of wall time:
+    samples/s, and tokens/s, FLOP/s and model FLOP utilization where ``tokens_per_sample``,
+    ``flops_per_sample`` and ``peak_flops`` are given. Every rate is 0.0 when no time passed.
+
+    Example::
+
+        throughput_metrics(16, 0.12, tokens_per_sample=256)
+        # {"throughput/samples_per_second": 133.3, "throughput/tokens_per_second": 34133.3}
+    """
+    sps = samples / seconds if seconds > 0 else 0.0
+    out = {"throughput/samples_per_second": sps}
+    if tokens_per_sample is not None:
+        out["throughput/tokens_per_second"] = sps * tokens_per_sample
+    if flops_per_sample is not None:
+        flops = sps * flops_per_sample
+        out["throughput/flops_per_second"] = flops
+        if peak_flops is not None:
+            out["throughput/mfu"] = flops / peak_flops
+    return out
 
 
 def recompute_overhead_from_flops(recompute_flops: float, forward_backward_flops: float) -> float:
@@ -143,15 +173,13 @@ class Throughput:
         """Rates over the window since the last reset; empty when no time was counted."""
         if self.seconds <= 0:
             return {}
-        sps = self.samples / self.seconds
-        out = {"throughput/samples_per_second": sps}
-        if self.tokens_per_sample is not None:
-            out["throughput/tokens_per_second"] = sps * self.tokens_per_sample
-        if self.flops_per_sample is not None:
-            flops = sps * self.flops_per_sample
-            out["throughput/flops_per_second"] = flops
-            if self.peak_flops is not None:
-                out["throughput/mfu"] = flops / self.peak_flops
+        out = throughput_metrics(
+            self.samples,
+            self.seconds,
+            self.tokens_per_sample,
+            self.flops_per_sample,
+            self.peak_flops,
+        )
         if reset:
             self.samples = 0
             self.seconds = 0.0

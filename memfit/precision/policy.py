@@ -12,6 +12,10 @@ mode                  weights      compute         master copy   loss scaling
 ``fp16-master``       fp16         fp16 autocast   fp32          dynamic
 ====================  ===========  ==============  ============  ============
 
+``"bf16-true"`` (Lightning's bf16 weights with no fp32 master copy) names a training memfit
+does not have; for one more release it trains as ``bf16-master``, with a warning
+(:data:`FOREIGN_MODES`).
+
 fp32 islands are module types that always run in fp32 with their inputs cast up and
 autocast off inside them (default: normalization layers). Under autocast, torch already
 runs losses like ``cross_entropy`` in fp32.
@@ -20,12 +24,15 @@ runs losses like ``cross_entropy`` in fp32.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
 
+from memfit.deprecations import REMOVED_IN
 from memfit.errors import ConfigError
 from memfit.precision.kernels import missing_kernel_types, module_device
 
@@ -49,7 +56,6 @@ ALIASES: dict[str, str] = {
     "float16": "fp16-mixed",
     "O1": "fp16-mixed",
     "bf16-master": "bf16-master",
-    "bf16-true": "bf16-master",
     "fp16-master": "fp16-master",
     "16-true": "fp16-master",
     "O2": "fp16-master",
@@ -57,6 +63,33 @@ ALIASES: dict[str, str] = {
 
 # Case-insensitive lookup, so "o1" and "BF16" work as "O1" and "bf16" do.
 _FOLDED: dict[str, str] = {alias.lower(): mode for alias, mode in ALIASES.items()}
+
+
+class ForeignMode(NamedTuple):
+    """A precision name from another library that means a training memfit does not have."""
+
+    trains_as: str  # the memfit mode it trains as until it is refused
+    why: str  # what it means there, and how ``trains_as`` differs
+    instead: str  # what to pass instead
+
+
+#: Spellings from other libraries that name a training memfit does not have. Each trains
+#: as :attr:`ForeignMode.trains_as`, with a DeprecationWarning, until memfit
+#: :data:`~memfit.deprecations.REMOVED_IN` refuses it. memfit has no pure-bf16 mode: bf16
+#: weights updated in place lose every update under about 1/256 of the weight (8 bits of
+#: mantissa), so its bf16 weights always come with an fp32 master copy.
+FOREIGN_MODES: dict[str, ForeignMode] = {
+    "bf16-true": ForeignMode(
+        trains_as="bf16-master",
+        why="in Lightning it means bf16 weights with no fp32 master copy, which memfit does "
+        "not offer (bf16 weights updated in place lose small updates); memfit trains it as "
+        "'bf16-master': bf16 weights plus an fp32 master copy in the optimizer, 4 more bytes "
+        "a parameter",
+        instead="pass precision='bf16-master' for that training, or 'bf16-mixed' (fp32 "
+        "weights, bf16 autocast)",
+    ),
+}
+
 
 #: Module types kept in fp32 by default: their statistics lose accuracy in 16 bits.
 DEFAULT_FP32_ISLANDS: tuple[type[nn.Module], ...] = tuple(
@@ -74,7 +107,7 @@ DEFAULT_FP32_ISLANDS: tuple[type[nn.Module], ...] = tuple(
 
 
 #: The precision that is measured, not named: fp32 or the device's 16-bit autocast mode,
-#: whichever trains the model faster here (:func:`memfit.precision.timing.auto_choice`).
+#: whichever trains the model faster here (:func:`memfit.precision.mode_timing.auto_choice`).
 AUTO = "auto"
 
 
@@ -88,11 +121,32 @@ def is_auto(precision: object) -> bool:
     return isinstance(precision, str) and precision.strip().lower() == AUTO
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised in the caller at the first frame
+    outside memfit: the user's line, whichever memfit function passed the name on (Python
+    only shows a DeprecationWarning attributed to the user's own code)."""
+    frame = sys._getframe(2)  # the caller's caller: stacklevel 2 of the caller's warning
+    level = 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("memfit."):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def resolve_mode(name: str) -> str:
     """Map a mode name or alias to one of :data:`MODES`; raise with the valid names if unknown."""
     if isinstance(name, PrecisionPolicy):
         return name.mode
     key = str(name).strip()
+    foreign = FOREIGN_MODES.get(key.lower())
+    if foreign is not None:
+        warnings.warn(
+            f"precision {key!r}: {foreign.why}. It will be refused from memfit "
+            f"{REMOVED_IN}: {foreign.instead}",
+            DeprecationWarning,
+            stacklevel=_user_stacklevel(),
+        )
+        return foreign.trains_as
     mode = ALIASES.get(key) or _FOLDED.get(key.lower())
     if mode is None:
         aliases = ", ".join(sorted(a for a in ALIASES if a not in MODES))

@@ -23,7 +23,7 @@ step, so until every buffer exists ``step`` takes the one-sync path for it.
 
 Example::
 
-    scaler = memfit.LossScaler()
+    scaler = memfit.precision.LossScaler()
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)            # optional: clip unscaled gradients here
     applied = scaler.step(optimizer)      # 0-dim bool tensor, True if the update was applied
@@ -43,6 +43,52 @@ import torch
 from memfit.errors import ConfigError, ScalerStateError
 
 FoundInfHook = Callable[[torch.Tensor], Any]
+
+FP16_MAX = 65504.0
+"""fp16's largest finite value: a scaled gradient above it overflows and the step is skipped."""
+
+INITIAL_SCALE_HEADROOM = 8.0
+"""How far below :data:`FP16_MAX` :func:`suggest_initial_scale` keeps the largest scaled
+gradient by default: gradients grow during training, and a first step that overflows is
+wasted."""
+
+MIN_SCALE = 1.0
+"""The smallest loss scale by default (:class:`LossScaler`'s ``min_scale``, and the least
+:func:`suggest_initial_scale` gives): below 1 the scale would only lose small gradients."""
+
+MAX_SCALE = 2.0**24
+"""The largest loss scale by default (:class:`LossScaler`'s ``max_scale``, and the most
+:func:`suggest_initial_scale` gives)."""
+
+
+def suggest_initial_scale(max_abs_grad: float, headroom: float = INITIAL_SCALE_HEADROOM) -> float:
+    """The largest ``2**k`` with ``max_abs_grad × 2**k ≤ FP16_MAX / headroom``, clamped to
+    ``[1, 2**24]``: the initial loss scale for gradients whose largest ``|g|`` (unscaled)
+    is ``max_abs_grad``.
+
+    The largest gradient then sits ``headroom`` times below fp16's maximum, so small
+    gradients keep as many bits as they can without the first steps overflowing. All-zero
+    gradients give ``2**24``; non-finite ones give ``1``. ``headroom`` (at least 1) is the
+    caller's margin for how much the gradients may still grow: the default
+    :data:`INITIAL_SCALE_HEADROOM` for gradients of a running training, more for gradients
+    measured before training has moved the weights.
+
+    Example::
+
+        suggest_initial_scale(0.5)                # 8192.0: 0.5 * 8192 = 4096 <= 65504 / 8
+        suggest_initial_scale(0.5, headroom=16)   # 4096.0
+    """
+    if not headroom >= 1.0:
+        raise ConfigError(f"headroom must be >= 1, got {headroom}")
+    if not math.isfinite(max_abs_grad):
+        return MIN_SCALE
+    if max_abs_grad <= 0.0:
+        return MAX_SCALE
+    k = math.floor(math.log2(FP16_MAX / headroom / max_abs_grad))
+    # log2 can land one off at exact powers of two; step down until the bound holds.
+    while k > -1000 and max_abs_grad * 2.0**k > FP16_MAX / headroom:
+        k -= 1
+    return min(max(2.0**k, MIN_SCALE), MAX_SCALE)
 
 
 class OptState(enum.Enum):
@@ -95,7 +141,7 @@ class LossScaler:
 
     Example::
 
-        scaler = memfit.LossScaler(init_scale=8192.0, growth_interval=2000)
+        scaler = memfit.precision.LossScaler(init_scale=8192.0, growth_interval=2000)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -108,8 +154,8 @@ class LossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         hysteresis: int = 1,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        min_scale: float = MIN_SCALE,
+        max_scale: float = MAX_SCALE,
         dynamic: bool = True,
         found_inf_hook: FoundInfHook | None = None,
     ) -> None:

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates, rank_layout
+from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates
+from memfit.checkpoint.planner import default_step_loss
+from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
-from memfit.tuning.advice import checkpoint_advice, loss_scale_advice, split_advice
+from memfit.tuning.hints import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import (
     GradStats,
@@ -58,7 +60,7 @@ def _device_of(batch_fn: Callable[[int], Any]) -> torch.device:
 def tune(
     model_fn: Callable[[], nn.Module],
     batch_fn: Callable[[int], Any],
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     budget: str | int | float,
     global_batch: int,
@@ -77,7 +79,9 @@ def tune(
             on the meta device, each measured trial builds a fresh one and moves it to
             ``device``.
         batch_fn: ``batch_fn(n)`` returns a batch of ``n`` samples (on ``device``).
-        loss_fn: ``loss_fn(model, batch) -> scalar``, as for the Engine.
+        loss_fn: ``loss_fn(model, batch) -> scalar``, as the Engine, ``memfit.plan`` and
+            ``memfit.estimate`` take it; default: the sum of the first floating-point
+            tensor of the model's output (``model(x)``, ``model(*x)``, ``model(**x)``).
         budget: the peak memory of a training step ("4GiB", bytes, or a fraction of the
             device's memory).
         global_batch: samples per optimizer step over all ranks; every split with
@@ -111,6 +115,7 @@ def tune(
         raise ConfigError(f"measure_top must be an int >= 0, got {measure_top!r}")
     if int(steps) != steps or steps < 1:
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+    loss_fn = loss_fn or default_step_loss
     where = torch.device(device) if device is not None else _device_of(batch_fn)
     limit = parse_bytes(budget, where)
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, where)
@@ -131,7 +136,7 @@ def tune(
     )
     # A one-process trial of an FSDP2 rank holds every weight, not its shard: its peak
     # says nothing of the rank's, so only the prediction judges the fit there.
-    layout = rank_layout(world_size, data_parallel)
+    layout = RankLayout.of(world_size, data_parallel)
     judged = layout.kind != "fsdp"
     if not any(c.fits for c in ranked):
         raise nothing_fits(ranked, limit)

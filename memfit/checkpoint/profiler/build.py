@@ -86,14 +86,14 @@ def mark_shared_inputs(
         first.input_saved_by_previous_bytes = float(
             sum(
                 n
-                for key, n in stats[first.name].input_keys.items()
+                for key, n in stats[first.name].input_storage_bytes.items()
                 if saved_owner.get(key) == cost.name
             )
         )
     for prev, cur in zip(cost.children, cost.children[1:]):
         shared = {
             key: n
-            for key, n in stats[cur.name].input_keys.items()
+            for key, n in stats[cur.name].input_storage_bytes.items()
             if inside(saved_owner.get(key), prev.name)
         }
         both = sum(
@@ -105,7 +105,7 @@ def mark_shared_inputs(
         child.input_saved_bytes = float(
             sum(
                 n
-                for key, n in stats[child.name].input_keys.items()
+                for key, n in stats[child.name].input_storage_bytes.items()
                 if inside(saved_owner.get(key), child.name)
             )
         )
@@ -128,7 +128,9 @@ def build_costs(
     if not unit.is_chain:
         # Forward order; units never called go last, in registration order.
         never = float("inf")
-        children.sort(key=lambda c: stats[c.name].first_call if stats[c.name].calls else never)
+        children.sort(
+            key=lambda c: stats[c.name].first_call_order if stats[c.name].call_count else never
+        )
     names = [u.name for u in unit.walk()]
 
     def total(attr: str) -> float:
@@ -137,25 +139,29 @@ def build_costs(
     st = stats[unit.name]
     module = unit.module
     if not has_own_forward(module):
-        st.reason(
+        st.rule_out_recompute(
             f"{type(module).__name__} has no forward of its own; checkpoint its children "
             "or segments of them"
         )
-    elif st.calls == 0:
-        st.reason("was not called in the profiled step")
-    fwd_seconds = st.fwd_time if measured else total("est_fwd_own")
+    elif st.call_count == 0:
+        st.rule_out_recompute("was not called in the profiled step")
+    fwd_seconds = st.forward_seconds if measured else total("estimated_forward_own_seconds")
     input_bytes, output_bytes = float(st.input_bytes), float(st.output_bytes)
-    if st.calls == 0 and children:
+    if st.call_count == 0 and children:
         # A container its parent iterates is never called itself: its forward is its
         # children's, and (when they form a chain) its input is the first one's.
         fwd_seconds = sum(c.fwd_seconds for c in children) if measured else fwd_seconds
         if unit.is_chain:
             input_bytes, output_bytes = children[0].input_bytes, children[-1].output_bytes
-    bwd_seconds = total("bwd_time_own") if measured else total("est_bwd_own")
-    mm_time, nm_time = total("mm_time_own"), total("nm_time_own")
+    bwd_seconds = (
+        total("backward_own_seconds") if measured else total("estimated_backward_own_seconds")
+    )
+    mm_time, nm_time = total("matmul_op_own_seconds"), total("non_matmul_op_own_seconds")
     share = nm_time / (mm_time + nm_time) if mm_time + nm_time > 0 else 0.0
     # Without a timed tail: its ops' share of the unit's op time, as for selective recompute.
-    tail_share = min(1.0, st.tail_time / (mm_time + nm_time)) if mm_time + nm_time > 0 else 0.0
+    tail_share = (
+        min(1.0, st.tail_op_seconds / (mm_time + nm_time)) if mm_time + nm_time > 0 else 0.0
+    )
     chain = chains.get(unit.name)
     sequential = (
         unit.is_chain
@@ -168,25 +174,27 @@ def build_costs(
     return UnitCost(
         name=unit.name,
         children=children,
-        fwd_flops=total("flops_own"),
+        fwd_flops=total("forward_flops_own"),
         fwd_seconds=fwd_seconds,
         bwd_seconds=bwd_seconds,
-        own_saved_bytes=float(st.saved_own),
+        own_saved_bytes=float(st.saved_bytes_own),
         # Only a unit with child units has a tail of its own after them (an LM's head and
         # loss after its blocks); a leaf's saved bytes are all its own either way.
         own_saved_after_children_bytes=float(
-            min(st.saved_after_children, st.saved_own) if children else 0
+            min(st.saved_bytes_after_children, st.saved_bytes_own) if children else 0
         ),
         input_bytes=input_bytes,
         output_bytes=output_bytes,
-        matmul_saved_bytes=total("mm_out_own"),
-        non_matmul_fwd_flops=total("nm_flops_own"),
+        matmul_saved_bytes=total("matmul_output_bytes_own"),
+        non_matmul_fwd_flops=total("non_matmul_flops_own"),
         # The rebuild runs the same ops under the same kind of mode: it pays the overhead too.
-        non_matmul_fwd_seconds=fwd_seconds * share + 2 * st.sel_overhead,
-        tail_flops=min(st.tail_flops, total("flops_own")),
-        tail_seconds=min(st.tail_timed, fwd_seconds) if timed_tails else fwd_seconds * tail_share,
-        backward_peak_bytes=float(st.bwd_peak),
-        can_recompute=not st.reasons,
-        can_select=not st.no_selective,
+        non_matmul_fwd_seconds=fwd_seconds * share + 2 * st.selective_overhead_seconds,
+        tail_flops=min(st.tail_flops, total("forward_flops_own")),
+        tail_seconds=min(st.tail_measured_seconds, fwd_seconds)
+        if timed_tails
+        else fwd_seconds * tail_share,
+        backward_peak_bytes=float(st.backward_peak_bytes),
+        can_recompute=not st.not_recomputable_reasons,
+        can_select=not st.not_selective_reason,
         sequential=bool(sequential),
     )

@@ -148,14 +148,14 @@ def profile(
                 # The instrumented step above doubles as warm-up; these are only timed.
                 timing = Timing(model, inputs, loss_fn, policy, device.type, tree, settings)
                 bwd_seconds = time_steps(timed_steps, timing, stats)
-                if any(st.mm_out_own > 0 for st in stats.values()):
+                if any(st.matmul_output_bytes_own > 0 for st in stats.values()):
                     try:
                         selective_overheads(timed_steps, timing, stats)
                     except Exception as exc:  # the option is lost, not the profile
                         why = f"selective recompute could not be timed: {type(exc).__name__}: {exc}"
                         log.warning("%s; plans will not use it", why)
                         for st in stats.values():
-                            st.no_selective = st.no_selective or why
+                            st.not_selective_reason = st.not_selective_reason or why
                 piece_seconds = piece_overhead(policy, device, settings["sync"])
             else:
                 piece_seconds = 0.0
@@ -167,7 +167,7 @@ def profile(
         pool_times(tree.root, root)
     for unit in root.walk():
         # A module called several times in a step is checkpointed on every call.
-        unit.piece_seconds = piece_seconds * max(1, stats[unit.name].calls)
+        unit.piece_seconds = piece_seconds * max(1, stats[unit.name].call_count)
     mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
@@ -187,8 +187,14 @@ def profile(
         bwd_seconds=bwd_seconds if measured else root.bwd_seconds,
         flop_rate=flop_rate,
         bandwidth=bandwidth,
-        reasons={n: list(st.reasons) for n, st in stats.items() if st.reasons},
-        no_selective={n: st.no_selective for n, st in stats.items() if st.no_selective},
+        reasons={
+            n: list(st.not_recomputable_reasons)
+            for n, st in stats.items()
+            if st.not_recomputable_reasons
+        },
+        no_selective={
+            n: st.not_selective_reason for n, st in stats.items() if st.not_selective_reason
+        },
         piece_seconds=piece_seconds,
         head_backward_bytes=head_backward,
     )

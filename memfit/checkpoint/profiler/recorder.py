@@ -48,39 +48,59 @@ def clock(sync: bool) -> float:
 
 @dataclass
 class Stats:
-    """What a step measured of one unit (``*_own``: of its ops outside its child units)."""
+    """What a step measured of one unit.
 
-    calls: int = 0
-    first_call: int = -1
-    fwd_time: float = 0.0
-    bwd_time_own: float = 0.0
-    est_fwd_own: float = 0.0
-    est_bwd_own: float = 0.0
-    flops_own: float = 0.0
-    nm_flops_own: float = 0.0
-    mm_time_own: float = 0.0
-    nm_time_own: float = 0.0
-    saved_own: int = 0
-    mm_out_own: int = 0
+    ``*_own``: of the unit's own ops, outside its child units; the rest covers its whole
+    subtree. FLOPs, op times and the tail are of the forward. Times are in seconds, sizes
+    in bytes. The instrumented step fills every field; a timed step only the forward,
+    backward and measured tail times.
+    """
+
+    call_count: int = 0  # how many times the step called the unit
+    first_call_order: int = -1  # its place among the units by first call (-1: never called)
+    forward_seconds: float = 0.0  # wall time of its forward calls, children included
+    backward_own_seconds: float = 0.0  # wall time of the autograd nodes its own ops made
+    # Per op, max(FLOPs / flop rate, bytes moved / bandwidth), summed: the times used on
+    # fake tensors, where nothing runs to be timed.
+    estimated_forward_own_seconds: float = 0.0
+    estimated_backward_own_seconds: float = 0.0
+    forward_flops_own: float = 0.0
+    non_matmul_flops_own: float = 0.0  # of forward_flops_own, outside MATMUL_OPS
+    # Op times (measured op by op, or estimated on fake tensors) in and outside MATMUL_OPS:
+    # their ratio splits the forward into what selective recompute keeps and re-runs.
+    matmul_op_own_seconds: float = 0.0
+    non_matmul_op_own_seconds: float = 0.0
+    saved_bytes_own: int = 0  # saved for backward by its own ops (each storage once)
+    matmul_output_bytes_own: int = 0  # outputs of its own matmul ops (what selective keeps)
+    # The tail: the ops after the last tensor saved for backward, which a rebuild that
+    # stops early skips. Its FLOPs and op time from the instrumented step, and its wall time
+    # as the timed steps measured it (last saved tensor to the unit's end; CPU only).
     tail_flops: float = 0.0
-    tail_time: float = 0.0
-    tail_timed: float = 0.0  # the tail's time as the timed step measured it (CPU)
-    sel_overhead: float = 0.0  # what selective checkpoint's caching mode adds to its forward
-    input_bytes: int = 0
-    output_bytes: int = 0
+    tail_op_seconds: float = 0.0
+    tail_measured_seconds: float = 0.0
+    # What selective checkpoint's caching dispatch mode adds to the unit's forward.
+    selective_overhead_seconds: float = 0.0
+    input_bytes: int = 0  # non-resident storages it received, over all calls
+    output_bytes: int = 0  # non-resident storages it returned, over all calls
     # The most alive while the unit's subtree ran backward: what its subtree saved that
     # backward had not reached yet (by forward order), and what backward had made and still
     # held (the gradient passed in, parameter gradients, the backward's own temporaries).
-    bwd_peak: int = 0
-    saved_after_children: int = 0  # of saved_own, what was saved after its last child began
-    input_keys: dict[Any, int] = field(default_factory=dict)
-    reasons: list[str] = field(default_factory=list)
-    # Why selective recompute would fail here (a matmul output it caches is changed in place).
-    no_selective: str = ""
+    backward_peak_bytes: int = 0
+    # Of saved_bytes_own, what was saved after its last child unit began.
+    saved_bytes_after_children: int = 0
+    # Bytes of each non-resident storage it received, by storage key: to find the inputs
+    # a sibling before it already saves.
+    input_storage_bytes: dict[Any, int] = field(default_factory=dict)
+    # Why it cannot be recomputed (empty: it can).
+    not_recomputable_reasons: list[str] = field(default_factory=list)
+    # Why selective recompute would fail here (a matmul output it caches is changed in
+    # place), or "" when it would not.
+    not_selective_reason: str = ""
 
-    def reason(self, text: str) -> None:
-        if text not in self.reasons:
-            self.reasons.append(text)
+    def rule_out_recompute(self, why: str) -> None:
+        """Record ``why`` the unit cannot be recomputed (each reason once)."""
+        if why not in self.not_recomputable_reasons:
+            self.not_recomputable_reasons.append(why)
 
 
 @dataclass
@@ -90,11 +110,11 @@ class _Call:
     # FLOPs and op time since the last tensor saved for backward inside this call: the
     # tail a rebuild that stops early skips.
     tail_flops: float = 0.0
-    tail_time: float = 0.0
+    tail_op_seconds: float = 0.0
     last_pack: float | None = None  # in the timed step: when it last saved a tensor
     # Bytes its own ops saved since its last child unit began (all of them, for a call
     # with no child units): backward frees them before it reaches any child.
-    saved_after_children: int = 0
+    saved_bytes_after_children: int = 0
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
@@ -242,9 +262,9 @@ class Recorder:
         st = self.stats[name]
         call = _Call(name)
         if self.full:
-            st.calls += 1
-            if st.first_call < 0:
-                st.first_call = self.counter
+            st.call_count += 1
+            if st.first_call_order < 0:
+                st.first_call_order = self.counter
             self.counter += 1
             received = tensors((args, kwargs))
             call.in_versions = [(t, t._version) for t in received]
@@ -252,7 +272,7 @@ class Recorder:
             for t in received:
                 key, nbytes, _ = storage_of(t)
                 if key not in self.resident:
-                    st.input_keys[key] = nbytes
+                    st.input_storage_bytes[key] = nbytes
             call.buf_versions = [
                 (bname, m, bname, buf, buf._version)
                 for m, bname in self.subtree_buffers[name]
@@ -260,7 +280,7 @@ class Recorder:
             ]
             self.chain_enter(name, args, kwargs)
         if self.stack:
-            self.stack[-1].saved_after_children = 0  # a child begins: what came before it
+            self.stack[-1].saved_bytes_after_children = 0  # a child begins: what came before it
         self.stack.append(call)
         self.mark(name)
         call.t0 = self.now()
@@ -274,24 +294,28 @@ class Recorder:
         t1 = self.now()
         call = self.stack.pop()
         st = self.stats[name]
-        st.fwd_time += t1 - call.t0
+        st.forward_seconds += t1 - call.t0
         self.mark(self.stack[-1].name if self.stack else None)
         if not self.full:
-            st.tail_timed += t1 - (call.last_pack if call.last_pack is not None else call.t0)
+            st.tail_measured_seconds += t1 - (
+                call.last_pack if call.last_pack is not None else call.t0
+            )
             return
         if any(t._version != v for t, v in call.in_versions):
-            st.reason("modifies an input tensor in place, so a recompute would see changed inputs")
+            st.rule_out_recompute(
+                "modifies an input tensor in place, so a recompute would see changed inputs"
+            )
         for label, m, bname, buf, version in call.buf_versions:
             if m._buffers.get(bname) is not buf or buf._version != version:
-                st.reason(
+                st.rule_out_recompute(
                     f"updates buffer {type(m).__name__}.{label} in forward, so a recompute "
                     "would see the updated value"
                 )
         returned = tensors(output)
         st.output_bytes += self.nonresident_bytes(returned)
-        st.saved_after_children += call.saved_after_children
+        st.saved_bytes_after_children += call.saved_bytes_after_children
         st.tail_flops += call.tail_flops
-        st.tail_time += call.tail_time
+        st.tail_op_seconds += call.tail_op_seconds
         self.chain_exit(name, output)
         self.check_chain_use(returned, inside=name)
 
@@ -349,7 +373,7 @@ class Recorder:
         # A rebuild that stops early stops here if nothing is saved after this (resident
         # tensors count: checkpoint counts every saved tensor).
         for call in self.stack:
-            call.tail_flops = call.tail_time = 0.0
+            call.tail_flops = call.tail_op_seconds = 0.0
         key, nbytes, ref = storage_of(t)
         if key in self.resident:
             return t
@@ -359,8 +383,8 @@ class Recorder:
         self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
         if self.stack:
-            self.stats[self.stack[-1].name].saved_own += nbytes
-            self.stack[-1].saved_after_children += nbytes
+            self.stats[self.stack[-1].name].saved_bytes_own += nbytes
+            self.stack[-1].saved_bytes_after_children += nbytes
             if self.full:
                 # The probe node takes the next number; the saving op's node has the one
                 # before this op's first probe (on_op resets the count of its probes).
@@ -442,33 +466,33 @@ class Recorder:
         estimate = max(flops / self.flop_rate, moved / self.bandwidth)
         st = self.stats[unit]
         if phase == "bwd":
-            st.est_bwd_own += estimate
+            st.estimated_backward_own_seconds += estimate
             if self.full:
                 live = self.bwd_live[0]
                 for up, alive in self.alive_around(unit):  # the unit and every unit around it
-                    if alive + live > up.bwd_peak:
-                        up.bwd_peak = alive + live
+                    if alive + live > up.backward_peak_bytes:
+                        up.backward_peak_bytes = alive + live
             return
-        st.flops_own += flops
-        st.est_fwd_own += estimate
+        st.forward_flops_own += flops
+        st.estimated_forward_own_seconds += estimate
         op_time = seconds if self.measured else estimate
         for call in self.stack:
             call.tail_flops += flops
-            call.tail_time += op_time
+            call.tail_op_seconds += op_time
         if op.matmul:
-            st.mm_time_own += op_time
+            st.matmul_op_own_seconds += op_time
             for t in outs:
                 key, nbytes, ref = storage_of(t)
                 if key not in self.mm_seen and key not in self.resident:
                     self.mm_seen[key] = ref
                     self.mm_units[key] = tuple(call.name for call in self.stack)
-                    st.mm_out_own += nbytes
+                    st.matmul_output_bytes_own += nbytes
         else:
-            st.nm_time_own += op_time
-            st.nm_flops_own += flops
+            st.non_matmul_op_own_seconds += op_time
+            st.non_matmul_flops_own += flops
         if kwargs.get("generator") is not None:
             for call in self.stack:
-                self.stats[call.name].reason(
+                self.stats[call.name].rule_out_recompute(
                     f"draws random numbers from an explicit torch.Generator ({packet}), "
                     "which checkpoint does not replay"
                 )
@@ -497,7 +521,7 @@ class Recorder:
             for t in tensors(value):
                 for name in self.mm_units.get(storage_of(t)[0], ()):
                     st = self.stats[name]
-                    st.no_selective = st.no_selective or (
+                    st.not_selective_reason = st.not_selective_reason or (
                         f"a matmul output made in it is changed in place later "
                         f"({func.overloadpacket}), which selective recompute cannot replay"
                     )

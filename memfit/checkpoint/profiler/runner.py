@@ -113,7 +113,7 @@ def run_step(
             events = rec.bwd_events + [(t1, None)]
             for (t, owner), (t_next, _) in zip(events, events[1:]):
                 if owner is not None:
-                    rec.stats[owner].bwd_time_own += t_next - t
+                    rec.stats[owner].backward_own_seconds += t_next - t
         return output, t1 - t0
     finally:
         rec.phase = None

@@ -93,7 +93,7 @@ def time_steps(steps: int, timing: Timing, stats: dict[str, Stats]) -> float:
     tail time in ``stats`` and return the median backward time of the step. One step's
     times move with whatever else the machine does (30% between two runs on a busy 2-core
     CPU); the median of a few steps is what plans should not flip on."""
-    timed = ("fwd_time", "bwd_time_own", "tail_timed")
+    timed = ("forward_seconds", "backward_own_seconds", "tail_measured_seconds")
     passes: list[dict[str, Stats]] = []
     bwd: list[float] = []
     for _ in range(steps):
@@ -139,6 +139,7 @@ def selective_overheads(rounds: int, timing: Timing, stats: dict[str, Stats]) ->
             passes[selective].append(forward(selective))
     for name, st in stats.items():
         plain, cached = (
-            statistics.median(p[name].fwd_time for p in passes[kind]) for kind in (False, True)
+            statistics.median(p[name].forward_seconds for p in passes[kind])
+            for kind in (False, True)
         )
-        st.sel_overhead = max(0.0, cached - plain)
+        st.selective_overhead_seconds = max(0.0, cached - plain)

@@ -31,7 +31,7 @@ The modules:
 
 ``api``         :func:`solve`, the entry point.
 ``nodes``       the cost tree flattened for the solvers (``FlatUnit``), and its chains.
-``evaluate``    a plan's cost under the model (:func:`evaluate`, :class:`Evaluation`).
+``plan_cost``   a plan's cost under the model (:func:`plan_cost`, :class:`Evaluation`).
 ``fixed``       strategy names (:func:`parse_strategy`) and the fixed strategies.
 ``optimal``     the optimal strategy: ``search`` (the walks), ``blocks`` (block by block),
                 ``limits`` (their work limits).
@@ -40,12 +40,16 @@ The modules:
 ``messages``    the notes and budget errors' texts.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 from memfit.checkpoint.costs import Decision
 from memfit.checkpoint.solvers.api import solve
-from memfit.checkpoint.solvers.evaluate import Evaluation, evaluate
 from memfit.checkpoint.solvers.fixed import STRATEGIES, parse_strategy
 from memfit.checkpoint.solvers.frontier import FrontierPoint
+from memfit.checkpoint.solvers.plan_cost import Evaluation, plan_cost
 from memfit.checkpoint.solvers.solution import Solution
+from memfit.deprecations import warn_renamed
 
 __all__ = [
     "STRATEGIES",
@@ -53,7 +57,15 @@ __all__ = [
     "Evaluation",
     "FrontierPoint",
     "Solution",
-    "evaluate",
     "parse_strategy",
+    "plan_cost",
     "solve",
 ]
+
+
+def __getattr__(name: str) -> Callable[..., Any]:
+    # ``memfit.evaluate`` is the Engine's evaluation; a plan's cost is ``plan_cost``.
+    if name == "evaluate":
+        warn_renamed("memfit.checkpoint.solvers.evaluate", "memfit.checkpoint.solvers.plan_cost")
+        return plan_cost
+    raise AttributeError(f"module 'memfit.checkpoint.solvers' has no attribute {name!r}")

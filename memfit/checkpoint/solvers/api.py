@@ -6,10 +6,10 @@ import math
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.solvers import messages
-from memfit.checkpoint.solvers.evaluate import NodePlan
 from memfit.checkpoint.solvers.fixed import family, family_plan, parse_strategy, pick_family
 from memfit.checkpoint.solvers.nodes import find_chains, flatten
 from memfit.checkpoint.solvers.optimal import solve_optimal
+from memfit.checkpoint.solvers.plan_cost import NodePlan
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import ConfigError
 

@@ -6,9 +6,9 @@ import heapq
 
 from memfit.checkpoint.costs import KEEP
 from memfit.checkpoint.solvers import limits
-from memfit.checkpoint.solvers.evaluate import NodePlan, Segments
 from memfit.checkpoint.solvers.frontier import START, Point, named
 from memfit.checkpoint.solvers.nodes import FlatUnit
+from memfit.checkpoint.solvers.plan_cost import NodePlan, Segments
 from memfit.checkpoint.solvers.search import Bounds, Pass, TooLarge, rebuild_plan
 
 

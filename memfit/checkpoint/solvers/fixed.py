@@ -12,15 +12,18 @@ import re
 
 from memfit.checkpoint.costs import KEEP, RECOMPUTE
 from memfit.checkpoint.solvers import messages
-from memfit.checkpoint.solvers.evaluate import NodePlan, Segments
 from memfit.checkpoint.solvers.nodes import Chains, FlatUnit
+from memfit.checkpoint.solvers.plan_cost import NodePlan, Segments
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import BudgetError, ConfigError
 
 #: The strategy names :func:`solve` accepts (``"uniform"`` also as ``"uniform:k"``).
 STRATEGIES: tuple[str, ...] = ("none", "full", "uniform", "sqrt", "optimal")
 
-_VALID_STRATEGIES = "'none', 'full', 'uniform', 'uniform:k' (k >= 1 an integer), 'sqrt', 'optimal'"
+# The names as an error lists them, "uniform:k" beside "uniform".
+_VALID_STRATEGIES = ", ".join(
+    f"'{s}', 'uniform:k' (k >= 1 an integer)" if s == "uniform" else f"'{s}'" for s in STRATEGIES
+)
 
 
 def parse_strategy(strategy: str) -> tuple[str, int | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from memfit.checkpoint.solvers.evaluate import PlanCost
+from memfit.checkpoint.solvers.plan_cost import PlanCost
 from memfit.units import format_bytes
 
 NO_BUDGET = "no budget given: the cheapest plan is chosen, and it recomputes nothing"

@@ -12,9 +12,9 @@ import math
 from memfit.checkpoint.costs import KEEP, SELECTIVE
 from memfit.checkpoint.solvers import limits, messages
 from memfit.checkpoint.solvers.blocks import by_blocks
-from memfit.checkpoint.solvers.evaluate import NodePlan, evaluate_nodes
 from memfit.checkpoint.solvers.fixed import family, family_plan
 from memfit.checkpoint.solvers.nodes import Chains, FlatUnit, find_chains
+from memfit.checkpoint.solvers.plan_cost import NodePlan, evaluate_nodes
 from memfit.checkpoint.solvers.search import Search
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import BudgetError

@@ -14,7 +14,6 @@ import math
 
 from memfit.checkpoint.costs import KEEP, RECOMPUTE, SELECTIVE
 from memfit.checkpoint.solvers import limits
-from memfit.checkpoint.solvers.evaluate import NodePlan, Segments
 from memfit.checkpoint.solvers.frontier import (
     BY_REBUILD,
     BY_TIME,
@@ -29,6 +28,7 @@ from memfit.checkpoint.solvers.frontier import (
     named,
 )
 from memfit.checkpoint.solvers.nodes import FlatUnit
+from memfit.checkpoint.solvers.plan_cost import NodePlan, Segments
 
 Bounds = tuple[list[float], list[float]]
 """Per unit, the least it keeps under any plan, and the least it keeps when kept."""

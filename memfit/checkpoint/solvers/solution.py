@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.checkpoint.costs import Decision
-from memfit.checkpoint.solvers.evaluate import NodePlan
 from memfit.checkpoint.solvers.frontier import FrontierPoint, pareto
 from memfit.checkpoint.solvers.nodes import FlatUnit
+from memfit.checkpoint.solvers.plan_cost import NodePlan
 
 
 @dataclass

@@ -8,7 +8,7 @@ Each tuner function returns one sentence, printed with the choice (``TuneResult.
 Example::
 
     loss_scale_advice(GradStats(amax=0.8, underflow_fraction=0.02), "bf16-mixed")
-    for item in memfit.run_advice(engine):
+    for item in memfit.tuning.run_advice(engine):
         print(item.topic, item.text)
 """
 
@@ -21,29 +21,27 @@ from collections.abc import Sequence
 from memfit.engine import Engine
 from memfit.monitor.advice import Advice, RunFacts, advise, advise_run, recomputed_units
 from memfit.monitor.report import RunLog
+from memfit.precision.scaler import FP16_MAX, suggest_initial_scale
 from memfit.tuning.result import TuneRow
 from memfit.tuning.trials import GradStats
 from memfit.units import format_bytes
 
-#: fp16's largest finite value.
-FP16_MAX = 65504.0
-#: Headroom kept between the largest scaled gradient and fp16's largest value: gradients
-#: grow early in training, and an overflow skips a step.
+#: Headroom the tuner keeps between the largest scaled gradient and fp16's largest value:
+#: twice the default (:data:`~memfit.precision.scaler.INITIAL_SCALE_HEADROOM`), because
+#: the trials measure the gradients of the first steps, and gradients grow early in
+#: training (an overflow skips a step).
 HEADROOM = 2.0**4
 
 
 def initial_loss_scale(stats: GradStats) -> float:
     """The largest power of two that keeps the largest gradient :data:`HEADROOM` below
-    fp16's largest value, between 1 and 2^24.
+    fp16's largest value, between 1 and 2^24 (:func:`~memfit.precision.scaler.suggest_initial_scale`).
 
     Example::
 
         initial_loss_scale(GradStats(amax=0.5, underflow_fraction=0.0))  # 4096.0
     """
-    if not (stats.amax > 0 and math.isfinite(stats.amax)):
-        return 2.0**16
-    exponent = math.floor(math.log2(FP16_MAX / (HEADROOM * stats.amax)))
-    return float(2.0 ** min(24, max(0, exponent)))
+    return suggest_initial_scale(stats.amax, headroom=HEADROOM)
 
 
 def loss_scale_advice(stats: GradStats | None, precision: str) -> str:
@@ -59,7 +57,7 @@ def loss_scale_advice(stats: GradStats | None, precision: str) -> str:
         return (
             f"loss scale: start at 2^{int(math.log2(scale))} = {scale:g} "
             f"(LossScaler(init_scale={scale:g})): {seen}, and 2^{int(math.log2(scale))} keeps "
-            f"the largest {HEADROOM:g}x below fp16's 65504"
+            f"the largest {HEADROOM:g}x below fp16's {FP16_MAX:g}"
         )
     return (
         f"loss scale: none needed in {precision} (fp32's exponent range); {seen}, so fp16 "
@@ -129,7 +127,7 @@ def run_advice(source: Engine | RunLog | str | os.PathLike[str]) -> list[Advice]
         engine = memfit.Engine(model, opt, precision="fp16-mixed", memory_budget="4GiB")
         for batch in batches:
             engine.train_step(batch, loss_fn)
-        for item in memfit.run_advice(engine):
+        for item in memfit.tuning.run_advice(engine):
             print(f"{item.topic}: {item.text}")
     """
     if isinstance(source, Engine):

@@ -3,7 +3,8 @@ budget and train fastest, searched on fake tensors and the best few measured on 
 
 The model is a built-in one (``--model gpt|resnet|lstm`` with ``--set KEY=VALUE``, on
 synthetic data of its shape) or ``--factory MODULE:FUNCTION``, whose ``FUNCTION()`` returns
-``(model_fn, batch_fn, loss_fn)``, the arguments of :func:`memfit.tune`.
+a :class:`~memfit.cli.common.Workload` (``model_fn``, ``batch_fn``, ``loss_fn``, the
+arguments of :func:`memfit.tune`; the form every subcommand's ``--factory`` takes).
 
 Computing (:func:`compute`) is kept apart from printing (:func:`run`).
 """
@@ -17,7 +18,7 @@ from memfit.cli.common import (
     UsageError,
     add_model_choice,
     builtin_model,
-    load_factory,
+    load_workload,
     model_config_cls,
     parse_overrides,
     pick_device,
@@ -40,7 +41,7 @@ def add_parser(sub: Any) -> None:
         "--factory",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="FUNCTION() returns (model_fn, batch_fn, loss_fn), as memfit.tune takes them",
+        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
     )
     p.add_argument("--budget", required=True, help="peak memory of a step, e.g. 2GiB")
     p.add_argument(
@@ -85,13 +86,8 @@ def compute(args: argparse.Namespace) -> TuneResult:
     if args.factory:
         if args.overrides:
             raise UsageError("--set changes a built-in model; --factory builds its own")
-        made = load_factory(args.factory, "mypkg.models:tune_parts")()
-        if not (isinstance(made, tuple) and len(made) == 3):
-            raise UsageError(
-                f"--factory {args.factory}: must return (model_fn, batch_fn, loss_fn), got "
-                f"{type(made).__name__}"
-            )
-        model_fn, batch_fn, loss_fn = made
+        workload = load_workload(args.factory)
+        model_fn, batch_fn, loss_fn = workload.model_fn, workload.batch_fn, workload.loss_fn
     else:
         overrides = parse_overrides(args.overrides, model_config_cls(args.model))
         data = "synthetic"  # the shapes are the corpus's; tuning needs no real text

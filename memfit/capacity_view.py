@@ -1,7 +1,7 @@
 """The capacity view: for a family of model sizes and one device's memory, the largest model
 and the largest batch that fit under each precision and checkpoint strategy.
 
-Every number comes from :func:`memfit.estimate.estimate` (a meta model and fake tensors;
+Every number comes from :func:`memfit.estimator.estimate` (a meta model and fake tensors;
 nothing is allocated), one model size at a time. A size whose weights, gradients and
 optimizer state alone exceed the memory is not profiled: no batch can fit it.
 
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.step_memory import RankLayout
+from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.errors import ConfigError
-from memfit.estimate import STRATEGIES, LossFn, estimate, meta_model, rich_table, static_parts
+from memfit.estimator import STRATEGIES, LossFn, estimate, meta_model, rich_table
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -275,21 +275,21 @@ def capacity(
 
     Args:
         family: ``family(depth, width)`` builds the model of that size (run under the meta
-            device, as :func:`memfit.estimate.estimate`'s ``model_fn``).
+            device, as :func:`memfit.estimator.estimate`'s ``model_fn``).
         inputs_fn: ``inputs_fn(batch_size)``, one micro-batch (the same for every size).
         sizes: the ``(depth, width)`` pairs to estimate.
         batch_size: the micro-batch a model must fit to count as fitting.
         device_memory: the memory to fit (``"80GB"``, bytes).
-        loss_fn, optimizer_fn: as for :func:`memfit.estimate.estimate`.
+        loss_fn, optimizer_fn: as for :func:`memfit.estimator.estimate`.
         precisions: default ``fp32`` and ``bf16-mixed`` (``fp32`` is the baseline).
         strategies: default ``none``, ``full`` and ``optimal``.
         world_size, data_parallel: one rank of a data-parallel run (``"ddp"``, ``"fsdp"``),
-            as :func:`memfit.estimate.estimate` takes them; the memory and the batch are
+            as :func:`memfit.estimator.estimate` takes them; the memory and the batch are
             then per rank, and under FSDP2 a model fits when its shard does.
 
     Raises:
         ConfigError: no sizes, a size that is not two positive ints, or what
-            :func:`memfit.estimate.estimate` refuses.
+            :func:`memfit.estimator.estimate` refuses.
 
     Example::
 
@@ -312,8 +312,7 @@ def capacity(
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
     make_optimizer = optimizer_fn or torch.optim.AdamW
-    layout = RankLayout(data_parallel, world_size)  # refuses a bad kind or size here
-    shards = layout.world_size if layout.kind == "fsdp" else 1
+    layout = RankLayout.of(world_size, data_parallel)  # refuses a bad kind or size here
     rows: list[CapacityRow] = []
     for depth, width in sizes:
 
@@ -321,7 +320,7 @@ def capacity(
             return family(depth, width)
 
         for mode in modes:
-            static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer, shards)
+            static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer, layout)
             params = static.parameters
             if static.bytes > memory:  # no batch fits; a fake step would only say so
                 rows += [
@@ -376,15 +375,11 @@ def _static_bytes(
     model_fn: Callable[[], nn.Module],
     policy: PrecisionPolicy,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None],
-    shards: int = 1,
+    layout: RankLayout,
 ) -> _Static:
-    """Weights, buffers, optimizer state and 4-byte gradients of every trained floating
-    parameter (fp32 in every mode: the masters' in the master modes), on the meta model;
-    one rank's share of them when FSDP2 shards them ``shards`` ways."""
+    """Weights, buffers, gradients, fp32 masters and optimizer state of the meta model
+    (:func:`~memfit.checkpoint.step_memory.static_bytes`), on one rank of ``layout``;
+    under FSDP2 without the gathered blocks (the model is not profiled), a lower bound."""
     model = meta_model(model_fn)
-    parts = static_parts(model, policy, optimizer_fn(model.parameters()))
-    grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return _Static(
-        sum(p.numel() for p in model.parameters()),
-        (parts["params"] + parts["optimizer"] + grads) / shards,
-    )
+    static = static_bytes(model, policy, optimizer_fn(model.parameters()), layout)
+    return _Static(sum(p.numel() for p in model.parameters()), float(static.total_bytes))

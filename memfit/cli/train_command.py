@@ -61,7 +61,7 @@ from memfit.cli.start import (
     undone_on_failure,
     write_json,
 )
-from memfit.errors import CheckpointError
+from memfit.errors import StateFileError
 
 # torch, memfit.distributed and rich are imported where they are used: building the
 # parser (memfit --help, memfit train --help) needs none of them.
@@ -135,7 +135,7 @@ def add_parser(sub: Any) -> None:
     )
     setting("--eval-every", "validation loss every N steps", type=_positive_int)
     setting("--eval-batches", "validation batches", type=_positive_int)
-    setting("--save-every", "checkpoint every N steps", type=_positive_int)
+    setting("--save-every", "save the training state every N steps", type=_positive_int)
     setting("--log-every", "read metrics every N steps", type=_positive_int)
     setting("--seed", "random seed", type=int)
     p.add_argument(
@@ -198,12 +198,32 @@ def _batch(batch_fn: Any, size: int, seed: int, split: str = "train") -> Any:
     return batch_fn(size, generator=seed, split=split)
 
 
-def evaluate(engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches: int) -> float:
-    """Mean validation loss over fixed batches, under the training precision."""
-    import memfit
+def validation_loss(
+    engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches: int
+) -> float:
+    """:func:`memfit.evaluate` on the run's validation batches: ``batches`` of them drawn
+    from the ``val`` split with fixed seeds, so every evaluation of a run (resumed or not)
+    sees the same ones.
+
+    Example::
+
+        val = validation_loss(engine, loss_fn, batch_fn, batch_size=16, batches=8)
+    """
+    from memfit.engine import evaluate
 
     fixed = (_batch(batch_fn, batch_size, EVAL_SEED + i, split="val") for i in range(batches))
-    return memfit.evaluate(engine, fixed, loss_fn)
+    return evaluate(engine, fixed, loss_fn)
+
+
+def __getattr__(name: str) -> Any:
+    # This module's evaluate() drew the validation batches: renamed for that difference
+    # from memfit.evaluate, the old name works for one release.
+    if name == "evaluate":
+        from memfit.deprecations import warn_renamed
+
+        warn_renamed(f"{__name__}.evaluate", f"{__name__}.validation_loss")
+        return validation_loss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -472,21 +492,21 @@ def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
 def _resume(
     run_dir: Path, model: Any, optimizer: Any, scheduler: Any, monitoring: dict[str, Any]
 ) -> Engine:
-    """The Engine saved in ``run_dir``; a broken checkpoint's error names the previous one."""
+    """The Engine saved in ``run_dir``; a broken state file's error names the previous one."""
     import memfit
 
     path = run_dir / CHECKPOINT
     try:
         return memfit.Engine.resume(path, model, optimizer, lr_scheduler=scheduler, **monitoring)
-    except CheckpointError as exc:
+    except StateFileError as exc:
         previous = run_dir / PREVIOUS
         hint = (
-            f" The previous checkpoint {previous} may still load: copy it over {path} "
+            f" The previous state file {previous} may still load: copy it over {path} "
             "to resume from it."
             if previous.exists()
             else ""
         )
-        raise CheckpointError(f"{exc}{hint}") from None
+        raise StateFileError(f"{exc}{hint}") from None
 
 
 def _progress(console: Console) -> Progress:
@@ -550,7 +570,7 @@ def _train_loop(job: _Job, console: Console) -> _Outcome:
                 train_loss = engine.metrics["loss"]
                 progress.update(task, **_progress_fields(engine.metrics, job.tokens_per_sample))
             if step % s["eval_every"] == 0 or step == s["steps"]:
-                val_loss = evaluate(
+                val_loss = validation_loss(
                     engine, job.loss_fn, job.batch_fn, s["batch_size"], s["eval_batches"]
                 )
                 engine.log_metrics({"val/loss": val_loss})
@@ -598,11 +618,11 @@ def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
 def _print_advice(run_dir: Path, console: Console) -> None:
     """The advice block: from the run directory's records, so that a resumed run's advice
     covers the whole run (``memfit report RUN_DIR`` prints the same)."""
-    import memfit
     from memfit.monitor import render_advice
+    from memfit.tuning import run_advice
 
     console.print("[bold]advice[/] (memfit tune measures the choice; these read the run)")
-    console.print(render_advice(memfit.run_advice(run_dir)), markup=False, soft_wrap=True)
+    console.print(render_advice(run_advice(run_dir)), markup=False, soft_wrap=True)
 
 
 def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]:
@@ -622,7 +642,7 @@ def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]
         "wall_seconds": elapsed,
         "precision": engine.policy.mode,
         "loss_scale": stats.scale,
-        # What the advice needs beyond the metrics (memfit.run_advice on the run directory).
+        # What the advice needs beyond the metrics (memfit.tuning.run_advice on the run directory).
         "budget_bytes": engine.settings.memory_budget,
         "accumulation_steps": engine.settings.accumulation_steps,
         "init_scale": engine.scaler.init_scale,
@@ -661,7 +681,7 @@ def _summary_table(
 def _save(engine: Any, run_dir: Path) -> None:
     from memfit.distributed import current_world
 
-    # The new checkpoint is complete on disk before the last good one is moved aside.
+    # The new state file is complete on disk before the last good one is moved aside.
     path = run_dir / CHECKPOINT
     fresh = engine.save(run_dir / (CHECKPOINT + ".new"))  # every rank: rank 0 writes
     if current_world().rank > 0:

@@ -1,4 +1,4 @@
-"""Engine checkpoints of data-parallel runs: rank 0's file under DDP, a sharded directory
+"""Engine state files of data-parallel runs: rank 0's file under DDP, a sharded directory
 under FSDP2.
 
 **DDP** (and one process): every rank holds the same weights, so rank 0 writes the one file
@@ -10,14 +10,14 @@ keys are the plain model's (no ``module.``), so such a file also loads on one pr
 of the weights and the optimizer state) plus ``engine.pt`` (settings, scaler, scheduler,
 counters, each rank's random generators, the world size and the SHA-256 of every shard
 file), written by rank 0 last. The directory is built under ``<name>.tmp`` and renamed into
-place, so a crash leaves the previous checkpoint or the new one. It loads on the same world
+place, so a crash leaves the previous saved state or the new one. It loads on the same world
 size, and on another one where DCP can reshard the tensors (FSDP2's even sharding on dim 0
 can); the random generators then restart from rank 0's.
 
 Example::
 
-    save_checkpoint(state, "run/ckpt", model, optimizer, "fsdp")
-    state = read_checkpoint("run/ckpt")
+    write_state(state, "run/ckpt", model, optimizer, "fsdp")
+    state = read_state("run/ckpt")
     load_weights(state, "run/ckpt", model, optimizer, "fsdp")
 """
 
@@ -36,20 +36,10 @@ import torch.distributed as dist
 from memfit.distributed.collectives import from_rank0
 from memfit.distributed.parallel import local_module
 from memfit.distributed.world import current_world
-from memfit.errors import CheckpointError, ConfigError, DistributedError
+from memfit.errors import ConfigError, DistributedError, StateFileError
 from memfit.savefile import atomic_save, safe_load
 
 META = "engine.pt"
-
-
-def is_sharded(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded (FSDP2) checkpoint directory.
-
-    Example::
-
-        is_sharded("run/ckpt")    # True for a directory holding engine.pt
-    """
-    return Path(path).is_dir()
 
 
 def _barrier() -> None:
@@ -91,7 +81,7 @@ def _sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
-def save_checkpoint(
+def write_state(
     state: dict[str, Any],
     path: str | Path,
     model: torch.nn.Module,
@@ -103,7 +93,7 @@ def save_checkpoint(
 
     Example::
 
-        save_checkpoint(engine_state(engine), "run/last.pt", model, optimizer, "ddp")
+        write_state(engine.state_dict(), "run/last.pt", model, optimizer, "ddp")
     """
     world = current_world()
     path = Path(path)
@@ -114,15 +104,15 @@ def save_checkpoint(
     state["world_size"] = world.world_size
     state["data_parallel"] = kind
     if kind != "fsdp":
-        _on_rank0(lambda: atomic_save(state, path), f"write the checkpoint {path}")
+        _on_rank0(lambda: atomic_save(state, path), f"write the state file {path}")
         return path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if path.exists() and not path.is_dir():
         raise ConfigError(
-            f"{path} is a file; an FSDP2 checkpoint is a directory: give a path without "
-            "a file there (e.g. run/checkpoint)"
+            f"{path} is a file; an FSDP2 saved state is a directory: give a path without "
+            "a file there (e.g. run/state)"
         )
     tmp = path.with_name(path.name + ".tmp")
     if world.rank == 0:
@@ -137,7 +127,7 @@ def save_checkpoint(
             state["shards"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
             atomic_save(state, tmp / META)
     except BaseException:
-        if world.rank == 0:  # a failed save leaves the previous checkpoint and nothing else
+        if world.rank == 0:  # a failed save leaves the previous saved state and nothing else
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -151,31 +141,31 @@ def save_checkpoint(
                 moved = True
             tmp.rename(path)
         except BaseException as exc:
-            # The previous checkpoint goes back where it was, and the new one away.
+            # The previous saved state goes back where it was, and the new one away.
             shutil.rmtree(tmp, ignore_errors=True)
             if moved and not path.exists():
                 try:
                     old.rename(path)
                 except OSError:
-                    raise CheckpointError(
-                        f"could not put the new checkpoint in place at {path} ({exc}), nor "
+                    raise StateFileError(
+                        f"could not put the new saved state in place at {path} ({exc}), nor "
                         f"the previous one back: it is at {old}; rename it to {path} to "
                         "resume from it"
                     ) from exc
             raise
         shutil.rmtree(old, ignore_errors=True)
 
-    _on_rank0(replace, f"put the checkpoint in place at {path}")
+    _on_rank0(replace, f"put the saved state in place at {path}")
     return path
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The Engine state of a checkpoint file or directory, verified (digests of the file,
-    or of ``engine.pt`` and every shard). CheckpointError when something differs.
+def read_state(path: str | Path) -> dict[str, Any]:
+    """The Engine state of a state file or directory, verified (digests of the file,
+    or of ``engine.pt`` and every shard). StateFileError when something differs.
 
     Example::
 
-        state = read_checkpoint("run/ckpt")
+        state = read_state("run/ckpt")
         state["world_size"]
     """
     path = Path(path)
@@ -183,14 +173,14 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         return safe_load(path)
     meta = path / META
     if not meta.exists():
-        raise CheckpointError(f"{path} is a directory without {META}: not a memfit checkpoint")
+        raise StateFileError(f"{path} is a directory without {META}: not a memfit saved state")
     state = safe_load(meta)
     for name, digest in state.get("shards", {}).items():
         shard = path / name
         if not shard.exists() or _sha256(shard) != digest:
-            raise CheckpointError(
-                f"shard {shard} of checkpoint {path} is missing or changed since it was "
-                "written; use another checkpoint"
+            raise StateFileError(
+                f"shard {shard} of saved state {path} is missing or changed since it was "
+                "written; resume from another saved state"
             )
     return state
 
@@ -203,12 +193,12 @@ def load_weights(
     kind: str | None,
 ) -> None:
     """Load the weights and optimizer state of ``state`` (read from ``path``) into this
-    rank's model and optimizer. ConfigError when the checkpoint's kind or world size cannot
+    rank's model and optimizer. ConfigError when the saved state's kind or world size cannot
     load here, naming both sizes.
 
     Example::
 
-        load_weights(read_checkpoint(path), path, model, optimizer, "fsdp")
+        load_weights(read_state(path), path, model, optimizer, "fsdp")
     """
     world = current_world()
     saved_size = int(state.get("world_size", 1))
@@ -221,7 +211,7 @@ def load_weights(
         )
         here = "FSDP2" if kind == "fsdp" else (kind or "no data parallelism")
         raise ConfigError(
-            f"checkpoint {path} was saved {saved}, but this Engine runs {here} on "
+            f"saved state {path} was written {saved}, but this Engine runs {here} on "
             f"{world.world_size} rank(s); resume it with "
             f"{'data_parallel=fsdp' if sharded else 'DDP or one process'} (an FSDP2 "
             "directory converts to one file with "
@@ -240,7 +230,7 @@ def load_weights(
         dcp.load(target, checkpoint_id=str(path))
     except Exception as exc:  # DCP raises its own CheckpointException
         raise ConfigError(
-            f"checkpoint {path} (saved on {saved_size} rank(s)) does not load on "
+            f"saved state {path} (written on {saved_size} rank(s)) does not load on "
             f"{world.world_size} rank(s) ({str(exc)[:400]}); resume it on {saved_size} "
             "rank(s)"
         ) from exc

@@ -1,4 +1,4 @@
-"""Evaluating a plan under the cost model: what it keeps, its highest rebuild, its cost."""
+"""A plan's cost under the cost model: what it keeps, its highest rebuild, its recompute."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ Segments = dict[int, list[tuple[int, int]]]
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The cost model's verdict on one set of decisions (see :func:`evaluate`)."""
+    """The cost model's verdict on one set of decisions (see :func:`plan_cost`)."""
 
     kept_bytes: float
     """Activation bytes held at the end of forward."""
@@ -219,7 +219,7 @@ def check_plan(
     return decision, segs
 
 
-def evaluate(
+def plan_cost(
     root: UnitCost,
     decisions: Mapping[str, str],
     segments: Mapping[str, list[tuple[int, int]]] | None = None,
@@ -238,7 +238,7 @@ def evaluate(
 
     >>> from memfit.checkpoint.costs import UnitCost
     >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.5)
-    >>> evaluate(UnitCost("", children=[block]), {"b": "recompute"}).peak_bytes
+    >>> plan_cost(UnitCost("", children=[block]), {"b": "recompute"}).peak_bytes
     120.0
     """
     nodes = flatten(root)

@@ -6,12 +6,13 @@ The model comes from one of three places:
 * ``--hf-config gpt2|llama|bert|t5|vit``: a Hugging Face model built from its default
   config (no download; ``llama``'s is Llama-2-7B's shape) with ``--set`` changing config
   attributes, e.g. ``--set num_hidden_layers=8``, trained on its own loss (``labels``);
-* ``--factory MODULE:FUNCTION``: ``FUNCTION()`` returns ``(model_fn, inputs_fn)`` or
-  ``(model_fn, inputs_fn, loss_fn)``, the arguments of :func:`memfit.estimate.estimate`:
-  ``model_fn()`` builds the model (under the meta device), ``inputs_fn(batch_size)`` one
-  micro-batch, ``loss_fn(model, batch)`` the loss (the Engine's form).
+* ``--factory MODULE:FUNCTION``: ``FUNCTION()`` returns a
+  :class:`~memfit.cli.common.Workload` (the form every subcommand's ``--factory`` takes),
+  the arguments of :func:`memfit.estimator.estimate`: ``model_fn()`` builds the model
+  (under the meta device), ``batch_fn(batch_size)`` one micro-batch, ``loss_fn(model,
+  batch)`` the loss (the Engine's form; without one, the sum of the output).
 
-``--scale`` asks instead for the capacity view (:func:`memfit.capacity.capacity`): over a
+``--scale`` asks instead for the capacity view (:func:`memfit.capacity_view.capacity`): over a
 family of sizes (``--sizes DEPTHxWIDTH,...`` of the built-in GPT or of a ``--hf-config``),
 the largest model and the largest batch that fit ``--device-memory`` under each precision
 and strategy, as tables (or ``--json``) and, with ``--plot PATH``, a figure.
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.cli.common import (
     UsageError,
     add_model_choice,
-    load_factory,
+    load_workload,
     model_config_cls,
     parse_overrides,
     typed_value,
@@ -69,7 +70,7 @@ def add_parser(sub: Any) -> None:
         "--factory",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns (model_fn, inputs_fn[, loss_fn])",
+        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch size (default: 8)")
     p.add_argument(
@@ -230,17 +231,6 @@ def hf_spec(name: str, items: list[str], seq_len: int) -> Built:
     return (lambda: model_cls(config)), inputs_fn, loss_fn
 
 
-def _factory_spec(spec: str) -> Built:
-    factory = load_factory(spec, "mypkg.models:spec")
-    made = factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UsageError(
-            f"--factory {spec}: must return (model_fn, inputs_fn) or (model_fn, inputs_fn, "
-            f"loss_fn), got {type(made).__name__}"
-        )
-    return made[0], made[1], made[2] if len(made) == 3 else None
-
-
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     """``"12x768,24x1024"`` as ``[(12, 768), (24, 1024)]``; a usage error otherwise.
 
@@ -285,16 +275,16 @@ def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callab
 
 
 def compute(args: argparse.Namespace) -> Any:
-    """The :class:`~memfit.estimate.Estimate` (or, with ``--scale``, the
-    :class:`~memfit.capacity.Capacity`) the parsed flags ask for."""
-    from memfit.estimate import estimate
+    """The :class:`~memfit.estimator.Estimate` (or, with ``--scale``, the
+    :class:`~memfit.capacity_view.Capacity`) the parsed flags ask for."""
+    from memfit.estimator import estimate
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.factory and args.hf_config:
         raise UsageError("give one of --factory and --hf-config")
     if args.scale:
-        from memfit.capacity import capacity
+        from memfit.capacity_view import capacity
 
         if args.device_memory is None:
             raise UsageError("--scale needs --device-memory, e.g. --device-memory 80GB")
@@ -314,7 +304,8 @@ def compute(args: argparse.Namespace) -> Any:
     if args.plot:
         raise UsageError("--plot draws the capacity view: add --scale")
     if args.factory:
-        model_fn, inputs_fn, loss_fn = _factory_spec(args.factory)
+        workload = load_workload(args.factory)
+        model_fn, inputs_fn, loss_fn = workload.model_fn, workload.batch_fn, workload.loss_fn
     elif args.hf_config:
         model_fn, inputs_fn, loss_fn = hf_spec(args.hf_config, args.overrides, args.seq_len)
     else:

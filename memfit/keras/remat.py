@@ -17,7 +17,7 @@ from typing import Any
 
 from memfit.checkpoint.costs import KEEP, RECOMPUTE
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.solvers import FrontierPoint, evaluate, solve
+from memfit.checkpoint.solvers import FrontierPoint, plan_cost, solve
 from memfit.checkpoint.solvers.frontier import pareto
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.keras.backend import keras
@@ -143,7 +143,7 @@ def plan(
         root, strategy, budget_bytes, static, loss_bytes, reserve=RESERVE, frontier=frontier
     )
     solution.budget_bytes = budget_bytes
-    result = evaluate(
+    result = plan_cost(
         root, solution.decisions, solution.segments, static, loss_bytes, shared_inputs=True
     )
     solution.static_bytes = static

@@ -49,24 +49,32 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from memfit.checkpoint.costs import counted_times
+from memfit.checkpoint.costs import UnitCost, counted_times
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import ModelProfile, PlanResult, profile_step, solve_profile
-from memfit.checkpoint.profiler.runner import default_loss
-from memfit.checkpoint.step_memory import RankLayout, optimizer_state_bytes
+from memfit.checkpoint.planner import (
+    ModelProfile,
+    PlanResult,
+    default_step_loss,
+    profile_step,
+    solve_profile,
+)
+from memfit.checkpoint.solvers import STRATEGIES as PLAN_STRATEGIES
+from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
-from memfit.nested import call_model, map_tensors
+from memfit.interpolate import NotAffine, affine_profile
+from memfit.nested import map_tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions
-from memfit.scaling import NotAffine, affine_profile
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["STRATEGIES", "CellEstimate", "Estimate", "EstimateRow", "estimate", "estimate_cells"]
 
 #: The strategies an estimate compares: no checkpointing, every unit, sqrt(n) segments,
-#: and the least recompute that fits ``device_memory``.
-STRATEGIES: tuple[str, ...] = ("none", "full", "sqrt", "optimal")
+#: and the least recompute that fits ``device_memory``. Those a plan can be made with, but
+#: ``uniform``: a family of plans over its segment length ``k``, of which ``sqrt`` is the
+#: one a comparison takes.
+STRATEGIES: tuple[str, ...] = tuple(s for s in PLAN_STRATEGIES if s != "uniform")
 
 #: The largest micro-batch :func:`estimate` tries when looking for the one that fits.
 MAX_BATCH = 1 << 16
@@ -323,7 +331,7 @@ class _Estimator:
 
         Two searches, each galloping (steps doubling) from a first batch to one that fits
         and one that does not, then bisecting between them. The first probes profiles drawn
-        on the line through the profiles of batches 2 and 4 (:mod:`memfit.scaling`: a solve
+        on the line through the profiles of batches 2 and 4 (:mod:`memfit.interpolate`: a solve
         each, no fake step) and finds a guess; the second starts at the guess with a step
         of 1 and probes real fake steps, which a good guess ends in two."""
         if not self.fits(policy, 1, strategy, budget):
@@ -386,9 +394,9 @@ def _largest(fits: Callable[[int], bool], probe: int, step: int) -> int:
 def estimate(
     model_fn: Callable[[], nn.Module],
     inputs_fn: Callable[[int], Any],
+    loss_fn: LossFn | None = None,
     *,
     batch_size: int,
-    loss_fn: LossFn | None = None,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
     precisions: Sequence[str] | None = None,
     strategies: Sequence[str] | None = None,
@@ -405,10 +413,10 @@ def estimate(
         inputs_fn: ``inputs_fn(batch_size)`` makes one micro-batch as ``Engine.train_step``
             takes it (a tensor, tuple or dict); real tensors are turned into meta ones of the
             same shape (build them small or on ``meta``).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, as the Engine, ``memfit.plan`` and
+            ``memfit.tune`` take it; default: the sum of the first floating-point tensor of
+            the model's output (``model(x)``, ``model(*x)``, ``model(**x)``).
         batch_size: the micro-batch size the rows are for.
-        loss_fn: ``loss_fn(model, batch) -> scalar`` (the Engine's form); default: the sum
-            of the first floating-point tensor of the model's output (the model called as
-            ``memfit.plan`` calls it: ``model(x)``, ``model(*x)``, ``model(**x)``).
         optimizer_fn: ``params -> optimizer`` (default ``torch.optim.AdamW``);
             ``lambda p: None`` for none.
         precisions: precision modes (default: fp32, bf16-mixed, bf16-master); ``"auto"``
@@ -419,8 +427,10 @@ def estimate(
         device_memory: the memory to fit ("80GB", bytes); ``optimal`` plans for it, and
             each row says whether it fits and the largest micro-batch that does.
         world_size, data_parallel: estimate one rank of a data-parallel run (``"ddp"``,
-            ``"fsdp"``: FSDP2 holds ``1/world_size`` of the weights, gradients and
-            optimizer state); ``batch_size`` and ``device_memory`` are then per rank.
+            the default when ``world_size > 1``, or ``"fsdp"``: FSDP2 holds
+            ``1/world_size`` of the weights, gradients and optimizer state;
+            :meth:`~memfit.checkpoint.step_memory.RankLayout.of`); ``batch_size`` and
+            ``device_memory`` are then per rank.
 
     Raises:
         ConfigError: an unknown precision or strategy, or a model that cannot be built or
@@ -429,7 +439,7 @@ def estimate(
     Example::
 
         est = memfit.estimate(lambda: GPT(cfg), lambda b: torch.randint(0, 256, (b, 129)),
-                              batch_size=4, loss_fn=gpt_loss, device_memory="24GB")
+                              gpt_loss, batch_size=4, device_memory="24GB")
         print(est.summary())
     """
     modes = [
@@ -448,16 +458,13 @@ def estimate(
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
     budget = None if device_memory is None else parse_bytes(device_memory, "cpu")
 
-    def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-        return default_loss(call_model(model, batch))
-
     est = _Estimator(
         model_fn,
         inputs_fn,
         loss_fn or default_step_loss,
         optimizer_fn or torch.optim.AdamW,
         int(accumulation_steps),
-        RankLayout(data_parallel, world_size),
+        RankLayout.of(world_size, data_parallel),
     )
     rows: list[EstimateRow] = []
     parameters = 0
@@ -510,11 +517,7 @@ def _row(
 ) -> EstimateRow:
     mem = result.memory
     peak = float(result.plan.predicted_peak_bytes)
-    parts = static_parts(model, policy, optimizer)
-    if layout.kind == "fsdp":  # one rank's shards (and its gathered blocks: step_memory)
-        state = optimizer_state_bytes(optimizer) / layout.world_size
-        held = mem.base_bytes - mem.workspace_bytes - result.profile.profile.input_bytes
-        parts = {"params": held - state, "optimizer": state}
+    parts = static_parts(model, policy, optimizer, layout, result.profile.root)
     parts["grads"] = float(mem.grad_bytes)
     # The optimizer step's temporaries count where that step is the peak.
     at_optimizer = peak <= mem.optimizer_phase_bytes
@@ -534,31 +537,26 @@ def _row(
 
 
 def static_parts(
-    model: nn.Module, policy: PrecisionPolicy, optimizer: torch.optim.Optimizer | None
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    layout: RankLayout | None = None,
+    root: UnitCost | None = None,
 ) -> dict[str, float]:
-    """Bytes of the weights and buffers as training holds them (``params``) and of the
-    optimizer's state with the fp32 masters of the master modes (``optimizer``), for a
-    model not yet cast (the meta model an estimate builds).
+    """:func:`~memfit.checkpoint.step_memory.static_bytes` as an estimate's row shows
+    them: the weights and buffers as training holds them (``params``) and the optimizer's
+    state with the fp32 masters of the master modes (``optimizer``), on one rank of
+    ``layout`` (``root``: the unit tree, which names FSDP2's gathered blocks).
 
     Example::
 
         static_parts(model, PrecisionPolicy.of("bf16-master"), torch.optim.AdamW(model.parameters()))
         # {'params': 2 * n, 'optimizer': 12 * n + 4 * tensors}
     """
-    low = torch.finfo(policy.compute_dtype).bits // 8 if policy.master_weights else None
-    islands = {id(p) for m in model.modules() if policy.is_island(m) for p in m.parameters()}
-    params = 0
-    masters = 0
-    for p in model.parameters():
-        if low is not None and p.is_floating_point() and id(p) not in islands:
-            params += p.numel() * low
-            masters += p.numel() * 4
-        else:
-            params += p.numel() * p.element_size()
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    static = static_bytes(model, policy, optimizer, layout, root)
     return {
-        "params": float(params + buffers),
-        "optimizer": float(masters + optimizer_state_bytes(optimizer)),
+        "params": float(static.params + static.buffers),
+        "optimizer": float(static.masters + static.optimizer_state),
     }
 
 

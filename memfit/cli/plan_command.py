@@ -1,11 +1,11 @@
 """``memfit plan``: profile a model, print the checkpoint plan for a budget and its frontier.
 
-The model is a built-in one (``--model gpt``) or yours, given as ``module:factory``: a
-function of no arguments returning ``(model, batch, loss_fn)`` with
-``loss_fn(model, batch) -> scalar`` (the Engine's form), or ``(model, example_inputs)``
-where ``model(example_inputs)``'s first floating-point output is summed as the loss. The
-model and every tensor of the batch are moved to ``--device`` (default: cuda when it is
-available), so a factory may build them on the CPU.
+The model is a built-in one (``--model gpt``) or yours: ``--factory MODULE:FUNCTION``,
+whose ``FUNCTION()`` returns a :class:`~memfit.cli.common.Workload` (``model_fn``,
+``batch_fn``, ``loss_fn``; the form every subcommand's ``--factory`` takes). The plan is
+for ``model_fn()`` on ``batch_fn(--batch-size)`` with ``loss_fn(model, batch)`` (without
+one, the sum of the output). The model and every tensor of the batch are moved to
+``--device`` (default: cuda when it is available), so a factory may build them on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from memfit.cli.common import (
     UsageError,
     add_model_arguments,
     builtin_model,
-    load_factory,
+    load_workload,
     model_config_cls,
     parse_overrides,
     pick_device,
@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
         "--factory",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns (model, batch, loss_fn) or (model, example_inputs)",
+        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
     )
     p.add_argument(
         "--budget", default=None, help="peak memory of a step, e.g. 2GiB (default: none)"
@@ -55,51 +55,37 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import memfit
-    from memfit.checkpoint.planner import plan_step, resolve_policy
-    from memfit.checkpoint.profiler.runner import default_loss
-    from memfit.nested import call_model
+    from memfit.checkpoint.planner import default_step_loss, resolve_policy
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = pick_device(args.device)
     if args.factory:
-        made = load_factory(args.factory, "mypkg.models:build")()
-        if not isinstance(made, tuple) or len(made) not in (2, 3):
-            raise UsageError(
-                f"--factory {args.factory}: must return (model, batch, loss_fn) or "
-                f"(model, example_inputs), got {type(made).__name__}"
-            )
-        model = made[0].to(device)
-        made = (model, to_device(made[1], device), *made[2:])
+        workload = load_workload(args.factory)
+        model = workload.model_fn().to(device)
+        batch = to_device(workload.batch_fn(args.batch_size), device)
+        loss_fn = workload.loss_fn
     else:
         overrides = parse_overrides(args.overrides, model_config_cls(args.model))
         model, loss_fn, batch_fn = builtin_model(
             args.model, overrides, data="synthetic", device=device, seed=0
         )
-        made = (model, batch_fn(args.batch_size, generator=0), loss_fn)
+        batch = batch_fn(args.batch_size, generator=0)
     # "auto" is measured here, on the model and batch, as the Engine would measure it.
-    if len(made) == 3:
-        step_loss = made[2]
-    else:
-        step_loss = lambda m, b: default_loss(call_model(m, b))  # noqa: E731
-    policy, chosen = resolve_policy(args.precision, model, made[1], step_loss)
+    policy, chosen = resolve_policy(args.precision, model, batch, loss_fn or default_step_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # The Engine applies the precision (fp32 islands, low-precision weights and fp32
     # masters in the master modes), so the plan sees the step as training will run it.
     engine = memfit.Engine(model, optimizer, precision=policy, log_every=10**9)
-    if len(made) == 3:
-        plan = plan_step(
-            model, made[1], made[2], args.budget, args.strategy, policy, engine.optimizer
-        )
-    else:
-        plan = memfit.plan(
-            model,
-            made[1],
-            budget=args.budget,
-            strategy=args.strategy,
-            precision=policy,
-            optimizer=engine.optimizer,
-        )
+    plan = memfit.plan(
+        model,
+        batch,
+        loss_fn,
+        budget=args.budget,
+        strategy=args.strategy,
+        precision=policy,
+        optimizer=engine.optimizer,
+    )
     plan.notes.extend(chosen)
     text = plan.to_json()
     if args.out:

@@ -1,7 +1,7 @@
 """``memfit report RUN_DIR``: figures and a self-contained HTML page for a run directory.
 
 Prints the path of ``report.html`` (the only line on stdout, for scripts). The figures are
-also written as PNG files next to it. The run's advice (:func:`memfit.run_advice`) goes to
+also written as PNG files next to it. The run's advice (:func:`memfit.tuning.run_advice`) goes to
 stderr, and into the page.
 """
 
@@ -32,11 +32,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import memfit
     from memfit.monitor import render_advice
     from memfit.monitor.report import make_report
+    from memfit.tuning import run_advice
 
-    advice = memfit.run_advice(args.run_dir)  # a run directory that cannot be read fails here
+    advice = run_advice(args.run_dir)  # a run directory that cannot be read fails here
     # Printed before the figures are drawn: without matplotlib the advice still shows.
     print("advice:", file=sys.stderr)
     print(render_advice(advice), file=sys.stderr)

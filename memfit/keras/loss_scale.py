@@ -45,7 +45,7 @@ def wrap_optimizer(
     ``init_scale`` and growing after ``growth_interval`` finite steps for ``fp16-mixed``;
     ``optimizer`` itself for ``fp32`` and ``bf16-mixed`` (no scaling needed).
 
-    The settings are memfit's :class:`~memfit.LossScaler`'s; those Keras cannot express
+    The settings are memfit's :class:`~memfit.precision.LossScaler`'s; those Keras cannot express
     (another growth or backoff factor, hysteresis above 1, a min or max scale) raise a
     ConfigError that lists what it can.
 

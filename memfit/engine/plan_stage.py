@@ -24,7 +24,9 @@ class EnginePlan(NamedTuple):
     result: Any
     """The planner's PlanResult (plan, profile, step memory)."""
     budget_to_verify: int | None
-    """A budget only the measured first step can judge (the ``full`` fallback), or None."""
+    """A budget only the measured first step can judge, the plan being the least any plan
+    reaches (the ``full`` fallback, or a plan accepted on a measured forward and backward),
+    or None."""
 
 
 def make_engine_plan(
@@ -82,12 +84,14 @@ def check_first_step(
     optimizer: torch.optim.Optimizer,
 ) -> Any:
     """Judge the first step under a plan memfit made by its peak as the allocator measured
-    it, and make the plan again once from the same profile when its prediction was off by
-    more than the reserve (``check_plan``). Returns the PlanCheck; a re-made plan is
-    applied in place of the old one. The step itself trained as any other.
+    it (:func:`~memfit.checkpoint.planner.planned_step_verdict`), and make the plan again
+    once from the same profile when its prediction was off by more than the reserve
+    (:func:`~memfit.checkpoint.planner.follow_verdict`). Returns the PlanCheck; a re-made
+    plan is applied in place of the old one. The step itself trained as any other.
 
-    Raises BudgetError when the ``full`` fallback's measured step is over the budget it
-    had to verify (the step was applied; nothing is lost).
+    Raises BudgetError when the plan is the least any plan reaches (the ``full`` fallback,
+    or a plan accepted on a measured forward and backward) and its measured step is over
+    the budget it had to verify (the step was applied; nothing is lost).
 
     Example::
 
@@ -95,18 +99,19 @@ def check_first_step(
         engine_plan = check.plan
     """
     from memfit.checkpoint.apply import apply_plan, remove_plan
-    from memfit.checkpoint.planner import check_plan
+    from memfit.checkpoint.planner import follow_verdict, planned_step_verdict
 
     budget = planned.budget_to_verify
-    if budget is not None and measured_peak_bytes > budget:
+    verdict = planned_step_verdict(planned.result, measured_peak_bytes, budget)
+    if verdict.action == "refuse":
         raise BudgetError(
-            f"memory_budget={format_bytes(budget)} is below the smallest peak any plan "
+            f"memory_budget={format_bytes(budget or 0)} is below the smallest peak any plan "
             f"reaches: the first step under the plan with the least peak peaked at "
             f"{format_bytes(measured_peak_bytes)}. The step was applied and nothing is "
             "lost; raise the budget, use a smaller micro-batch (more accumulation steps) "
             "or a '*-master' precision."
         )
-    check = check_plan(planned.result, measured_peak_bytes, model, optimizer)
+    check = follow_verdict(planned.result, verdict, model, optimizer)
     if check.replanned:
         remove_plan(model)
         apply_plan(model, check.plan)
