@@ -45,7 +45,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -600,8 +600,32 @@ def measure(
     # Allocator statistics are host-side counters: reading them does not sync the device.
     peak = torch.cuda.max_memory_allocated(device)
     end = torch.cuda.memory_allocated(device)
-    tracked, by_kind, by_dtype, peak_by_kind, _, _ = tracker.replay()
-    _add_untracked(by_kind, by_dtype, peak - tracked)
+    return _tracker_report(tracker, device, result, _AllocatorBytes(start, peak, end))
+
+
+class _AllocatorBytes(NamedTuple):
+    """The CUDA allocator's bytes around a measured run."""
+
+    start: int
+    peak: int
+    end: int
+
+
+def _tracker_report(
+    tracker: _StorageTracker,
+    device: torch.device,
+    result: Any,
+    allocator: _AllocatorBytes | None = None,
+) -> MemoryReport:
+    """The report of a tracked run: the tracker's peak split by kind and dtype, or with
+    ``allocator`` the allocator's peak, start and end, what the tracker did not see folded
+    into ``temp`` (:func:`_add_untracked`)."""
+    tracked, by_kind, by_dtype, peak_by_kind, start, end = tracker.replay()
+    peak, method = tracked, "tracker"
+    if allocator is not None:
+        _add_untracked(by_kind, by_dtype, allocator.peak - tracked)
+        start, peak, end = allocator
+        method = "cuda-allocator"
     return MemoryReport(
         peak_bytes=peak,
         by_kind=by_kind,
@@ -611,23 +635,7 @@ def measure(
         start_bytes=start,
         end_bytes=end,
         tracked_peak_bytes=tracked,
-        method="cuda-allocator",
-        result=result,
-    )
-
-
-def _tracker_report(tracker: _StorageTracker, device: torch.device, result: Any) -> MemoryReport:
-    peak, by_kind, by_dtype, peak_by_kind, start, end = tracker.replay()
-    return MemoryReport(
-        peak_bytes=peak,
-        by_kind=by_kind,
-        by_dtype=by_dtype,
-        peak_by_kind=peak_by_kind,
-        device=device,
-        start_bytes=start,
-        end_bytes=end,
-        tracked_peak_bytes=peak,
-        method="tracker",
+        method=method,
         result=result,
     )
 

@@ -2,8 +2,9 @@
 
 A file is written to a temporary name in the same directory, flushed and fsynced, then
 renamed over the target: a crash leaves either the old file or the new one, never half of
-one. The payload carries a SHA-256 digest of its contents; a file that was truncated or
-changed fails with an error that names it. Files load with ``torch.load(weights_only=True)``.
+one (:func:`write_atomically`, which other files are written with too). The payload
+carries a SHA-256 digest of its contents; a file that was truncated or changed fails with
+an error that names it. Files load with ``torch.load(weights_only=True)``.
 
 Example::
 
@@ -17,8 +18,9 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -83,6 +85,19 @@ def atomic_write(obj: Any, path: str | os.PathLike[str]) -> Path:
         atomic_write(model.state_dict(), "run/model.pt")
         model.load_state_dict(torch.load("run/model.pt", weights_only=True))
     """
+    return write_atomically(path, lambda f: torch.save(obj, f))
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
+    """Make ``path`` the file ``write(f)`` writes, atomically: ``f`` is a temporary file in
+    the same directory, fsynced and then renamed over ``path`` (the rename fsynced too), so
+    a reader never sees half a file. The file gets the mode a plain ``open()`` would give
+    it (an existing file's own). Returns the path.
+
+    Example::
+
+        write_atomically("cache/corpus.bin", lambda f: f.write(blob))
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -91,7 +106,7 @@ def atomic_write(obj: Any, path: str | os.PathLike[str]) -> Path:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, _file_mode(path))
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -101,6 +101,23 @@ def add_model_choice(p: argparse.ArgumentParser, set_help: str) -> None:
     )
 
 
+def add_factory_argument(p: argparse.ArgumentParser) -> None:
+    """``--factory MODULE:FUNCTION`` (into ``args.factory``, None unless given): the user's
+    model, as the :class:`Workload` that ``FUNCTION()`` returns (:func:`load_workload`).
+
+    Example::
+
+        add_factory_argument(parser)
+        parser.parse_args(["--factory", "mypkg.models:workload"]).factory
+    """
+    p.add_argument(
+        "--factory",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
+    )
+
+
 def pick_device(name: str | None) -> torch.device:
     """``--device``'s value, checked to be a device this machine has; without one, cuda
     when it is available and cpu otherwise. A usage error names what is wrong.

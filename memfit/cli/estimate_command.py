@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
+    add_factory_argument,
     add_model_choice,
     load_workload,
     model_config_cls,
@@ -66,12 +67,7 @@ def add_parser(sub: Any) -> None:
         choices=sorted(HF_MODELS),
         help="a Hugging Face model from its default config (no download)",
     )
-    p.add_argument(
-        "--factory",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
-    )
+    add_factory_argument(p)
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch size (default: 8)")
     p.add_argument(
         "--seq-len", type=int, default=512, help="tokens per sequence for --hf-config (512)"

@@ -16,6 +16,7 @@ from typing import Any
 
 from memfit.cli.common import (
     UsageError,
+    add_factory_argument,
     add_model_arguments,
     builtin_model,
     load_workload,
@@ -33,12 +34,7 @@ def add_parser(sub: Any) -> None:
         description="Profile a training step and plan activation checkpointing under a budget.",
     )
     add_model_arguments(p)
-    p.add_argument(
-        "--factory",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
-    )
+    add_factory_argument(p)
     p.add_argument(
         "--budget", default=None, help="peak memory of a step, e.g. 2GiB (default: none)"
     )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
+    add_factory_argument,
     add_model_choice,
     builtin_model,
     load_workload,
@@ -37,12 +38,7 @@ def add_parser(sub: Any) -> None:
         "steps, and print the choice with tuning advice.",
     )
     add_model_choice(p, "a built-in model's config field, e.g. --set n_layer=8 (repeatable)")
-    p.add_argument(
-        "--factory",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
-    )
+    add_factory_argument(p)
     p.add_argument("--budget", required=True, help="peak memory of a step, e.g. 2GiB")
     p.add_argument(
         "--global-batch", type=int, default=16, help="samples per optimizer step (default: 16)"

@@ -25,17 +25,17 @@ import os
 import platform
 import sys
 import sysconfig
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import numpy as np
 import torch
 
 from memfit.errors import ConfigError
+from memfit.savefile import write_atomically
 
 Split = Literal["train", "val"]
 
@@ -153,22 +153,16 @@ def _write_cache(path: Path, key: CorpusKey, blob: bytes, num_files: int) -> Non
         },
         sort_keys=True,
     ).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write to a temporary file in the same directory, then rename: a reader (or a second
-    # process building the same corpus) never sees a half-written cache file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC)
-            f.write(len(header).to_bytes(4, "little"))
-            f.write(header)
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f: BinaryIO) -> None:
+        f.write(_MAGIC)
+        f.write(len(header).to_bytes(4, "little"))
+        f.write(header)
+        f.write(blob)
+
+    # Atomic: a reader (or a second process building the same corpus) never sees a
+    # half-written cache file.
+    write_atomically(path, write)
 
 
 def _read_cache(path: Path, key: CorpusKey) -> tuple[np.ndarray, int] | None:

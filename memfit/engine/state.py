@@ -38,7 +38,7 @@ from memfit.distributed.parallel import local_module
 from memfit.distributed.state_files import load_weights, rank_rng, read_state, write_state
 from memfit.engine.settings import EngineSettings
 from memfit.errors import ConfigError
-from memfit.precision.master import MasterWeights
+from memfit.precision.master import MasterWeights, holds_master_weights
 from memfit.precision.scaler import LossScaler
 
 
@@ -227,9 +227,7 @@ MATCHING_SETTINGS = ("precision", "accumulation_steps")
 def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Raise ConfigError when ``optimizer`` already belongs to an Engine that keeps fp32
     master weights: a second Engine cannot make masters of masters."""
-    if any(
-        getattr(p, "_memfit_master", False) for g in optimizer.param_groups for p in g["params"]
-    ):
+    if holds_master_weights(optimizer):
         raise ConfigError(
             "this optimizer already belongs to an Engine (it holds memfit's fp32 master "
             "weights); to continue that Engine from a saved state call engine.load(path), or "

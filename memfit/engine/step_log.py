@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memfit.monitor.throughput import throughput_metrics
+from memfit.monitor.throughput import recompute_overhead_from_flops, throughput_metrics
 from memfit.precision.scaler import LossScaler
 
 
@@ -123,7 +123,9 @@ def log_step_metrics(
             # The model's own work is 3x its forward; recompute adds forward FLOPs.
             per_step = flops_per_sample * window.last_samples
             recompute = (plan.recompute_flops or 0) * micro
-            metrics["recompute/overhead"] = recompute / per_step if per_step else 0.0
+            metrics["recompute/overhead"] = (
+                recompute_overhead_from_flops(recompute, per_step) if per_step else 0.0
+            )
         elif metrics["time/step_seconds"] > 0:
             metrics["recompute/overhead"] = (
                 plan.recompute_seconds * micro / metrics["time/step_seconds"]

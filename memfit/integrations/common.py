@@ -8,6 +8,8 @@ Nothing here imports transformers or lightning. A callback
 3. after each optimizer step tells :class:`RunMetrics` whether the step was skipped, and at
    each log step adds :meth:`RunMetrics.log_metrics` to the loop's logs.
 
+:class:`CallbackCore` holds the settings and does steps 1 and 2 for both frameworks.
+
 Example::
 
     check_settings("200MiB", "optimal")
@@ -353,6 +355,90 @@ def announce(run: PlannedRun, verbose: bool) -> None:
     log.info("memfit plan:\n%s", text)
     if verbose:
         print(text)
+
+
+class CallbackCore:
+    """What both ``MemfitCallback`` classes hold and do, framework-free: the settings
+    (checked when made), the example batch, the plan made and applied at the start of
+    training with its metrics, and the health of the last log step.
+
+    A framework's callback subclasses it first, then the framework's callback class, and
+    calls :meth:`start_run` once its loop has the model, the optimizer and the data.
+
+    Example::
+
+        class MemfitCallback(CallbackCore, TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                batch = self.planning_batch(kwargs["train_dataloader"], model.device)
+                self.start_run(model, batch, self.loss_fn, precision="fp32",
+                               accumulation_steps=1, optimizer=None)
+    """
+
+    def __init__(
+        self,
+        budget: Budget,
+        strategy: str,
+        *,
+        loss_fn: LossFn | None,
+        example_batch: Any,
+        measure_memory: bool,
+        thresholds: HealthThresholds | None,
+        verbose: bool,
+    ) -> None:
+        check_settings(budget, strategy)
+        self.budget = budget
+        self.strategy = strategy
+        self.loss_fn = loss_fn
+        self.example_batch = example_batch
+        self.measure_memory = measure_memory
+        self.thresholds = thresholds
+        self.verbose = verbose
+        self.run: PlannedRun | None = None
+        self.metrics: RunMetrics | None = None
+
+    @property
+    def plan(self) -> Any:
+        """The plan applied at the start of training (None before)."""
+        return None if self.run is None else self.run.result.plan
+
+    def health(self) -> list[HealthCheck]:
+        """The health checks of the last log step (empty before one)."""
+        return [] if self.metrics is None else list(self.metrics.checks)
+
+    def planning_batch(self, dataloader: Any, device: torch.device) -> Any:
+        """The ``example_batch`` given to the callback, else the first batch of
+        ``dataloader`` (:func:`example_batch`), on ``device``."""
+        if self.example_batch is not None:
+            return to_device(self.example_batch, device)
+        return example_batch(dataloader, device)
+
+    def start_run(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        *,
+        precision: str,
+        accumulation_steps: int,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: Any = None,
+    ) -> None:
+        """Plan and apply under the callback's budget and strategy (:func:`plan_model`),
+        make the run's :class:`RunMetrics` (``scaler``: the loop's fp16 GradScaler, if
+        any) and announce the plan."""
+        self.run = plan_model(
+            model,
+            batch,
+            loss_fn,
+            budget=self.budget,
+            strategy=self.strategy,
+            precision=precision,
+            accumulation_steps=accumulation_steps,
+            optimizer=optimizer,
+            measure_memory=self.measure_memory,
+        )
+        self.metrics = RunMetrics(self.run, scaler, self.thresholds)
+        announce(self.run, self.verbose)
 
 
 def say_once(message: str) -> None:

@@ -35,18 +35,12 @@ from transformers import TrainerCallback  # noqa: E402
 from memfit.checkpoint.planner import Budget  # noqa: E402
 from memfit.errors import ConfigError  # noqa: E402
 from memfit.integrations.common import (  # noqa: E402
+    CallbackCore,
     LossFn,
-    PlannedRun,
-    RunMetrics,
-    announce,
-    check_settings,
-    example_batch,
     loss_from,
-    plan_model,
     say_once,
-    to_device,
 )
-from memfit.monitor.health import HealthCheck, HealthThresholds  # noqa: E402
+from memfit.monitor.health import HealthThresholds  # noqa: E402
 
 __all__ = ["MemfitCallback", "model_loss", "trainer_precision"]
 
@@ -76,7 +70,7 @@ def trainer_precision(args: Any) -> str:
     return "fp32"
 
 
-class MemfitCallback(TrainerCallback):
+class MemfitCallback(CallbackCore, TrainerCallback):
     """Plans and applies activation checkpointing at train begin; logs memfit's metrics.
 
     ``budget``: the peak of a whole training step ("200MiB", bytes, a fraction of device
@@ -106,21 +100,15 @@ class MemfitCallback(TrainerCallback):
         thresholds: HealthThresholds | None = None,
         verbose: bool = True,
     ) -> None:
-        check_settings(budget, strategy)
-        self.budget = budget
-        self.strategy = strategy
-        self.loss_fn = loss_fn or model_loss
-        self.example_batch = example_batch
-        self.measure_memory = measure_memory
-        self.thresholds = thresholds
-        self.verbose = verbose
-        self.run: PlannedRun | None = None
-        self.metrics: RunMetrics | None = None
-
-    @property
-    def plan(self) -> Any:
-        """The plan applied at train begin (None before)."""
-        return None if self.run is None else self.run.result.plan
+        super().__init__(
+            budget,
+            strategy,
+            loss_fn=loss_fn or model_loss,
+            example_batch=example_batch,
+            measure_memory=measure_memory,
+            thresholds=thresholds,
+            verbose=verbose,
+        )
 
     def attach(self, trainer: Any) -> MemfitCallback:
         """Add this callback to ``trainer`` *first*, so that the reporting callbacks of
@@ -148,26 +136,18 @@ class MemfitCallback(TrainerCallback):
             raise ConfigError("MemfitCallback got no model from the Trainer at train begin")
         _turn_off_hf_checkpointing(model, args)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if self.example_batch is not None:
-            batch = to_device(self.example_batch, device)
-        else:
-            batch = example_batch(train_dataloader, device)
-        # accelerate wraps the optimizer; the planner reads the optimizer's own class.
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self.run = plan_model(
+        batch = self.planning_batch(train_dataloader, device)
+        self.start_run(
             model,
             batch,
             self.loss_fn,
-            budget=self.budget,
-            strategy=self.strategy,
             precision=trainer_precision(args),
             accumulation_steps=int(args.gradient_accumulation_steps),
-            optimizer=inner,
-            measure_memory=self.measure_memory,
+            # accelerate wraps the optimizer; the planner reads the optimizer's own class.
+            optimizer=getattr(optimizer, "optimizer", optimizer),
+            # accelerate's optimizer holds the fp16 GradScaler, when there is one.
+            scaler=getattr(optimizer, "scaler", None),
         )
-        # accelerate's optimizer holds the fp16 GradScaler, when there is one.
-        self.metrics = RunMetrics(self.run, getattr(optimizer, "scaler", None), self.thresholds)
-        announce(self.run, self.verbose)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.metrics is not None:
@@ -187,10 +167,6 @@ class MemfitCallback(TrainerCallback):
         history = getattr(state, "log_history", None)
         if history and history[-1].get("step") == state.global_step:
             history[-1].update(extra)
-
-    def health(self) -> list[HealthCheck]:
-        """The health checks of the last log step (empty before one)."""
-        return [] if self.metrics is None else list(self.metrics.checks)
 
 
 def _turn_off_hf_checkpointing(model: nn.Module, args: Any) -> None:

@@ -36,17 +36,11 @@ from torch import nn  # noqa: E402
 from memfit.checkpoint.planner import Budget  # noqa: E402
 from memfit.errors import ConfigError  # noqa: E402
 from memfit.integrations.common import (  # noqa: E402
+    CallbackCore,
     LossFn,
-    PlannedRun,
-    RunMetrics,
-    announce,
-    check_settings,
-    example_batch,
     loss_from,
-    plan_model,
-    to_device,
 )
-from memfit.monitor.health import HealthCheck, HealthThresholds  # noqa: E402
+from memfit.monitor.health import HealthThresholds  # noqa: E402
 from memfit.precision.policy import resolve_mode  # noqa: E402
 
 __all__ = ["MemfitCallback", "lightning_precision", "training_step_loss"]
@@ -110,7 +104,7 @@ def training_step_loss(pl_module: nn.Module) -> LossFn:
     return loss_fn
 
 
-class MemfitCallback(Callback):
+class MemfitCallback(CallbackCore, Callback):
     """Plans and applies activation checkpointing at train start; logs memfit's metrics.
 
     ``budget``: the peak of a whole training step ("200MiB", bytes, a fraction of device
@@ -141,23 +135,17 @@ class MemfitCallback(Callback):
         thresholds: HealthThresholds | None = None,
         verbose: bool = True,
     ) -> None:
-        check_settings(budget, strategy)
-        self.budget = budget
-        self.strategy = strategy
+        super().__init__(
+            budget,
+            strategy,
+            loss_fn=loss_fn,
+            example_batch=example_batch,
+            measure_memory=measure_memory,
+            thresholds=thresholds,
+            verbose=verbose,
+        )
         self.module = module
-        self.loss_fn = loss_fn
-        self.example_batch = example_batch
-        self.measure_memory = measure_memory
-        self.thresholds = thresholds
-        self.verbose = verbose
-        self.run: PlannedRun | None = None
-        self.metrics: RunMetrics | None = None
         self._observed_step = 0
-
-    @property
-    def plan(self) -> Any:
-        """The plan applied at train start (None before)."""
-        return None if self.run is None else self.run.result.plan
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         model = pl_module
@@ -169,26 +157,18 @@ class MemfitCallback(Callback):
                     f"MemfitCallback(module={self.module!r}): {type(pl_module).__name__} has "
                     "no such submodule; name one of its named_modules()"
                 ) from exc
-        device = pl_module.device
-        if self.example_batch is not None:
-            batch = to_device(self.example_batch, device)
-        else:
-            batch = example_batch(_first_loader(trainer.train_dataloader), device)
+        batch = self.planning_batch(_first_loader(trainer.train_dataloader), pl_module.device)
         optimizers = trainer.optimizers
-        self.run = plan_model(
+        self.start_run(
             model,
             batch,
             self.loss_fn or training_step_loss(pl_module),
-            budget=self.budget,
-            strategy=self.strategy,
             precision=lightning_precision(trainer.precision),
             accumulation_steps=int(trainer.accumulate_grad_batches),
             optimizer=optimizers[0] if optimizers else None,
-            measure_memory=self.measure_memory,
+            scaler=getattr(trainer, "scaler", None),
         )
-        self.metrics = RunMetrics(self.run, getattr(trainer, "scaler", None), self.thresholds)
         self._observed_step = trainer.global_step
-        announce(self.run, self.verbose)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -206,10 +186,6 @@ class MemfitCallback(Callback):
             # One host sync per log step, for the loss check of the health table.
             loss = float(loss_from(outputs, "training_step").detach().float().item())
         pl_module.log_dict(self.metrics.log_metrics(loss=loss), on_step=True, on_epoch=False)
-
-    def health(self) -> list[HealthCheck]:
-        """The health checks of the last log step (empty before one)."""
-        return [] if self.metrics is None else list(self.metrics.checks)
 
 
 def _first_loader(loaders: Any) -> Any:

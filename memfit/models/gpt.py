@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.models.config_checks import check_dropout, check_positive_ints
 
 
 @dataclass
@@ -50,16 +51,12 @@ class GPTConfig:
     """Whether Linear and LayerNorm layers have biases."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        check_dropout(self)
 
 
 class CausalSelfAttention(nn.Module):

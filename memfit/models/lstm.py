@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.models.config_checks import check_dropout, check_positive_ints
 from memfit.models.gpt import lm_cross_entropy
 
 
@@ -46,12 +46,8 @@ class LSTMConfig:
     """Length of training sequences the batch functions make; the model accepts any length."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_embd", "hidden_size", "n_layer", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"LSTMConfig.{name} must be a positive int, got {value!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"LSTMConfig.dropout must be in [0, 1), got {self.dropout}")
+        check_positive_ints(self, ("vocab_size", "n_embd", "hidden_size", "n_layer", "seq_len"))
+        check_dropout(self)
 
 
 class LSTMLayer(nn.Module):

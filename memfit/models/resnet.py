@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.models.config_checks import check_positive_ints
 
 
 @dataclass
@@ -50,10 +51,7 @@ class ResNetConfig:
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
         self.blocks_per_stage = tuple(self.blocks_per_stage)
-        for name in ("num_classes", "in_channels", "image_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"ResNetConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("num_classes", "in_channels", "image_size"))
         if not self.widths or len(self.widths) != len(self.blocks_per_stage):
             raise ConfigError(
                 "ResNetConfig.widths and blocks_per_stage must be non-empty and of equal length, "

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.errors import ConfigError
-from memfit.precision.policy import PrecisionPolicy, resolve_mode
+from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import FP16_MAX
 
 if TYPE_CHECKING:
@@ -178,20 +178,12 @@ def _status(value: float, threshold: float | None, op: str) -> Status:
 
 @dataclass(frozen=True)
 class _Run:
-    """What every check reads: the metrics, the thresholds, the extra context, the mode."""
+    """What every check reads: the metrics, the thresholds, the extra context, the policy."""
 
     metrics: Mapping[str, Any]
     thresholds: HealthThresholds
     extra: Mapping[str, Any]
-    mode: str
-
-    @property
-    def fp16(self) -> bool:
-        return self.mode.startswith("fp16")
-
-    @property
-    def mixed(self) -> bool:
-        return self.mode != "fp32"
+    policy: PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -261,14 +253,14 @@ def _threshold(check: _Check, run: _Run) -> float | None:
 
 
 def _no_scaling(run: _Run) -> str | None:
-    if run.fp16:
+    if run.policy.loss_scaling:
         return None
-    return f"{run.mode} does not scale the loss: bf16 and fp32 share fp32's exponent range"
+    return f"{run.policy.mode} does not scale the loss: bf16 and fp32 share fp32's exponent range"
 
 
 def _keeps_fp32_range(what: str) -> Callable[[_Run], str | None]:
     def skip(run: _Run) -> str | None:
-        return None if run.fp16 else f"{run.mode} {what} keep fp32's range"
+        return None if run.policy.loss_scaling else f"{run.policy.mode} {what} keep fp32's range"
 
     return skip
 
@@ -326,7 +318,7 @@ def _activation_remedy(run: _Run) -> str:
 
 
 def _memory_share_remedy(run: _Run) -> str:
-    if run.mode.endswith("-master"):
+    if run.policy.master_weights:
         return (
             "most memory is fp32: the fp32 master copy and optimizer state dominate; use "
             "a larger micro-batch or shard the optimizer state (FSDP)"
@@ -403,7 +395,7 @@ _CHECKS: tuple[_Check, ...] = (
         threshold="min_low_precision_share",
         op=">=",
         percent=True,
-        skip=lambda run: None if run.mixed else "fp32 run: no 16-bit tensors expected",
+        skip=lambda run: None if run.policy.mixed else "fp32 run: no 16-bit tensors expected",
         remedy=_memory_share_remedy,
     ),
     # Recompute overhead: only meaningful when a checkpoint plan is in use.
@@ -453,12 +445,12 @@ def check_health(
         checks = check_health({"amp/overflow_rate": 0.02, "amp/scale": 1.0}, "fp16-mixed")
         [c.name for c in checks if c.status == "warn"]   # ["overflow rate", "loss scale"]
     """
-    mode = resolve_mode(precision.mode if isinstance(precision, PrecisionPolicy) else precision)
+    policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
     run = _Run(
         metrics=metrics,
         thresholds=thresholds if thresholds is not None else HealthThresholds(),
         extra=dict(extra or {}),
-        mode=mode,
+        policy=policy,
     )
     return [_evaluate(check, run) for check in _CHECKS]
 

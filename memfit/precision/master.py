@@ -25,6 +25,19 @@ from torch import nn
 from memfit.errors import ConfigError
 
 
+def holds_master_weights(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` already updates memfit's fp32 master weights (it belongs to an
+    Engine of a ``*-master`` mode): a second :class:`MasterWeights` cannot master them again.
+
+    Example::
+
+        holds_master_weights(torch.optim.SGD(model.parameters(), lr=0.1))   # False
+    """
+    return any(
+        getattr(p, "_memfit_master", False) for g in optimizer.param_groups for p in g["params"]
+    )
+
+
 class MasterWeights:
     """fp32 master copies of a model's trainable weights, owned by the optimizer.
 
@@ -51,13 +64,11 @@ class MasterWeights:
         fp32_params = {id(p) for m in model.modules() if keep_fp32(m) for p in m.parameters()}
         names = {id(p): n for n, p in model.named_parameters()}
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(
-            getattr(p, "_memfit_master", False) for g in optimizer.param_groups for p in g["params"]
-        ):
+        if holds_master_weights(optimizer):
             raise ConfigError(
                 "this optimizer already holds memfit master weights; build a new optimizer "
                 "over model.parameters() for each Engine (to continue the Engine that has "
-                "it from a checkpoint, call engine.load(path))"
+                "it from a saved state, call engine.load(path))"
             )
         foreign = [i for i in in_optimizer if i not in names]
         if foreign:
@@ -121,13 +132,13 @@ class MasterWeights:
         if missing:
             raise ConfigError(
                 f"master weights missing for {len(missing)} parameter(s), first {missing[0]!r}; "
-                "the checkpoint was saved from a different model or precision"
+                "the state was saved from a different model or precision"
             )
         for name, master in zip(self.names, self.masters):
             value = state[name]
             if value.shape != master.shape:
                 raise ConfigError(
-                    f"master weight {name!r} has shape {tuple(value.shape)} in the checkpoint "
+                    f"master weight {name!r} has shape {tuple(value.shape)} in the saved state "
                     f"but {tuple(master.shape)} in the model"
                 )
             master.copy_(value)
