@@ -1,4 +1,5 @@
-"""A budget the prediction cannot decide, decided by measuring the least plan's step."""
+"""A budget the prediction cannot decide, decided by measuring: the plan at the budget's edge, then
+the least plan."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import torch
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.costs import counted_times
-from memfit.checkpoint.measured_fit import MEASURE_MARGIN, judge_fit, measured_least_plan
+from memfit.checkpoint.measured_fit import (
+    MEASURE_MARGIN,
+    judge_fit,
+    measured_least_plan,
+    measured_plan,
+)
 from memfit.checkpoint.planner import RESERVE, profile_step, solve_profile
 from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
@@ -214,6 +220,9 @@ def test_one_judgement_of_a_measured_step_in_each_callers_terms() -> None:
     assert judge_fit(100.0, 98.0, 100.0, reserve=0.02, least_plan=True).action == "keep"
     # Not a least plan: over the budget is the prediction's miss, re-planned, not refused.
     assert judge_fit(100.0, 250.0, 200.0, tolerance=0.02).action == "replan"
+    # Over the budget by less than the tolerance (a plan at the budget's edge): re-planned.
+    edge = judge_fit(199.0, 201.0, 200.0, tolerance=0.02)
+    assert edge.action == "replan" and not edge.fits
 
 
 def test_solve_profile_leaves_the_solvers_solution_as_it_was(
@@ -244,3 +253,77 @@ def test_solve_profile_leaves_the_solvers_solution_as_it_was(
     assert solved and plan.budget_bytes is not None
     for solution, before in solved:
         assert solution == before
+
+
+def _gpt_profile() -> tuple:
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = memfit.Engine(model, optimizer, precision="fp32", log_every=10**9)
+    batch = batch_fn(8, generator=0)
+    engine.train_step(batch, loss_fn)  # the optimizer state exists from here on
+    policy = PrecisionPolicy.of("fp32")
+    profiled = profile_step(model, batch, loss_fn, policy)
+    # Counted costs: which plan is least depends on the model, not on this machine's speed.
+    profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
+    return model, optimizer, policy, profiled
+
+
+def test_a_budget_within_the_reserve_of_the_least_prediction_is_decided_by_measuring() -> None:
+    # The least plan is predicted within the budget, but not within the budget less the
+    # planner's reserve: no fixed reserve refuses it; the measured step decides.
+    model, optimizer, policy, profiled = _gpt_profile()
+    least = solve_profile(model, profiled, policy, optimizer, "full", None).plan
+    budget = int(least.predicted_peak_bytes / (1 - RESERVE / 2))
+    assert least.predicted_peak_bytes > budget * (1 - RESERVE)
+    result = solve_profile(model, profiled, policy, optimizer, "optimal", budget)
+    assert result.measured_peak_bytes is not None
+    assert result.measured_peak_bytes <= budget
+    assert any("measured" in note and "within it:" in note for note in result.plan.notes)
+    assert result.plan.recompute_flops <= least.recompute_flops
+
+
+def test_a_plan_predicted_at_the_edge_of_the_budget_is_measured_before_the_least() -> None:
+    # Between the least plan and the budget lies a plan that recomputes less: measured
+    # within the budget, it is chosen (not the least plan), and the Engine judges it as
+    # any plan, not as the least any plan reaches.
+    model, optimizer, policy, profiled = _gpt_profile()
+    root = with_backward_costs(profiled.root, model, policy)
+    least = solve_profile(model, profiled, policy, optimizer, "full", None)
+    frontier = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan.frontier
+    # The second least point of the frontier, as the budget: predicted within it exactly.
+    peaks = sorted({p.peak_bytes for p in frontier})
+    assert len(peaks) >= 2
+    budget = peaks[1]
+    fit = measured_plan(
+        model,
+        root,
+        least.memory,
+        policy,
+        "optimal",
+        budget,
+        profiled.run_loss,
+        profiled.structure,
+    )
+    assert fit is not None and fit.verdict.fits
+    assert not fit.least  # the edge plan, measured first and kept
+    assert fit.measured_peak_bytes <= budget
+    assert fit.solution.recompute_flops < least.plan.recompute_flops
+
+
+def test_a_budget_the_least_plan_measures_over_is_refused_with_the_measured_number() -> None:
+    model, optimizer, policy, profiled = _gpt_profile()
+    least = solve_profile(model, profiled, policy, optimizer, "full", None).plan
+    budget = int(least.predicted_peak_bytes * 0.97)  # within the margin: measured
+    root = with_backward_costs(profiled.root, model, policy)
+    mem = solve_profile(model, profiled, policy, optimizer, "full", None).memory
+    fit = measured_least_plan(
+        model, root, mem, policy, "optimal", budget, profiled.run_loss, profiled.structure
+    )
+    assert fit is not None
+    if fit.verdict.fits:  # the prediction was that far high: a byte below the measurement
+        budget = int(fit.measured_peak_bytes) - 1
+    with pytest.raises(BudgetError, match=r"Measured, the least plan's step peaked at .*\d bytes"):
+        solve_profile(model, profiled, policy, optimizer, "optimal", budget)

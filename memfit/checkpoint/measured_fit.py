@@ -1,18 +1,21 @@
 """A budget the prediction cannot decide, decided by a measurement.
 
-The cost model is an upper bound: on some models it predicts the least peak any plan
-reaches a few percent above what that plan measures (the zoo benchmark's table shows by
-how much). A budget between the two would be refused on the prediction although the
-least plan meets it. When the predicted least peak lies within :data:`MEASURE_MARGIN`
-above the budget, the planner runs that plan's forward and backward once on the example
-batch, measured by the allocator (:mod:`memfit.allocator`), and accepts the plan when
-the measured step fits: the same judgement the Engine's closed loop makes on its first
-planned step, made before training. No reserve is kept above a measurement: it is the
-allocator's count of the step itself (a training loop's own scalars, a few bytes such as
-the Engine's loss sum, come on top).
+The planner keeps a reserve (:data:`memfit.checkpoint.planner.RESERVE`) between a plan's
+predicted peak and the budget, for what the cost model leaves out; and the cost model is
+an upper bound that on some models predicts the least peak any plan reaches a few percent
+above what that plan measures. A budget at that edge would be refused on the prediction
+although a plan meets it. So when the prediction with the reserve refuses a budget and the
+predicted least peak lies within :data:`MEASURE_MARGIN` above it, :func:`measured_plan`
+measures instead: the plan predicted within the budget itself first, then the least plan,
+each by running its forward and backward once on the example batch under the allocator
+(:mod:`memfit.allocator`). A plan is accepted when its measured step fits; a budget is
+refused only when the least plan's measured step does not, and the error gives that
+number. No reserve is kept above a measurement: it is the allocator's count of the step
+itself (a training loop's own scalars, a few bytes such as the Engine's loss sum, come on
+top).
 
 Every judgement of a measured step is :func:`judge_fit`'s, returning a
-:class:`FitVerdict`: the planner's here (the least plan before training),
+:class:`FitVerdict`: the planner's here (before training),
 :func:`memfit.checkpoint.planner.check_plan` (a planned step against its prediction), the
 Engine's first planned step (:mod:`memfit.engine.plan_stage`) and the training-loop
 callbacks' measurement at train begin (:mod:`memfit.integrations.common`). Where they judge
@@ -105,8 +108,8 @@ def judge_fit(
       least plan the planner measured, the Engine's ``full`` fallback) and the step does
       not fit. Nothing else can fit the budget.
     * ``"replan"``: a budget and a ``tolerance`` are given and the step missed the
-      prediction by more than ``tolerance`` of it, either way. A plan made under the budget
-      is made again with the miss counted.
+      prediction by more than ``tolerance`` of it, either way, or did not fit the budget.
+      A plan made under the budget is made again with the miss counted.
     * ``"keep"``: otherwise.
 
     ``tolerance``: the share of the prediction a measurement may miss it by and still
@@ -126,21 +129,111 @@ def judge_fit(
     if least_plan and not fits:
         action = "refuse"
     elif tolerance is not None and budget is not None:
-        if abs(measured - predicted) > tolerance * predicted:
+        # Over the budget is a miss however small: the plan is made again with it counted.
+        if not fits or abs(measured - predicted) > tolerance * predicted:
             action = "replan"
     return FitVerdict(predicted, measured, budget, reserve, fits, action)
 
 
 @dataclass(frozen=True)
 class MeasuredFit:
-    """The least plan, with its step measured."""
+    """A plan whose step was measured because the prediction could not decide the budget."""
 
     solution: Solution
-    """The solver's least-peak plan (its prediction is the cost model's)."""
+    """The solver's plan (its prediction is the cost model's)."""
     measured_peak_bytes: float
     """The step's peak as measured: what the step holds whatever the plan (its static
     bytes as counted) plus the highest rise the allocator saw in forward and backward,
     and never below the optimizer step's."""
+    verdict: FitVerdict
+    """The measurement judged against the budget (:func:`judge_fit`)."""
+    least: bool
+    """Whether the plan is the least any plan reaches (over the budget, nothing fits it),
+    or the cheapest plan predicted within the budget itself (the edge, where the planner's
+    reserve would have refused it)."""
+
+
+def measured_plan(
+    model: nn.Module,
+    root: UnitCost,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    strategy: str,
+    budget_bytes: float,
+    run_loss: Callable[[], torch.Tensor],
+    structure: list[tuple[str, str]],
+    held_output_bytes: float = 0.0,
+    frontier: bool = True,
+    reserve: float = 0.0,
+    optimizer_params: list[torch.Tensor] | None = None,
+) -> MeasuredFit | None:
+    """The plan a measurement decides, for a budget the prediction with its reserve refused.
+
+    First the edge: the plan with the least recompute predicted within ``budget_bytes``
+    itself (no reserve: the measurement is what the reserve stood for). Its step is
+    measured; when it fits, it is the plan. Otherwise (or when no plan is predicted within
+    the budget) the least plan's step is measured, and returned whether it fits or not:
+    ``verdict.fits`` False is the measured refusal, with the number the error gives.
+    None when the predicted least peak lies more than :data:`MEASURE_MARGIN` above the
+    budget: no measurement is spent on a budget the prediction is far from.
+
+    ``run_loss()`` computes the profiled step's loss; it runs under the precision's
+    autocast, with the plan applied, and is differentiated. Gradients, buffers, modes,
+    the random state and the model's own plan are left as they were.
+    ``held_output_bytes``: the model's output when the training loop holds it through
+    backward (``run_loss`` lets it go once the loss is made), counted on top.
+    ``reserve``: the share of the budget kept free above a measurement (what a training
+    loop's own tensors may add; 0 from the planner). ``optimizer_params``: what the
+    optimizer steps (the fp32 masters in the ``*-master`` modes, which the model's
+    gradients are routed into): their gradients are cleared for the measurement and given
+    back after it, with every random generator's state.
+
+    Example::
+
+        fit = measured_plan(model, root, mem, policy, "optimal", budget, loss, structure)
+        if fit is not None and fit.verdict.fits: ...
+    """
+    held, loss = mem.held_bytes, mem.loss_bytes
+    least = _least_peak(root, mem, strategy)
+    if least > budget_bytes * (1 + MEASURE_MARGIN):
+        return None
+    if least <= budget_bytes:
+        edge = solve(root, strategy, budget_bytes, held, loss, reserve=0.0, frontier=frontier)
+        predicted = max(edge.predicted_peak_bytes, mem.optimizer_phase_bytes)
+        if predicted > least * (1 + 1e-9):  # not the least plan itself: measured below
+            peak = _measured_step(
+                model,
+                edge,
+                mem,
+                policy,
+                run_loss,
+                structure,
+                held_output_bytes,
+                optimizer_params,
+            )
+            verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve)
+            if verdict.fits:
+                return MeasuredFit(edge, peak, verdict, least=False)
+    return measured_least_plan(
+        model,
+        root,
+        mem,
+        policy,
+        strategy,
+        budget_bytes,
+        run_loss,
+        structure,
+        held_output_bytes=held_output_bytes,
+        frontier=frontier,
+        reserve=reserve,
+        optimizer_params=optimizer_params,
+    )
+
+
+def _least_peak(root: UnitCost, mem: StepMemory, strategy: str) -> float:
+    """The least peak any plan is predicted to reach (never below the optimizer step's)."""
+    walked = solve(root, strategy, None, mem.held_bytes, mem.loss_bytes, frontier=True)
+    return max(min(p.peak_bytes for p in walked.frontier), mem.optimizer_phase_bytes)
 
 
 def measured_least_plan(
@@ -157,25 +250,15 @@ def measured_least_plan(
     reserve: float = 0.0,
     optimizer_params: list[torch.Tensor] | None = None,
 ) -> MeasuredFit | None:
-    """The least plan when its measured step fits ``budget_bytes`` less the ``reserve``
-    share (what a training loop's own tensors and the allocator's slack may add to the
-    measured forward and backward), else None (:func:`judge_fit`'s ``"refuse"`` for the
-    least plan; also when its predicted peak lies more than :data:`MEASURE_MARGIN` above
-    the budget: no measurement is spent on a budget the prediction is far from).
-
-    ``run_loss()`` computes the profiled step's loss; it runs once, under the precision's
-    autocast, with the plan applied, and is differentiated. Gradients, buffers, modes,
-    the random state and the model's own plan are left as they were.
-    ``held_output_bytes``: the model's output when the training loop holds it through
-    backward (``run_loss`` lets it go once the loss is made), counted on top.
-    ``optimizer_params``: what the optimizer steps (the fp32 masters in the ``*-master``
-    modes, which the model's gradients are routed into): their gradients are cleared for
-    the measurement and given back after it, with every random generator's state.
+    """The least plan with its step measured, judged against ``budget_bytes``
+    (``verdict.action`` ``"refuse"`` when it does not fit: no plan does); None when its
+    predicted peak lies more than :data:`MEASURE_MARGIN` above the budget. The arguments
+    are :func:`measured_plan`'s.
 
     Example::
 
         fit = measured_least_plan(model, root, mem, policy, "optimal", budget, loss, structure)
-        if fit is not None and fit.measured_peak_bytes <= budget: ...
+        if fit is not None and fit.verdict.fits: ...
     """
     held, loss = mem.held_bytes, mem.loss_bytes
     walked = solve(root, strategy, None, held, loss, reserve=0.0, frontier=True)
@@ -187,7 +270,27 @@ def measured_least_plan(
     chosen = solve(
         root, strategy, least * (1 + 1e-9) + 1, held, loss, reserve=0.0, frontier=frontier
     )
-    plan = Plan.from_solution(chosen, precision=policy.mode, structure=structure)
+    peak = _measured_step(
+        model, chosen, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
+    )
+    # The least plan is measured: over the budget, no plan fits it.
+    verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve, least_plan=True)
+    return MeasuredFit(chosen, peak, verdict, least=True)
+
+
+def _measured_step(
+    model: nn.Module,
+    solution: Solution,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    run_loss: Callable[[], torch.Tensor],
+    structure: list[tuple[str, str]],
+    held_output_bytes: float,
+    optimizer_params: list[torch.Tensor] | None,
+) -> float:
+    """The peak of one step under ``solution``'s plan, the allocator's count of its forward
+    and backward on the example batch over the step's static bytes as counted."""
+    plan = Plan.from_solution(solution, precision=policy.mode, structure=structure)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     # Every tensor a backward writes gradients into: the model's parameters and, in the
@@ -229,9 +332,4 @@ def measured_least_plan(
     rise = peak.peak_bytes - peak.start_bytes
     static = mem.base_bytes - mem.workspace_bytes
     activations = static + mem.accumulated_grad_bytes + held_output_bytes + rise
-    measured = max(activations, mem.optimizer_phase_bytes)
-    # The least plan is measured: over the budget, no plan fits it.
-    verdict = judge_fit(predicted, measured, budget_bytes, reserve=reserve, least_plan=True)
-    if verdict.action == "refuse":
-        return None
-    return MeasuredFit(chosen, verdict.measured_bytes)
+    return max(activations, mem.optimizer_phase_bytes)

@@ -43,7 +43,7 @@ from memfit.checkpoint.measured_fit import (
     FitVerdict,
     MeasuredFit,
     judge_fit,
-    measured_least_plan,
+    measured_plan,
 )
 from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position, takes_output
 from memfit.checkpoint.plan import Plan
@@ -92,9 +92,13 @@ class PlanResult:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step it was planned for."""
     measured_peak_bytes: float | None = None
-    """Set when the budget was accepted on the least plan's measured step rather than on
-    the prediction (:mod:`memfit.checkpoint.measured_fit`): what that step measured. The
-    Engine then judges its first training step against the budget itself."""
+    """Set when the budget was accepted on the plan's measured step rather than on the
+    prediction (:mod:`memfit.checkpoint.measured_fit`): what that step measured."""
+    measured_is_least: bool = False
+    """The plan accepted on its measured step is the least any plan reaches: the Engine
+    then judges its first training step against the budget itself (over it, nothing
+    fits). A plan at the budget's edge is judged as any plan is, and made again when its
+    step does not fit."""
 
 
 @dataclass(frozen=True)
@@ -202,13 +206,20 @@ def solve_profile(
     except BudgetError as exc:
         if budget_bytes is None or parse_strategy(strategy)[0] != "optimal":
             raise
-        # The prediction is an upper bound only within the reserve (it has run 3% low on a
-        # ResNet): a budget it cannot decide is decided by measuring the least plan's step.
+        # A budget the prediction with its reserve cannot decide is decided by measuring:
+        # the plan predicted within the budget itself, then the least plan.
         fit = _measured_fit(
             model, profiled, root, mem, policy, strategy, budget_bytes, frontier, optimizer
         )
         if fit is None:
             raise exc from None
+        if not fit.verdict.fits:
+            raise BudgetError(
+                f"{exc} Measured, the least plan's step peaked at "
+                f"{format_bytes(fit.measured_peak_bytes)} ({fit.measured_peak_bytes:.0f} "
+                "bytes; the allocator's count of one forward and backward on the example "
+                "batch), over the budget too."
+            ) from None
         solution, measured_fit = fit.solution, fit
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
@@ -240,8 +251,9 @@ def solve_profile(
     )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
     if measured_fit is not None:
+        which = "the least plan's" if measured_fit.least else "the plan's"
         plan_.notes.append(
-            f"budget {format_bytes(budget_bytes)} is below the least plan's predicted peak, "
+            f"budget {format_bytes(budget_bytes)} is below {which} predicted peak, "
             f"{format_bytes(solution.predicted_peak_bytes)}, with the {RESERVE:.0%} reserve; "
             f"its step measured {format_bytes(measured_fit.measured_peak_bytes)} (the "
             "allocator's count of one "
@@ -258,6 +270,7 @@ def solve_profile(
         budget=budget,
         accumulation_steps=accumulation_steps,
         measured_peak_bytes=measured_fit.measured_peak_bytes if measured_fit else None,
+        measured_is_least=bool(measured_fit and measured_fit.least),
     )
 
 
@@ -272,10 +285,11 @@ def _measured_fit(
     frontier: bool,
     optimizer: torch.optim.Optimizer | None,
 ) -> MeasuredFit | None:
-    """The least plan, when the prediction refuses the budget but its measured step fits."""
+    """The plan a measurement decides when the prediction refuses the budget
+    (:func:`~memfit.checkpoint.measured_fit.measured_plan`), or None (not measured)."""
     if profiled.run_loss is None:
         return None
-    return measured_least_plan(
+    return measured_plan(
         model,
         root,
         mem,

@@ -58,9 +58,9 @@ def make_engine_plan(
         result = solve_profile(
             model, profiled, policy, optimizer, strategy, budget, accumulation_steps, False
         )
-        # A plan accepted on a measured forward and backward is judged again on the first
-        # whole training step, as the ``full`` fallback is.
-        verify = int(budget) if budget is not None and result.measured_peak_bytes else None
+        # The least plan accepted on a measured forward and backward is judged again on
+        # the first whole training step, as the ``full`` fallback is.
+        verify = int(budget) if budget is not None and result.measured_is_least else None
         return EnginePlan(result, verify)
     except BudgetError as exc:
         if strategy != "optimal" or budget is None:
