@@ -327,3 +327,76 @@ def test_a_budget_the_least_plan_measures_over_is_refused_with_the_measured_numb
         budget = int(fit.measured_peak_bytes) - 1
     with pytest.raises(BudgetError, match=r"Measured, the least plan's step peaked at .*\d bytes"):
         solve_profile(model, profiled, policy, optimizer, "optimal", budget)
+
+
+def test_a_plan_within_the_reserve_that_recomputes_less_is_chosen_on_its_measured_step() -> None:
+    # Two points of the frontier, the larger just inside the budget but not inside the
+    # budget less the reserve: the reserve alone would take the smaller (more recompute);
+    # measured within the budget, the larger is the plan.
+    model, optimizer, policy, profiled = _gpt_profile()
+    whole = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan
+    points = sorted(whole.frontier, key=lambda p: p.peak_bytes)
+    pairs = [
+        (low, high)
+        for low, high in zip(points, points[1:])
+        if high.recompute_flops < low.recompute_flops
+        and low.peak_bytes < high.peak_bytes * (1 - RESERVE)
+    ]
+    assert pairs, points
+    low, high = pairs[-1]
+    budget = high.peak_bytes / (1 - RESERVE / 2)
+    assert high.peak_bytes <= budget and high.peak_bytes > budget * (1 - RESERVE)
+    result = solve_profile(model, profiled, policy, optimizer, "optimal", int(budget) + 1)
+    assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
+    assert result.plan.recompute_flops == high.recompute_flops
+    assert any("measured" in note and "within it:" in note for note in result.plan.notes)
+    # Without the example step to run, the reserve decides: the plan recomputes more.
+    blind = dataclasses.replace(profiled, run_loss=None)
+    reserved = solve_profile(model, blind, policy, optimizer, "optimal", int(budget) + 1)
+    assert reserved.measured_peak_bytes is None
+    assert reserved.plan.recompute_flops > result.plan.recompute_flops
+
+
+def test_plans_tied_at_the_least_peak_are_not_refused_on_the_one_the_timing_picked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The least predicted peak is shared by several plans; measured time picks one. When it
+    # measures over the budget, per-block 'full' checkpointing is measured before refusing.
+    import memfit.checkpoint.measured_fit as measured_fit
+
+    model, optimizer, policy, profiled = _gpt_profile()
+    root = with_backward_costs(profiled.root, model, policy)
+    full = solve_profile(model, profiled, policy, optimizer, "full", None)
+    budget = full.plan.predicted_peak_bytes * 1.02
+    solve, measure = measured_fit.solve, measured_fit._measured_step
+    peaks = sorted({p.peak_bytes for p in full.plan.frontier})
+
+    def tie_broken_elsewhere(root_, strategy, budget_, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if strategy == "optimal" and budget_ is not None:
+            # Stands for another plan of the same predicted peak: one that recomputes less.
+            budget_ = max(budget_, peaks[1] if len(peaks) > 1 else budget_ * 2)
+        return solve(root_, strategy, budget_, *args, **kwargs)
+
+    seen: list[bool] = []
+
+    def measured(model_, solution, *args):  # type: ignore[no-untyped-def]
+        is_full = solution.decisions == full.plan.decisions
+        seen.append(is_full)
+        return measure(model_, solution, *args) if is_full else budget * 1.01
+
+    monkeypatch.setattr(measured_fit, "solve", tie_broken_elsewhere)
+    monkeypatch.setattr(measured_fit, "_measured_step", measured)
+    fit = measured_least_plan(
+        model,
+        root,
+        full.memory,
+        policy,
+        "optimal",
+        budget,
+        profiled.run_loss,
+        profiled.structure,
+    )
+    assert fit is not None
+    assert seen == [False, True]  # the timing's pick over the budget, then 'full'
+    assert fit.solution.decisions == full.plan.decisions
+    assert fit.least and fit.verdict.fits and fit.measured_peak_bytes <= budget

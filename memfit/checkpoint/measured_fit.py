@@ -275,7 +275,61 @@ def measured_least_plan(
     )
     # The least plan is measured: over the budget, no plan fits it.
     verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve, least_plan=True)
+    if verdict.fits:
+        return MeasuredFit(chosen, peak, verdict, least=True)
+    # Plans tied at the least predicted peak can measure differently (a selective unit the
+    # model under-predicts), and the tie is broken by measured time: every unit recomputed,
+    # per-block checkpointing as users write it, is measured too before refusing.
+    full = solve(root, "full", None, held, loss, reserve=0.0, frontier=False)
+    if full.decisions == chosen.decisions:
+        return MeasuredFit(chosen, peak, verdict, least=True)
+    full_peak = _measured_step(
+        model, full, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
+    )
+    full_predicted = max(full.predicted_peak_bytes, mem.optimizer_phase_bytes)
+    full_verdict = judge_fit(
+        full_predicted, full_peak, budget_bytes, reserve=reserve, least_plan=True
+    )
+    if full_verdict.fits or full_peak < peak:
+        return MeasuredFit(full, full_peak, full_verdict, least=True)
     return MeasuredFit(chosen, peak, verdict, least=True)
+
+
+def measured_within_reserve(
+    model: nn.Module,
+    root: UnitCost,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    strategy: str,
+    budget_bytes: float,
+    reserved: Solution,
+    run_loss: Callable[[], torch.Tensor],
+    structure: list[tuple[str, str]],
+    held_output_bytes: float = 0.0,
+    frontier: bool = True,
+    optimizer_params: list[torch.Tensor] | None = None,
+) -> MeasuredFit | None:
+    """A plan that recomputes less than ``reserved`` (the plan solved within the budget
+    less the planner's reserve), predicted within the budget itself, when its measured step
+    fits; else None. The reserve is what the measurement replaces: at a peer's memory the
+    plan recomputes no more than the prediction allows, not 2% less than that.
+
+    Example::
+
+        fit = measured_within_reserve(model, root, mem, policy, "optimal", budget, solution,
+                                      loss, structure)
+        solution = fit.solution if fit is not None else solution
+    """
+    held, loss = mem.held_bytes, mem.loss_bytes
+    edge = solve(root, strategy, budget_bytes, held, loss, reserve=0.0, frontier=frontier)
+    if edge.recompute_seconds >= reserved.recompute_seconds or edge.decisions == reserved.decisions:
+        return None
+    peak = _measured_step(
+        model, edge, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
+    )
+    predicted = max(edge.predicted_peak_bytes, mem.optimizer_phase_bytes)
+    verdict = judge_fit(predicted, peak, budget_bytes)
+    return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
 
 
 def _measured_step(

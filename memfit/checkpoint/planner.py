@@ -38,12 +38,12 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
-from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.measured_fit import (
     FitVerdict,
     MeasuredFit,
     judge_fit,
     measured_plan,
+    measured_within_reserve,
 )
 from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position, takes_output
 from memfit.checkpoint.plan import Plan
@@ -208,9 +208,12 @@ def solve_profile(
             raise
         # A budget the prediction with its reserve cannot decide is decided by measuring:
         # the plan predicted within the budget itself, then the least plan.
-        fit = _measured_fit(
-            model, profiled, root, mem, policy, strategy, budget_bytes, frontier, optimizer
-        )
+        measuring = _measuring(profiled, optimizer)
+        fit = None
+        if measuring is not None:
+            fit = measured_plan(
+                model, root, mem, policy, strategy, budget_bytes, frontier=frontier, **measuring
+            )
         if fit is None:
             raise exc from None
         if not fit.verdict.fits:
@@ -221,6 +224,26 @@ def solve_profile(
                 "batch), over the budget too."
             ) from None
         solution, measured_fit = fit.solution, fit
+    else:
+        if budget_bytes is not None and parse_strategy(strategy)[0] == "optimal":
+            # Between the budget less the reserve and the budget may lie a plan that
+            # recomputes less: its measured step decides, not the reserve.
+            measuring = _measuring(profiled, optimizer)
+            cheaper = None
+            if measuring is not None:
+                cheaper = measured_within_reserve(
+                    model,
+                    root,
+                    mem,
+                    policy,
+                    strategy,
+                    budget_bytes,
+                    solution,
+                    frontier=frontier,
+                    **measuring,
+                )
+            if cheaper is not None:
+                solution, measured_fit = cheaper.solution, cheaper
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
     counted = plan_cost(
@@ -274,36 +297,22 @@ def solve_profile(
     )
 
 
-def _measured_fit(
-    model: nn.Module,
-    profiled: ModelProfile,
-    root: UnitCost,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
-    strategy: str,
-    budget_bytes: float,
-    frontier: bool,
-    optimizer: torch.optim.Optimizer | None,
-) -> MeasuredFit | None:
-    """The plan a measurement decides when the prediction refuses the budget
-    (:func:`~memfit.checkpoint.measured_fit.measured_plan`), or None (not measured)."""
+def _measuring(
+    profiled: ModelProfile, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any] | None:
+    """What a measured plan (:mod:`memfit.checkpoint.measured_fit`) runs: the profiled
+    step, its structure, the output a loop holds and what the optimizer steps; None
+    without a step to run."""
     if profiled.run_loss is None:
         return None
-    return measured_plan(
-        model,
-        root,
-        mem,
-        policy,
-        strategy,
-        budget_bytes,
-        profiled.run_loss,
-        profiled.structure,
-        held_output_bytes=profiled.output_bytes if profiled.output_held else 0.0,
-        frontier=frontier,
-        optimizer_params=(
+    return {
+        "run_loss": profiled.run_loss,
+        "structure": profiled.structure,
+        "held_output_bytes": profiled.output_bytes if profiled.output_held else 0.0,
+        "optimizer_params": (
             [p for g in optimizer.param_groups for p in g["params"]] if optimizer else None
         ),
-    )
+    }
 
 
 def planned_step_verdict(
