@@ -13,7 +13,7 @@ import re
 from memfit.checkpoint.costs import KEEP, RECOMPUTE
 from memfit.checkpoint.solvers import messages
 from memfit.checkpoint.solvers.nodes import Chains, FlatUnit
-from memfit.checkpoint.solvers.plan_cost import NodePlan, Segments
+from memfit.checkpoint.solvers.plan_cost import NodePlan, PlanCost, PlanKey, Segments
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import BudgetError, ConfigError
 
@@ -129,17 +129,29 @@ def family(
     k: int | None,
     room: float | None,
     loss: float,
+    costs: dict[PlanKey, PlanCost] | None = None,
 ) -> list[NodePlan]:
     """Evaluated plans of a fixed strategy: all blocks when ``room`` (bytes above static)
     is None, else a bisection for the fewest blocks, in forward order, that
-    fit in it (the time only grows with the count; the peak mostly falls)."""
+    fit in it (the time only grows with the count; the peak mostly falls).
+
+    ``costs``: plans' costs by :meth:`NodePlan.key`, kept between calls and added to, so
+    that a plan is evaluated once (strategies often make the same plans: all of them
+    recompute block by block outside sequential units, and the optimal solver asks for
+    the same strategies under many caps)."""
     total = sum(len(b) for _, b in chains)
     tried: dict[int, NodePlan] = {}
 
     def at(count: int) -> NodePlan:
         if count not in tried:
             plan = family_plan(nodes, chains, name, k, count)
-            plan.evaluated(nodes)
+            if costs is None:
+                plan.evaluated(nodes)
+            else:
+                key = plan.key()
+                if key not in costs:
+                    costs[key] = plan.evaluated(nodes)
+                plan.cost = costs[key]
             tried[count] = plan
         return tried[count]
 

@@ -44,10 +44,13 @@ def pareto(points: list[tuple[float, float, float]]) -> list[tuple[float, float,
     return out
 
 
+#: One choice: ``(kind, unit, start, end)``: ``kind`` is ``RECOMPUTE`` or ``SELECTIVE``
+#: (``unit`` recomputed; start = end = 0) or SEGMENT (children ``start..end`` of ``unit``).
+Step = tuple[str, int, int, int]
 #: A point's choices, a linked list for reconstruction: None (nothing recomputed yet), or
-#: ``(previous, kind, unit, start, end)``: ``kind`` is ``RECOMPUTE`` or ``SELECTIVE`` (``unit``
-#: recomputed; start = end = 0) or SEGMENT (children ``start..end`` of ``unit``).
-Steps = tuple["Steps", str, int, int, int] | None
+#: ``(previous, step)`` (a pair, not the step spread out: the walk makes one for every point
+#: of every piece, and all the points of one piece share its step).
+Steps = tuple["Steps", Step] | None
 SEGMENT = "segment"
 
 
@@ -69,10 +72,11 @@ class Point(NamedTuple):
 # Point's fields by index, for the inner loops over plain tuples.
 KEPT, SECONDS, FLOPS, REBUILD, STEPS = range(len(Point._fields))
 
-#: Sort keys: by kept bytes, then time (then FLOPs, then the highest rebuild), or then the
-#: highest rebuild (for the least-peak walk). Both leave the steps out.
-BY_TIME = itemgetter(KEPT, SECONDS, FLOPS, REBUILD)
-BY_REBUILD = itemgetter(KEPT, REBUILD, SECONDS, FLOPS)
+#: The orders frontiers are pruned in: by kept bytes, then by these keys: time (then FLOPs,
+#: then the highest rebuild), or the highest rebuild (then time, then FLOPs) in the
+#: least-peak walk. Both leave the steps out.
+TIME_TIES = itemgetter(SECONDS, FLOPS, REBUILD)
+REBUILD_TIES = itemgetter(REBUILD, SECONDS, FLOPS)
 
 #: The point walks start from: nothing kept, nothing recomputed.
 START = Point(0.0, 0.0, 0.0, 0.0, None)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import PlanError
@@ -136,27 +137,39 @@ class FlatUnit:
         self.backward_hold_bytes = float(unit.backward_hold_bytes)
         # For a chain: range maxima of the children's backward holds (a sparse table:
         # row r holds the maxima of 2**r children from each position).
-        self.child_backward_hold_table: list[list[float]] = []
+        self.child_backward_hold_table: Sequence[Sequence[float]] = ()
         # What a kernel of its forward holds for itself (a rebuild holds it too), and the
         # children's, for segments.
         self.forward_workspace_bytes = float(unit.forward_workspace_bytes)
-        self.child_forward_workspace_table: list[list[float]] = []
+        self.child_forward_workspace_table: Sequence[Sequence[float]] = ()
         # For a chain (a sequential unit with two or more children), per child position:
         # sums over the children before it (``*_before``, one entry more than children),
         # and what it and they cost as a rebuild ending with it (``*_through``). Segment
         # i..j costs rebuild_seconds_through[j] - forward_seconds_before[i]: the children's
-        # whole forwards, but the last one's tail is skipped.
-        self.saved_before: list[float] = []
-        self.rebuilt_before: list[float] = []
-        self.forward_seconds_before: list[float] = []
-        self.forward_flops_before: list[float] = []
-        self.rebuild_seconds_through: list[float] = []
-        self.rebuild_flops_through: list[float] = []
-        self.child_grads_from_bytes: list[float] = []
-        self.child_input_bytes: list[float] = []
-        self.child_input_saved_bytes: list[float] = []
+        # whole forwards, but the last one's tail is skipped. Other units leave them empty
+        # (shared empty tuples: a tree has thousands of units, and a list apiece would make
+        # work for the garbage collector).
+        self.saved_before: Sequence[float] = ()
+        self.rebuilt_before: Sequence[float] = ()
+        self.forward_seconds_before: Sequence[float] = ()
+        self.forward_flops_before: Sequence[float] = ()
+        self.rebuild_seconds_through: Sequence[float] = ()
+        self.rebuild_flops_through: Sequence[float] = ()
+        self.child_grads_from_bytes: Sequence[float] = ()
+        self.child_input_bytes: Sequence[float] = ()
+        self.child_input_saved_bytes: Sequence[float] = ()
         # run_start[j]: the first child of the run of recomputable children ending at j.
-        self.run_start: list[int] = []
+        self.run_start: Sequence[int] = ()
+
+    def shape(self, offset: int) -> tuple:
+        """Every field but the index and the name, units numbered from ``offset``: equal
+        for units alike (children included) at the same place in subtrees alike."""
+        return (
+            _numbers_of(self),
+            tuple(c - offset for c in self.children),
+            *map(tuple, _lists_of(self)),
+            *(tuple(map(tuple, table)) for table in _tables_of(self)),
+        )
 
     def segment_hold_bytes(self, i: int, j: int) -> float:
         """What a rebuild of children ``i..j`` as one segment holds above what is kept
@@ -190,6 +203,30 @@ class FlatUnit:
     def is_chain(self) -> bool:
         """Sequential with two or more children: segments of them are allowed."""
         return self.sequential and len(self.children) >= 2
+
+
+# FlatUnit's fields by kind, for its shape (the index and the name left out).
+_LIST_SLOTS = (
+    "saved_before",
+    "rebuilt_before",
+    "child_grads_from_bytes",
+    "forward_seconds_before",
+    "forward_flops_before",
+    "rebuild_seconds_through",
+    "rebuild_flops_through",
+    "run_start",
+    "child_input_bytes",
+    "child_input_saved_bytes",
+)
+_TABLE_SLOTS = ("child_backward_hold_table", "child_forward_workspace_table")
+_NUMBER_SLOTS = tuple(
+    name
+    for name in FlatUnit.__slots__
+    if name not in ("index", "name", "children", *_LIST_SLOTS, *_TABLE_SLOTS)
+)
+_numbers_of = attrgetter(*_NUMBER_SLOTS)
+_lists_of = attrgetter(*_LIST_SLOTS)
+_tables_of = attrgetter(*_TABLE_SLOTS)
 
 
 def rebuild_hold(
@@ -281,10 +318,12 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
                 [k.forward_workspace_bytes for k in kids]
             )
             start = 0
+            run_start = []
             for j, kid in enumerate(kids):
                 if not kid.can_recompute:
                     start = j + 1
-                node.run_start.append(min(start, j))
+                run_start.append(min(start, j))
+            node.run_start = run_start
     return nodes
 
 

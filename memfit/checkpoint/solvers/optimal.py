@@ -14,7 +14,7 @@ from memfit.checkpoint.solvers import limits, messages
 from memfit.checkpoint.solvers.blocks import by_blocks
 from memfit.checkpoint.solvers.fixed import family, family_plan
 from memfit.checkpoint.solvers.nodes import Chains, FlatUnit, find_chains
-from memfit.checkpoint.solvers.plan_cost import NodePlan, evaluate_nodes
+from memfit.checkpoint.solvers.plan_cost import NodePlan, PlanCost, PlanKey, evaluate_nodes
 from memfit.checkpoint.solvers.search import Search
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import BudgetError
@@ -23,12 +23,15 @@ from memfit.errors import BudgetError
 _SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("uniform", 8))
 
 
-def _seed(nodes: list[FlatUnit], chains: Chains, cap: float, loss: float) -> NodePlan | None:
-    """The cheapest fixed-strategy plan within ``cap`` above static, or None."""
+def _seed(
+    nodes: list[FlatUnit], chains: Chains, cap: float, loss: float, costs: dict[PlanKey, PlanCost]
+) -> NodePlan | None:
+    """The cheapest fixed-strategy plan within ``cap`` above static, or None. ``costs``:
+    the solve's plans evaluated so far (see :func:`family`)."""
     fits = [
         plan
         for name, k in _SEEDS
-        for plan in family(nodes, chains, name, k, cap, loss)
+        for plan in family(nodes, chains, name, k, cap, loss, costs)
         if plan.peak(nodes, loss) <= cap
     ]
     return min(fits, key=lambda p: p.evaluated(nodes).seconds, default=None)
@@ -47,6 +50,7 @@ def solve_optimal(
     frontier when ``frontier``."""
     search = Search(nodes, loss)
     chains = find_chains(nodes)
+    costs: dict[PlanKey, PlanCost] = {}  # the fixed strategies' plans, evaluated once
 
     def bound() -> float:
         # A bound for the least-peak search: the smallest peak of the fixed strategies.
@@ -60,7 +64,7 @@ def solve_optimal(
         chosen = search.none
     else:
         room = budget - static
-        found = search.cheapest(room, _seed(nodes, chains, room, loss))
+        found = search.cheapest(room, _seed(nodes, chains, room, loss, costs))
         least = None
         if found is None:
             least = search.least_peak(bound())[0]
@@ -85,7 +89,7 @@ def solve_optimal(
                     if other.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
                         chosen = other
     exact = search.exact
-    walked = _frontier_plans(search, chains, bound()) if frontier else []
+    walked = _frontier_plans(search, chains, bound(), costs) if frontier else []
     sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
     if budget is None:
         sol.note = messages.NO_BUDGET
@@ -151,7 +155,9 @@ def polish(nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float) -> No
     return plan
 
 
-def _frontier_plans(search: Search, chains: Chains, bound: float) -> list[NodePlan]:
+def _frontier_plans(
+    search: Search, chains: Chains, bound: float, costs: dict[PlanKey, PlanCost]
+) -> list[NodePlan]:
     """Plans on the (peak, time) frontier: walked point by point from the no-checkpoint
     end (each pass finds the cheapest plan below the last one's peak), then sampled at
     evenly spread caps down to the least peak when the walk is long."""
@@ -162,7 +168,7 @@ def _frontier_plans(search: Search, chains: Chains, bound: float) -> list[NodePl
     steps = limits.STAIRCASE if len(nodes) > limits.SMALL_TREE else math.inf
     while steps > 0 and search.exact:
         steps -= 1
-        found = search.cheapest(cap, _seed(nodes, chains, cap, loss))
+        found = search.cheapest(cap, _seed(nodes, chains, cap, loss, costs))
         if found is None:
             return plans
         plans.append(found)
@@ -177,7 +183,7 @@ def _frontier_plans(search: Search, chains: Chains, bound: float) -> list[NodePl
     count = limits.SAMPLED
     for q in range(count + 1):
         at = least + (cap - least) * q / count
-        found = search.cheapest(at, _seed(nodes, chains, at, loss))
+        found = search.cheapest(at, _seed(nodes, chains, at, loss, costs))
         if found is not None:
             plans.append(found)
     return plans

@@ -13,6 +13,9 @@ from memfit.errors import PlanError
 Segments = dict[int, list[tuple[int, int]]]
 """Per sequential unit's index, the inclusive child ranges checkpointed as one piece."""
 
+PlanKey = tuple[tuple[Decision, ...], tuple[tuple[int, tuple[tuple[int, int], ...]], ...]]
+"""A plan's decisions and segments as a dictionary key (see :meth:`NodePlan.key`)."""
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -62,6 +65,10 @@ class NodePlan:
     def peak(self, nodes: list[FlatUnit], loss: float) -> float:
         """Peak above static: the end of forward or the highest rebuild."""
         return self.evaluated(nodes).peak(loss)
+
+    def key(self) -> PlanKey:
+        """The decisions and segments, hashable: equal for plans that decide alike."""
+        return tuple(self.decision), tuple((u, tuple(r)) for u, r in self.segs.items())
 
     @classmethod
     def keep_all(cls, nodes: list[FlatUnit]) -> NodePlan:
@@ -121,8 +128,17 @@ def evaluate_nodes(
         # backward frees them before it reaches any child (added after the children).
         k += node.own_saved_bytes - node.own_saved_after_children_bytes
         high, secs, flops = 0.0, 0.0, 0.0
-        ends = dict(segs.get(u, ()))
         kids = node.children
+        if not kids:  # a leaf (most units): no segments, no children to walk
+            k += node.own_saved_after_children_bytes
+            # A kept unit without children runs backward while all it and the units before
+            # it keep are held (those after it are freed by then), with what that backward
+            # makes.
+            if node.backward_hold_bytes:
+                high = max(high, k + node.backward_hold_bytes)
+            return k, high, secs, flops, False
+        ranges = segs.get(u)
+        ends = dict(ranges) if ranges else {}
         pos = 0
         after_piece = False  # the sibling before ended a recomputed piece
         while pos < len(kids):
@@ -157,10 +173,6 @@ def evaluate_nodes(
             high, secs, flops = max(high, h), secs + s, flops + f
             pos += 1
         k += node.own_saved_after_children_bytes
-        # A kept unit without children runs backward while all it and the units before it
-        # keep are held (those after it are freed by then), with what that backward makes.
-        if node.backward_hold_bytes and not kids:
-            high = max(high, k + node.backward_hold_bytes)
         return k, high, secs, flops, after_piece
 
     return PlanCost(*visit(0, 0.0, 0.0)[:4])

@@ -11,19 +11,23 @@ cap, exactly.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from itertools import islice
+from operator import itemgetter
 
 from memfit.checkpoint.costs import KEEP, RECOMPUTE, SELECTIVE
 from memfit.checkpoint.solvers import limits
 from memfit.checkpoint.solvers.frontier import (
-    BY_REBUILD,
-    BY_TIME,
     FLOPS,
     KEPT,
     REBUILD,
+    REBUILD_TIES,
     SECONDS,
     SEGMENT,
     START,
+    TIME_TIES,
     Point,
+    Step,
     Steps,
     named,
 )
@@ -48,6 +52,11 @@ def least_kept(nodes: list[FlatUnit]) -> Bounds:
     return low, keep_low
 
 
+# A point's kept bytes: frontiers are sorted by them, so a cap on them cuts a frontier at
+# one place, found by bisection.
+_KEPT_OF = itemgetter(KEPT)
+
+
 class TooLarge(Exception):
     """An exact pass outgrew its work limit; the approximate passes take over."""
 
@@ -69,8 +78,8 @@ class Pass:
     ``seconds`` (the time of a plan already known to fit).
 
     Frontiers are lists of points, plain tuples laid out as ``Point`` (see the frontier
-    module); the loops below unpack them as ``k, s, f, h, ref``: kept bytes, seconds,
-    FLOPs, highest rebuild, steps.
+    module), sorted by kept bytes; the loops below unpack them as ``k, s, f, h, ref``: kept
+    bytes, seconds, FLOPs, highest rebuild, steps.
     """
 
     def __init__(
@@ -104,22 +113,7 @@ class Pass:
     def prune(self, points: list) -> list:
         """Sort by kept bytes and drop dominated points (thin them past the work limit)."""
         self.work -= len(points)
-        out: list = []
-        append = out.append
-        if self.least_peak:
-            points.sort(key=BY_REBUILD)
-            best = math.inf
-            for p in points:
-                if p[REBUILD] < best:
-                    append(p)
-                    best = p[REBUILD]
-        else:
-            points.sort(key=BY_TIME)
-            best_s = best_f = math.inf
-            for p in points:
-                if p[SECONDS] < best_s or (p[SECONDS] == best_s and p[FLOPS] < best_f):
-                    append(p)
-                    best_s, best_f = p[SECONDS], p[FLOPS]
+        out = _least_rebuilds(points) if self.least_peak else _fastest(points)
         if self.thin:
             return self.thinned(out, limits.THIN_POINTS)
         if self.work < 0:
@@ -136,10 +130,16 @@ class Pass:
         low, high = points[0][KEPT], points[-1][KEPT]
         width = (high - low) / count or 1.0
         out = [points[0]]
-        for p, q in zip(points[1:], points[2:], strict=False):
-            if (q[KEPT] - low) // width != (p[KEPT] - low) // width:
-                out.append(p)
-        out.append(points[-1])
+        append = out.append
+        # A point is the last of its slice when the next one lies in another.
+        p = points[1]
+        slice_p = (p[KEPT] - low) // width
+        for q in islice(points, 2, None):
+            slice_q = (q[KEPT] - low) // width
+            if slice_q != slice_p:
+                append(p)
+            p, slice_p = q, slice_q
+        append(points[-1])
         return out
 
     def rebuilt(
@@ -150,32 +150,29 @@ class Pass:
         secs: float,
         flops: float,
         limit: float,
-        how: tuple[str, int, int, int],
+        how: Step,
     ) -> list:
         """The frontier after a recomputed piece that keeps ``add`` bytes and, when rebuilt,
         holds ``rebuild`` bytes above what was kept before it. ``how``: the step's kind,
         unit, start and end."""
-        out = []
-        append = out.append
         top = min(self.cap - rebuild, limit - add)
-        if self.least_peak:
-            for k, s, f, h, ref in frontier:  # by increasing k: stop at the first that fails
-                if k > top:
-                    break
-                high = k + rebuild
-                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
-            return out
+        # By increasing k: the points up to the first that keeps more than ``top``.
+        cut = bisect_right(frontier, top, key=_KEPT_OF)
+        points = frontier if cut == len(frontier) else frontier[:cut]
         # By time, the cap is checked as the walk goes; the highest rebuild is carried to
         # break ties: of two plans as fast with as much kept, the one whose rebuilds peak
         # lower (pieces earlier in the step) sorts first and is the one kept.
         slowest = self.seconds - secs
-        for k, s, f, h, ref in frontier:
-            if k > top:
-                break
-            if s <= slowest:
-                high = k + rebuild
-                append((k + add, s + secs, f + flops, h if h > high else high, (ref, *how)))
-        return out
+        if self.least_peak or slowest == math.inf:  # no plan known to fit: none too slow
+            return [
+                (k + add, s + secs, f + flops, h if h > (high := k + rebuild) else high, (ref, how))
+                for k, s, f, h, ref in points
+            ]
+        return [
+            (k + add, s + secs, f + flops, h if h > (high := k + rebuild) else high, (ref, how))
+            for k, s, f, h, ref in points
+            if s <= slowest
+        ]
 
     # -- the walk
 
@@ -217,7 +214,11 @@ class Pass:
         own = node.own_saved_bytes - tail
         top = limit - self.keep_low[u]
         source = frontier if keep_in is None else keep_in
-        kept = [(k + own, s, f, h, r) for k, s, f, h, r in source if k <= top]
+        cut = bisect_right(source, top, key=_KEPT_OF)
+        if own:
+            kept = [(k + own, s, f, h, r) for k, s, f, h, r in islice(source, cut)]
+        else:  # k + 0.0 is k: the points themselves
+            kept = source[:cut]
         inner_ended: list = []
         if kept and node.children:
             if node.is_chain():
@@ -243,14 +244,11 @@ class Pass:
     def held_through(self, frontier: list, hold: float) -> list:
         """``frontier`` after a kept unit whose own backward holds ``hold`` bytes above
         what is kept through it: points over the cap dropped, the highest rebuild raised."""
-        top = self.cap - hold
-        out = []
-        for k, s, f, h, ref in frontier:
-            if k > top:
-                continue
-            high = k + hold
-            out.append((k, s, f, h if h > high else high, ref))
-        return out
+        cut = bisect_right(frontier, self.cap - hold, key=_KEPT_OF)
+        return [
+            (k, s, f, h if h > (high := k + hold) else high, ref)
+            for k, s, f, h, ref in islice(frontier, cut)
+        ]
 
     def boundary(self, ended: list, kept: list, nxt: int | None) -> tuple[list, list]:
         """(all, keep_in) before sibling ``nxt``: when a piece ended just before it and
@@ -339,12 +337,71 @@ class Pass:
         return [], before[-1]
 
 
+def _fastest(points: list) -> list:
+    """The points that no point keeping as little beats in (seconds, FLOPs), by increasing
+    kept bytes, sorted by kept bytes and TIME_TIES. The sort is by kept bytes alone
+    (floats compare faster than tuples): of the points that keep as much, only the first
+    by TIME_TIES can be kept, and it is found as the scan passes them."""
+    out: list = []
+    if not points:
+        return out
+    append = out.append
+    points.sort(key=_KEPT_OF)
+    best_s = best_f = math.inf
+    rest = iter(points)
+    pick = next(rest)  # of the points that keep as much as it, the first by TIME_TIES
+    pick_k = pick[KEPT]
+    for p in rest:
+        k = p[KEPT]
+        if k == pick_k:
+            if TIME_TIES(p) < TIME_TIES(pick):
+                pick = p
+            continue
+        s = pick[SECONDS]
+        if s < best_s or (s == best_s and pick[FLOPS] < best_f):
+            append(pick)
+            best_s = s
+            best_f = pick[FLOPS]
+        pick, pick_k = p, k
+    s = pick[SECONDS]
+    if s < best_s or (s == best_s and pick[FLOPS] < best_f):
+        append(pick)
+    return out
+
+
+def _least_rebuilds(points: list) -> list:
+    """The points that no point keeping as little beats in highest rebuild, by increasing
+    kept bytes, sorted by kept bytes and REBUILD_TIES (as :func:`_fastest`)."""
+    out: list = []
+    if not points:
+        return out
+    append = out.append
+    points.sort(key=_KEPT_OF)
+    best = math.inf
+    rest = iter(points)
+    pick = next(rest)  # of the points that keep as much as it, the first by REBUILD_TIES
+    pick_k = pick[KEPT]
+    for p in rest:
+        k = p[KEPT]
+        if k == pick_k:
+            if REBUILD_TIES(p) < REBUILD_TIES(pick):
+                pick = p
+            continue
+        if pick[REBUILD] < best:
+            append(pick)
+            best = pick[REBUILD]
+        pick, pick_k = p, k
+    if pick[REBUILD] < best:
+        append(pick)
+    return out
+
+
 def rebuild_plan(nodes: list[FlatUnit], steps: Steps) -> NodePlan:
     """The plan a point's steps make."""
     decision = [KEEP] * len(nodes)
     segs: Segments = {}
     while steps is not None:
-        steps, kind, u, i, j = steps
+        steps, (kind, u, i, j) = steps
         if kind == SEGMENT:
             segs.setdefault(u, []).append((i, j))
         else:
