@@ -6,10 +6,12 @@ equal and irregular layers; a plain chain of 1,000 irregular layers; a GPT-like 
 1,000 blocks x 19 units), at budgets of 40% and 70% of the unplanned peak, and prints the
 median of ``--rounds`` solves each, for two solves:
 
-* **plan**: the solve ``plan()`` makes, frontier included;
+* **plan**: the solve ``plan()`` makes with a budget: the planner's reserve kept, frontier
+  included, and the cheaper plan within the reserve (``edge=True``) that a measured step
+  may accept;
 * **re-plan**: the solve the Engine's closed loop makes when the first planned step
   measured more than predicted: the same tree and budget, the step memory corrected up by
-  2% of the unplanned peak, without the frontier.
+  2% of the unplanned peak, without the frontier (the edge still looked for).
 
 docs/planner.md quotes it.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from memfit.checkpoint.planner import RESERVE  # noqa: E402
 from memfit.checkpoint.solvers import solve  # noqa: E402
 
 from cost_trees import flat_chain, gpt_like  # noqa: E402
@@ -72,10 +75,12 @@ def main() -> None:
         none_peak = solve(root, "none", None).predicted_peak_bytes
         for share in (0.4, 0.7):
             budget = share * none_peak
-            plan = _timed(partial(solve, root, "optimal", budget), args.rounds)
+            planner = {"reserve": RESERVE, "edge": True}
+            plan = _timed(partial(solve, root, "optimal", budget, **planner), args.rounds)
             corrected = CORRECTION * none_peak
             replan = _timed(
-                partial(solve, root, "optimal", budget, corrected, frontier=False), args.rounds
+                partial(solve, root, "optimal", budget, corrected, frontier=False, **planner),
+                args.rounds,
             )
             cells = [
                 f"{statistics.median(t):>7.2f} s {min(t):>5.2f}-{max(t):.2f} s"

@@ -13,6 +13,7 @@ from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.measured_fit import (
     MEASURE_MARGIN,
+    StepRun,
     judge_fit,
     measured_least_plan,
     measured_plan,
@@ -89,16 +90,8 @@ def test_a_budget_refused_on_an_over_prediction_is_planned_on_the_measured_step(
     profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
     honest = solve_profile(model, profiled, policy, optimizer, "full", None)
     root = with_backward_costs(profiled.root, model, policy)
-    fit = measured_least_plan(
-        model,
-        root,
-        honest.memory,
-        policy,
-        "optimal",
-        honest.plan.predicted_peak_bytes * 1.1,
-        profiled.run_loss,
-        profiled.structure,
-    )
+    run = StepRun(model, honest.memory, policy, profiled.run_loss, profiled.structure)
+    fit = measured_least_plan(run, root, "optimal", honest.plan.predicted_peak_bytes * 1.1)
     assert fit is not None
     measured = fit.measured_peak_bytes
     # The model over-predicts what the end of forward holds (the loss), so that the least
@@ -164,16 +157,19 @@ def test_the_measurement_counts_and_gives_back_the_gradients_the_optimizer_steps
     honest = solve_profile(model, profiled, policy, optimizer, "full", None)
     stepped = [p for g in optimizer.param_groups for p in g["params"]]
     optimizer.zero_grad(set_to_none=True)  # profiling's backward wrote into the masters
-    fit = measured_least_plan(
+    run = StepRun(
         model,
-        with_backward_costs(profiled.root, model, policy),
         honest.memory,
         policy,
-        "optimal",
-        honest.plan.predicted_peak_bytes * 1.1,
         profiled.run_loss,
         profiled.structure,
         optimizer_params=stepped,
+    )
+    fit = measured_least_plan(
+        run,
+        with_backward_costs(profiled.root, model, policy),
+        "optimal",
+        honest.plan.predicted_peak_bytes * 1.1,
     )
     assert fit is not None
     assert all(p.grad is None for p in stepped)  # given back as they were: none
@@ -297,16 +293,8 @@ def test_a_plan_predicted_at_the_edge_of_the_budget_is_measured_before_the_least
     peaks = sorted({p.peak_bytes for p in frontier})
     assert len(peaks) >= 2
     budget = peaks[1]
-    fit = measured_plan(
-        model,
-        root,
-        least.memory,
-        policy,
-        "optimal",
-        budget,
-        profiled.run_loss,
-        profiled.structure,
-    )
+    run = StepRun(model, least.memory, policy, profiled.run_loss, profiled.structure)
+    fit = measured_plan(run, root, "optimal", budget)
     assert fit is not None and fit.verdict.fits
     assert not fit.least  # the edge plan, measured first and kept
     assert fit.measured_peak_bytes <= budget
@@ -319,9 +307,8 @@ def test_a_budget_the_least_plan_measures_over_is_refused_with_the_measured_numb
     budget = int(least.predicted_peak_bytes * 0.97)  # within the margin: measured
     root = with_backward_costs(profiled.root, model, policy)
     mem = solve_profile(model, profiled, policy, optimizer, "full", None).memory
-    fit = measured_least_plan(
-        model, root, mem, policy, "optimal", budget, profiled.run_loss, profiled.structure
-    )
+    run = StepRun(model, mem, policy, profiled.run_loss, profiled.structure)
+    fit = measured_least_plan(run, root, "optimal", budget)
     assert fit is not None
     if fit.verdict.fits:  # the prediction was that far high: a byte below the measurement
         budget = int(fit.measured_peak_bytes) - 1
@@ -368,7 +355,7 @@ def test_plans_tied_at_the_least_peak_are_not_refused_on_the_one_the_timing_pick
     root = with_backward_costs(profiled.root, model, policy)
     full = solve_profile(model, profiled, policy, optimizer, "full", None)
     budget = full.plan.predicted_peak_bytes * 1.02
-    solve, measure = measured_fit.solve, measured_fit._measured_step
+    solve, measure = measured_fit.solve, measured_fit.StepRun.peak_bytes
     peaks = sorted({p.peak_bytes for p in full.plan.frontier})
 
     def tie_broken_elsewhere(root_, strategy, budget_, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -379,23 +366,15 @@ def test_plans_tied_at_the_least_peak_are_not_refused_on_the_one_the_timing_pick
 
     seen: list[bool] = []
 
-    def measured(model_, solution, *args):  # type: ignore[no-untyped-def]
+    def measured(run_, solution):  # type: ignore[no-untyped-def]
         is_full = solution.decisions == full.plan.decisions
         seen.append(is_full)
-        return measure(model_, solution, *args) if is_full else budget * 1.01
+        return measure(run_, solution) if is_full else budget * 1.01
 
     monkeypatch.setattr(measured_fit, "solve", tie_broken_elsewhere)
-    monkeypatch.setattr(measured_fit, "_measured_step", measured)
-    fit = measured_least_plan(
-        model,
-        root,
-        full.memory,
-        policy,
-        "optimal",
-        budget,
-        profiled.run_loss,
-        profiled.structure,
-    )
+    monkeypatch.setattr(measured_fit.StepRun, "peak_bytes", measured)
+    run = StepRun(model, full.memory, policy, profiled.run_loss, profiled.structure)
+    fit = measured_least_plan(run, root, "optimal", budget)
     assert fit is not None
     assert seen == [False, True]  # the timing's pick over the budget, then 'full'
     assert fit.solution.decisions == full.plan.decisions

@@ -266,6 +266,56 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
     assert check.peak_bytes == approx.predicted_peak_bytes
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_trees(), st.floats(0.05, 0.95), st.floats(0.01, 0.3), st.booleans())
+def test_the_edge_is_the_cheapest_plan_within_the_budget_when_the_reserve_cost_recompute(
+    root: UnitCost, where: float, reserve: float, approximate: bool
+) -> None:
+    brute = _brute_points(root, 0.0)
+    lowest = min(p[0] for p in brute)
+    highest = max(p[0] for p in brute)
+    budget = max(0.5, lowest + where * (highest - lowest)) / (1 - reserve)
+    names = ("EXACT_WORK", "THIN_POINTS", "SEGMENT_POINTS")
+    saved = [getattr(limits, n) for n in names]
+    try:
+        if approximate:  # every walk thinned: the edge is the chosen plan polished
+            for name, value in zip(names, (-1, 2, 2)):
+                setattr(limits, name, value)
+        try:
+            sol = solve(root, "optimal", budget, reserve=reserve, edge=True)
+        except BudgetError:
+            return  # nothing within the budget less the reserve: the measured path's case
+        plain = solve(root, "optimal", budget, reserve=reserve)
+    finally:
+        for name, value in zip(names, saved):
+            setattr(limits, name, value)
+    assert (sol.decisions, sol.segments) == (plain.decisions, plain.segments)
+    best_within = min((p for p in brute if p[0] <= budget), key=lambda p: (p[1], p[2]))
+    edge = sol.edge
+    if edge is None:
+        if not approximate:  # exact: None means nothing within the budget is faster
+            assert best_within[1] >= sol.recompute_seconds
+        return
+    # Faster than the plan within the reserve, within the budget itself, its numbers
+    # those of an independent evaluation.
+    assert edge.recompute_seconds < sol.recompute_seconds
+    assert edge.predicted_peak_bytes <= budget
+    assert plan_cost(root, edge.decisions, edge.segments).peak_bytes == edge.predicted_peak_bytes
+    if not approximate:  # the cheapest within the budget, and so beyond the reserve
+        assert edge.recompute_seconds == best_within[1]
+        assert edge.predicted_peak_bytes > budget * (1 - reserve)
+
+
+def test_no_edge_is_looked_for_unless_asked_or_without_a_reserve() -> None:
+    root = gpt_like(4, sequential=True)
+    none_peak = solve(root, "none", None).predicted_peak_bytes
+    assert solve(root, "optimal", 0.5 * none_peak, reserve=0.05).edge is None
+    assert solve(root, "optimal", 0.5 * none_peak, edge=True).edge is None
+    assert solve(root, "full", 0.9 * none_peak, reserve=0.05, edge=True).edge is None
+    asked = solve(root, "optimal", 0.5 * none_peak, reserve=0.05, edge=True).edge
+    assert asked is not None and asked.predicted_peak_bytes <= 0.5 * none_peak
+
+
 def _polish_by_trying_each(nodes: list, plan, cap: float):  # noqa: ANN001, ANN202
     """The polish rule, stated plainly: each piece, slowest first, kept if the plan fits."""
     pieces = [

@@ -153,19 +153,48 @@ class MeasuredFit:
     reserve would have refused it)."""
 
 
+@dataclass(frozen=True)
+class StepRun:
+    """What measuring a plan's step runs: the profiled step on its model, under its
+    precision, with what the step holds besides (:meth:`peak_bytes`).
+
+    ``run_loss()`` computes the profiled step's loss; it runs under the precision's
+    autocast, with the plan applied, and is differentiated. ``held_output_bytes``: the
+    model's output when the training loop holds it through backward (``run_loss`` lets it
+    go once the loss is made), counted on top. ``optimizer_params``: what the optimizer
+    steps (the fp32 masters in the ``*-master`` modes, which the model's gradients are
+    routed into): their gradients are cleared for the measurement and given back after it.
+
+    Example::
+
+        run = StepRun(model, mem, policy, profiled.run_loss, profiled.structure)
+        fit = measured_plan(run, root, "optimal", budget)
+    """
+
+    model: nn.Module
+    memory: StepMemory
+    policy: PrecisionPolicy
+    run_loss: Callable[[], torch.Tensor]
+    structure: list[tuple[str, str]]
+    held_output_bytes: float = 0.0
+    optimizer_params: list[torch.Tensor] | None = None
+
+    def peak_bytes(self, solution: Solution) -> float:
+        """The peak of one step under ``solution``'s plan: the allocator's count of its
+        forward and backward on the example batch over the step's static bytes as counted.
+        Gradients, buffers, modes, the random state and the model's own plan are left as
+        they were."""
+        return _measured_step(self, solution)
+
+
 def measured_plan(
-    model: nn.Module,
+    run: StepRun,
     root: UnitCost,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
     strategy: str,
     budget_bytes: float,
-    run_loss: Callable[[], torch.Tensor],
-    structure: list[tuple[str, str]],
-    held_output_bytes: float = 0.0,
+    *,
     frontier: bool = True,
     reserve: float = 0.0,
-    optimizer_params: list[torch.Tensor] | None = None,
 ) -> MeasuredFit | None:
     """The plan a measurement decides, for a budget the prediction with its reserve refused.
 
@@ -177,92 +206,72 @@ def measured_plan(
     None when the predicted least peak lies more than :data:`MEASURE_MARGIN` above the
     budget: no measurement is spent on a budget the prediction is far from.
 
-    ``run_loss()`` computes the profiled step's loss; it runs under the precision's
-    autocast, with the plan applied, and is differentiated. Gradients, buffers, modes,
-    the random state and the model's own plan are left as they were.
-    ``held_output_bytes``: the model's output when the training loop holds it through
-    backward (``run_loss`` lets it go once the loss is made), counted on top.
-    ``reserve``: the share of the budget kept free above a measurement (what a training
-    loop's own tensors may add; 0 from the planner). ``optimizer_params``: what the
-    optimizer steps (the fp32 masters in the ``*-master`` modes, which the model's
-    gradients are routed into): their gradients are cleared for the measurement and given
-    back after it, with every random generator's state.
+    ``root``: the profiled cost tree with backward costs; ``reserve``: the share of the
+    budget kept free above a measurement (what a training loop's own tensors may add; 0
+    from the planner).
 
     Example::
 
-        fit = measured_plan(model, root, mem, policy, "optimal", budget, loss, structure)
+        fit = measured_plan(StepRun(model, mem, policy, loss, structure), root, "optimal", budget)
         if fit is not None and fit.verdict.fits: ...
     """
-    held, loss = mem.held_bytes, mem.loss_bytes
+    mem = run.memory
     least = _least_peak(root, mem, strategy)
-    if least > budget_bytes * (1 + MEASURE_MARGIN):
+    if max(least, mem.optimizer_phase_bytes) > budget_bytes * (1 + MEASURE_MARGIN):
         return None
-    if least <= budget_bytes:
-        edge = solve(root, strategy, budget_bytes, held, loss, reserve=0.0, frontier=frontier)
+    if max(least, mem.optimizer_phase_bytes) <= budget_bytes:
+        edge = solve(
+            root,
+            strategy,
+            budget_bytes,
+            mem.held_bytes,
+            mem.loss_bytes,
+            reserve=0.0,
+            frontier=frontier,
+        )
         predicted = max(edge.predicted_peak_bytes, mem.optimizer_phase_bytes)
-        if predicted > least * (1 + 1e-9):  # not the least plan itself: measured below
-            peak = _measured_step(
-                model,
-                edge,
-                mem,
-                policy,
-                run_loss,
-                structure,
-                held_output_bytes,
-                optimizer_params,
-            )
+        if edge.predicted_peak_bytes > least * (1 + 1e-9):  # not the least plan: measured below
+            peak = run.peak_bytes(edge)
             verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve)
             if verdict.fits:
                 return MeasuredFit(edge, peak, verdict, least=False)
     return measured_least_plan(
-        model,
-        root,
-        mem,
-        policy,
-        strategy,
-        budget_bytes,
-        run_loss,
-        structure,
-        held_output_bytes=held_output_bytes,
-        frontier=frontier,
-        reserve=reserve,
-        optimizer_params=optimizer_params,
+        run, root, strategy, budget_bytes, frontier=frontier, reserve=reserve, least_bytes=least
     )
 
 
 def _least_peak(root: UnitCost, mem: StepMemory, strategy: str) -> float:
-    """The least peak any plan is predicted to reach (never below the optimizer step's)."""
+    """The least peak of a forward and backward any plan is predicted to reach (the
+    optimizer step's may be higher): the low end of the unbudgeted frontier."""
     walked = solve(root, strategy, None, mem.held_bytes, mem.loss_bytes, frontier=True)
-    return max(min(p.peak_bytes for p in walked.frontier), mem.optimizer_phase_bytes)
+    return min(p.peak_bytes for p in walked.frontier)
 
 
 def measured_least_plan(
-    model: nn.Module,
+    run: StepRun,
     root: UnitCost,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
     strategy: str,
     budget_bytes: float,
-    run_loss: Callable[[], torch.Tensor],
-    structure: list[tuple[str, str]],
-    held_output_bytes: float = 0.0,
+    *,
     frontier: bool = True,
     reserve: float = 0.0,
-    optimizer_params: list[torch.Tensor] | None = None,
+    least_bytes: float | None = None,
 ) -> MeasuredFit | None:
     """The least plan with its step measured, judged against ``budget_bytes``
     (``verdict.action`` ``"refuse"`` when it does not fit: no plan does); None when its
     predicted peak lies more than :data:`MEASURE_MARGIN` above the budget. The arguments
-    are :func:`measured_plan`'s.
+    are :func:`measured_plan`'s; ``least_bytes``, the least predicted peak of forward and
+    backward when the caller has walked the frontier already.
 
     Example::
 
-        fit = measured_least_plan(model, root, mem, policy, "optimal", budget, loss, structure)
+        fit = measured_least_plan(StepRun(model, mem, policy, loss, structure), root,
+                                  "optimal", budget)
         if fit is not None and fit.verdict.fits: ...
     """
+    mem = run.memory
     held, loss = mem.held_bytes, mem.loss_bytes
-    walked = solve(root, strategy, None, held, loss, reserve=0.0, frontier=True)
-    least = min(p.peak_bytes for p in walked.frontier)
+    least = _least_peak(root, mem, strategy) if least_bytes is None else least_bytes
     predicted = max(least, mem.optimizer_phase_bytes)
     if predicted > budget_bytes * (1 + MEASURE_MARGIN):
         return None
@@ -270,9 +279,7 @@ def measured_least_plan(
     chosen = solve(
         root, strategy, least * (1 + 1e-9) + 1, held, loss, reserve=0.0, frontier=frontier
     )
-    peak = _measured_step(
-        model, chosen, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
-    )
+    peak = run.peak_bytes(chosen)
     # The least plan is measured: over the budget, no plan fits it.
     verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve, least_plan=True)
     if verdict.fits:
@@ -283,9 +290,7 @@ def measured_least_plan(
     full = solve(root, "full", None, held, loss, reserve=0.0, frontier=False)
     if full.decisions == chosen.decisions:
         return MeasuredFit(chosen, peak, verdict, least=True)
-    full_peak = _measured_step(
-        model, full, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
-    )
+    full_peak = run.peak_bytes(full)
     full_predicted = max(full.predicted_peak_bytes, mem.optimizer_phase_bytes)
     full_verdict = judge_fit(
         full_predicted, full_peak, budget_bytes, reserve=reserve, least_plan=True
@@ -296,65 +301,43 @@ def measured_least_plan(
 
 
 def measured_within_reserve(
-    model: nn.Module,
-    root: UnitCost,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
-    strategy: str,
-    budget_bytes: float,
-    reserved: Solution,
-    run_loss: Callable[[], torch.Tensor],
-    structure: list[tuple[str, str]],
-    held_output_bytes: float = 0.0,
-    frontier: bool = True,
-    optimizer_params: list[torch.Tensor] | None = None,
+    run: StepRun, reserved: Solution, budget_bytes: float
 ) -> MeasuredFit | None:
-    """A plan that recomputes less than ``reserved`` (the plan solved within the budget
-    less the planner's reserve), predicted within the budget itself, when its measured step
-    fits; else None. The reserve is what the measurement replaces: at a peer's memory the
-    plan recomputes no more than the prediction allows, not 2% less than that.
+    """``reserved.edge`` (the plan that recomputes less than ``reserved``, predicted within
+    the budget itself: :func:`~memfit.checkpoint.solvers.solve` with ``edge=True``) when its
+    measured step fits the budget; else None. The reserve is what the measurement
+    replaces: at a peer's memory the plan recomputes no more than the prediction allows,
+    not 2% less than that.
 
     Example::
 
-        fit = measured_within_reserve(model, root, mem, policy, "optimal", budget, solution,
-                                      loss, structure)
+        solution = solve(root, "optimal", budget, held, loss, reserve=RESERVE, edge=True)
+        fit = measured_within_reserve(run, solution, budget)
         solution = fit.solution if fit is not None else solution
     """
-    held, loss = mem.held_bytes, mem.loss_bytes
-    edge = solve(root, strategy, budget_bytes, held, loss, reserve=0.0, frontier=frontier)
-    if edge.recompute_seconds >= reserved.recompute_seconds or edge.decisions == reserved.decisions:
+    edge = reserved.edge
+    if edge is None:
         return None
-    peak = _measured_step(
-        model, edge, mem, policy, run_loss, structure, held_output_bytes, optimizer_params
-    )
-    predicted = max(edge.predicted_peak_bytes, mem.optimizer_phase_bytes)
+    peak = run.peak_bytes(edge)
+    predicted = max(edge.predicted_peak_bytes, run.memory.optimizer_phase_bytes)
     verdict = judge_fit(predicted, peak, budget_bytes)
     return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
 
 
-def _measured_step(
-    model: nn.Module,
-    solution: Solution,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
-    run_loss: Callable[[], torch.Tensor],
-    structure: list[tuple[str, str]],
-    held_output_bytes: float,
-    optimizer_params: list[torch.Tensor] | None,
-) -> float:
-    """The peak of one step under ``solution``'s plan, the allocator's count of its forward
-    and backward on the example batch over the step's static bytes as counted."""
-    plan = Plan.from_solution(solution, precision=policy.mode, structure=structure)
+def _measured_step(run: StepRun, solution: Solution) -> float:
+    """:meth:`StepRun.peak_bytes`."""
+    model, mem, policy = run.model, run.memory, run.policy
+    plan = Plan.from_solution(solution, precision=policy.mode, structure=run.structure)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     # Every tensor a backward writes gradients into: the model's parameters and, in the
     # ``*-master`` modes, the fp32 masters the optimizer steps (their hooks route there).
-    graded = list({id(t): t for t in [*params, *(optimizer_params or [])]}.values())
+    graded = list({id(t): t for t in [*params, *(run.optimizer_params or [])]}.values())
     accumulating = mem.accumulated_grad_bytes > 0
 
     def step() -> None:
         with policy.autocast(device.type):
-            value = run_loss()
+            value = run.run_loss()
         value.backward()
 
     saved_grads = [t.grad for t in graded]
@@ -385,5 +368,5 @@ def _measured_step(
     # forward and backward cannot have seen what the whole step held beyond them).
     rise = peak.peak_bytes - peak.start_bytes
     static = mem.base_bytes - mem.workspace_bytes
-    activations = static + mem.accumulated_grad_bytes + held_output_bytes + rise
+    activations = static + mem.accumulated_grad_bytes + run.held_output_bytes + rise
     return max(activations, mem.optimizer_phase_bytes)

@@ -41,6 +41,7 @@ from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.measured_fit import (
     FitVerdict,
     MeasuredFit,
+    StepRun,
     judge_fit,
     measured_plan,
     measured_within_reserve,
@@ -199,21 +200,27 @@ def solve_profile(
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
+    optimal = budget_bytes is not None and parse_strategy(strategy)[0] == "optimal"
+    run = _step_run(model, profiled, mem, policy, optimizer) if optimal else None
     try:
+        # With a step to measure, the solve also finds the plan within the budget itself
+        # (its ``edge``), which a measurement may accept in place of the reserve.
         solution = solve(
-            root, strategy, budget_bytes, held, mem.loss_bytes, reserve=RESERVE, frontier=frontier
+            root,
+            strategy,
+            budget_bytes,
+            held,
+            mem.loss_bytes,
+            reserve=RESERVE,
+            frontier=frontier,
+            edge=run is not None,
         )
     except BudgetError as exc:
-        if budget_bytes is None or parse_strategy(strategy)[0] != "optimal":
+        if run is None:
             raise
         # A budget the prediction with its reserve cannot decide is decided by measuring:
         # the plan predicted within the budget itself, then the least plan.
-        measuring = _measuring(profiled, optimizer)
-        fit = None
-        if measuring is not None:
-            fit = measured_plan(
-                model, root, mem, policy, strategy, budget_bytes, frontier=frontier, **measuring
-            )
+        fit = measured_plan(run, root, strategy, budget_bytes, frontier=frontier)
         if fit is None:
             raise exc from None
         if not fit.verdict.fits:
@@ -225,23 +232,10 @@ def solve_profile(
             ) from None
         solution, measured_fit = fit.solution, fit
     else:
-        if budget_bytes is not None and parse_strategy(strategy)[0] == "optimal":
+        if run is not None:
             # Between the budget less the reserve and the budget may lie a plan that
             # recomputes less: its measured step decides, not the reserve.
-            measuring = _measuring(profiled, optimizer)
-            cheaper = None
-            if measuring is not None:
-                cheaper = measured_within_reserve(
-                    model,
-                    root,
-                    mem,
-                    policy,
-                    strategy,
-                    budget_bytes,
-                    solution,
-                    frontier=frontier,
-                    **measuring,
-                )
+            cheaper = measured_within_reserve(run, solution, budget_bytes)
             if cheaper is not None:
                 solution, measured_fit = cheaper.solution, cheaper
     # The solver plans without crediting checkpoint inputs that the kept unit before them
@@ -297,22 +291,29 @@ def solve_profile(
     )
 
 
-def _measuring(
-    profiled: ModelProfile, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any] | None:
+def _step_run(
+    model: nn.Module,
+    profiled: ModelProfile,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+) -> StepRun | None:
     """What a measured plan (:mod:`memfit.checkpoint.measured_fit`) runs: the profiled
     step, its structure, the output a loop holds and what the optimizer steps; None
     without a step to run."""
     if profiled.run_loss is None:
         return None
-    return {
-        "run_loss": profiled.run_loss,
-        "structure": profiled.structure,
-        "held_output_bytes": profiled.output_bytes if profiled.output_held else 0.0,
-        "optimizer_params": (
+    return StepRun(
+        model,
+        mem,
+        policy,
+        profiled.run_loss,
+        profiled.structure,
+        held_output_bytes=profiled.output_bytes if profiled.output_held else 0.0,
+        optimizer_params=(
             [p for g in optimizer.param_groups for p in g["params"]] if optimizer else None
         ),
-    }
+    )
 
 
 def planned_step_verdict(

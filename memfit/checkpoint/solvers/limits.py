@@ -9,7 +9,8 @@ have been dropped. The (peak, time) frontier is walked point by point for at mos
 ``SAMPLED`` caps (trees that needed approximate passes get only its ends). An approximate
 plan is walked for once more, under its own time, when the first walk visited fewer than
 ``REFINE_WORK`` points; it is also planned block by block, each block walked exactly within
-``BLOCK_WORK`` points.
+``BLOCK_WORK`` points. The cheaper plan within a budget's reserve (a solution's ``edge``) is
+found on such trees by keeping at most ``EDGE_PIECES`` more of the plan's recomputed pieces.
 
 The solvers read these as ``limits.NAME`` when they run, so that a test can lower them.
 """
@@ -22,3 +23,4 @@ SEGMENT_POINTS = 16
 STAIRCASE = 24
 SAMPLED = 12
 SMALL_TREE = 64
+EDGE_PIECES = 16

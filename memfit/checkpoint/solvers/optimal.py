@@ -45,9 +45,11 @@ def solve_optimal(
     loss: float,
     reserve: float,
     frontier: bool,
+    edge_budget: float | None = None,
 ) -> Solution:
     """The cheapest plan that fits ``budget`` (the budget less the reserve), with the
-    frontier when ``frontier``."""
+    frontier when ``frontier``; and, given ``edge_budget`` (the budget itself), the cheapest
+    plan within that as the solution's ``edge`` when it recomputes less."""
     search = Search(nodes, loss)
     chains = find_chains(nodes)
     costs: dict[PlanKey, PlanCost] = {}  # the fixed strategies' plans, evaluated once
@@ -89,16 +91,45 @@ def solve_optimal(
                     if other.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
                         chosen = other
     exact = search.exact
+    edge = None
+    if budget is not None and edge_budget is not None and edge_budget > budget:
+        edge = _cheaper_within(search, chosen, edge_budget - static)
     walked = _frontier_plans(search, chains, bound(), costs) if frontier else []
     sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
+    if edge is not None:
+        sol.edge = solution(
+            nodes, edge, label, edge_budget, static, loss, [edge], exact=search.exact
+        )
     if budget is None:
         sol.note = messages.NO_BUDGET
     return sol
 
 
-def polish(nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float) -> NodePlan:
+def _cheaper_within(search: Search, chosen: NodePlan, room: float) -> NodePlan | None:
+    """The cheapest plan within ``room`` (above the budget ``chosen`` was found under) when it
+    recomputes less than ``chosen``, else None. Exact searches walk again, bounded by
+    ``chosen``'s time (only faster plans are followed: a fraction of the first walk); on
+    trees too large for exact walks, ``chosen`` is polished into the larger room instead
+    (its slowest recomputed pieces kept while they fit, at most
+    :data:`~memfit.checkpoint.solvers.limits.EDGE_PIECES` of them), which costs a few
+    evaluations rather than a walk."""
+    nodes, loss = search.nodes, search.loss
+    if search.exact:
+        found = search.cheapest(room, chosen)
+    else:
+        found = polish(nodes, chosen, room, loss, most=limits.EDGE_PIECES)
+    if found is None or found is chosen:
+        return None
+    faster = found.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds
+    return found if faster else None
+
+
+def polish(
+    nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float, most: float = math.inf
+) -> NodePlan:
     """An approximate plan, with every recomputed piece that the budget can afford to keep
-    kept instead, the slowest first (each one tried once; a kept piece's units keep).
+    kept instead, the slowest first (each one tried once; a kept piece's units keep), at
+    most ``most`` of them (each kept piece costs an evaluation of the whole plan).
 
     Keeping a piece adds what it saves, less its input, to everything kept after it, so
     every later rebuild and the end of forward grow by that much (less the boundary
@@ -129,7 +160,10 @@ def polish(nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float) -> No
         return plan.cost.kept_bytes
 
     kept = survey()
+    kept_pieces = 0
     for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
+        if kept_pieces >= most:
+            break
         node = nodes[u]
         if rng is None:
             matmul = node.matmul_saved_bytes if plan.decision[u] == SELECTIVE else 0.0
@@ -152,6 +186,7 @@ def polish(nodes: list[FlatUnit], plan: NodePlan, cap: float, loss: float) -> No
         if trial.peak(nodes, loss) <= cap:
             plan = trial
             kept = survey()
+            kept_pieces += 1
     return plan
 
 

@@ -55,6 +55,11 @@ class Solution:
     the tree was too large for the exact programme within its work limit and frontiers were
     thinned: the plan is valid and its numbers exact, but a slightly cheaper one may exist.
     Always True for the fixed strategies, which have nothing to approximate."""
+    edge: Solution | None = None
+    """For ``"optimal"`` solved with a reserve and ``edge=True``: the cheapest plan within
+    the budget itself (no reserve), when it recomputes less than this one; None otherwise.
+    Its prediction lies in the reserve, so only a measured step can accept it
+    (:func:`memfit.checkpoint.measured_fit.measured_within_reserve`)."""
 
 
 def solution(
