@@ -23,9 +23,10 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
+from memfit.checkpoint.api import plan
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import RESERVE, plan
+from memfit.checkpoint.planner import RESERVE
 from memfit.checkpoint.profiler import flop_counter
 from memfit.errors import BudgetError
 from memfit.models.gpt import gpt_loss

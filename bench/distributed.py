@@ -42,7 +42,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _rank(rank: int, world: int, kind: str, args: argparse.Namespace, out: str) -> None:
     import memfit
     from memfit.allocator import allocator_peak
-    from memfit.checkpoint.planner import make_plan
+    from memfit.checkpoint.api import make_plan
     from memfit.distributed import shard_batch
     from memfit.nested import tensors
 

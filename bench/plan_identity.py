@@ -28,7 +28,7 @@ import zoo  # bench/zoo.py: the models, their batches and optimizers
 import memfit
 import memfit.checkpoint.planner as planner
 from memfit.checkpoint.costs import UnitCost
-from memfit.checkpoint.planner import make_plan
+from memfit.checkpoint.api import make_plan
 from memfit.models import build_model
 
 #: The GPT of bench/checkpoint.py and the budgets its --pairs-only table plans at.

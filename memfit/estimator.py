@@ -49,15 +49,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.costs import UnitCost, counted_times
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import (
-    ModelProfile,
-    PlanResult,
-    default_step_loss,
-    profile_step,
-    solve_profile,
-)
+from memfit.checkpoint.planner import PlanResult, solve_profile
+from memfit.checkpoint.profile_stage import ModelProfile, profile_step
 from memfit.checkpoint.solvers import STRATEGIES as PLAN_STRATEGIES
 from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.checkpoint.tree import find_units

@@ -681,7 +681,9 @@ def test_hf_llama_and_bert_planned_under_a_budget_bitwise(kind: str, precision: 
     peaks = [p.peak_bytes for p in whole.frontier]
     assert min(peaks) < max(peaks), "the blocks' activations must be worth checkpointing"
     budget = int((min(peaks) + max(peaks)) / 2 / (1 - RESERVE)) + 1  # plans keep RESERVE free
-    plan = memfit.plan(model, inputs, loss_fn, budget=budget, precision=precision)
+    # The plan as predicted (not verified): its gradients are what this test is about, and
+    # a verified plan may recompute nothing where the prediction was high (bf16 BERT).
+    plan = memfit.plan(model, inputs, loss_fn, budget=budget, precision=precision, verify=False)
     # Selective recompute re-runs no matmuls, so its FLOPs may be 0: look at decisions.
     assert any(d != "keep" for d in plan.decisions.values()) or plan.segments
     base, cp = copy.deepcopy(model), copy.deepcopy(model)

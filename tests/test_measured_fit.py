@@ -18,7 +18,8 @@ from memfit.checkpoint.measured_fit import (
     measured_least_plan,
     measured_plan,
 )
-from memfit.checkpoint.planner import RESERVE, profile_step, solve_profile
+from memfit.checkpoint.planner import RESERVE, solve_profile
+from memfit.checkpoint.profile_stage import profile_step
 from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
 from memfit.models import build_model

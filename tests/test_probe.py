@@ -25,8 +25,9 @@ import memfit
 from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
-from memfit.checkpoint.planner import RESERVE, profile_model, solve_profile
+from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.probe import unstable_units
+from memfit.checkpoint.profile_stage import profile_model
 from memfit.precision.policy import PrecisionPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,8 @@ import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
-from memfit.checkpoint.planner import RESERVE, profile_step, solve_profile
+from memfit.checkpoint.planner import RESERVE, solve_profile
+from memfit.checkpoint.profile_stage import profile_step
 from memfit.engine import split_batch
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy
@@ -127,7 +128,7 @@ def _gpt_result(budget_share: float | None):
 
 
 def test_a_step_that_peaks_above_its_prediction_is_replanned_from_the_same_profile() -> None:
-    from memfit.checkpoint.planner import check_plan
+    from memfit.checkpoint.closed_loop import check_plan
 
     model, opt, result = _gpt_result(0.6)
     predicted = result.plan.predicted_peak_bytes

@@ -5,11 +5,12 @@
 old name of ``plan`` for a ``loss_fn(model, batch)``, kept for one release.
 """
 
+from memfit.checkpoint.api import make_plan, plan
+from memfit.checkpoint.api import plan_step as plan_step  # deprecated: memfit.plan
 from memfit.checkpoint.apply import apply_plan, is_applied, planned, remove_plan, suspended
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import PlanResult, make_plan, plan
-from memfit.checkpoint.planner import plan_step as plan_step  # deprecated: memfit.plan
+from memfit.checkpoint.planner import PlanResult
 from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.solvers import FrontierPoint, Solution, solve
 from memfit.checkpoint.tree import UnitTree, find_units, structure_fingerprint

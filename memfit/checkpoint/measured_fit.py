@@ -16,7 +16,7 @@ top).
 
 Every judgement of a measured step is :func:`judge_fit`'s, returning a
 :class:`FitVerdict`: the planner's here (before training),
-:func:`memfit.checkpoint.planner.check_plan` (a planned step against its prediction), the
+:func:`memfit.checkpoint.closed_loop.check_plan` (a planned step against its prediction), the
 Engine's first planned step (:mod:`memfit.engine.plan_stage`) and the training-loop
 callbacks' measurement at train begin (:mod:`memfit.integrations.common`). Where they judge
 differently they say so through its parameters, never with a rule of their own.
@@ -39,6 +39,7 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers import Solution, solve
 from memfit.checkpoint.step_memory import StepMemory
+from memfit.nested import tensors
 from memfit.precision.apply import precision_applied
 from memfit.precision.policy import PrecisionPolicy
 
@@ -179,8 +180,8 @@ class StepRun:
     held_output_bytes: float = 0.0
     optimizer_params: list[torch.Tensor] | None = None
 
-    def peak_bytes(self, solution: Solution) -> float:
-        """The peak of one step under ``solution``'s plan: the allocator's count of its
+    def peak_bytes(self, solution: Solution | Plan) -> float:
+        """The peak of one step under the plan (or a solution's): the allocator's count of its
         forward and backward on the example batch over the step's static bytes as counted.
         Gradients, buffers, modes, the random state and the model's own plan are left as
         they were."""
@@ -324,10 +325,38 @@ def measured_within_reserve(
     return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
 
 
-def _measured_step(run: StepRun, solution: Solution) -> float:
+def module_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors the model's modules keep as plain attributes, in plain containers or alone
+    (not parameters or buffers, and sharing no storage with one): a stashed activation, a
+    cache. One tensor per storage.
+
+    >>> layer = nn.Linear(2, 2)
+    >>> layer.stash = [torch.zeros(4)]
+    >>> [t.shape for t in module_tensors(layer)]
+    [torch.Size([4])]
+    """
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            if not isinstance(value, (torch.Tensor, list, tuple, dict)):
+                continue
+            for t in tensors(value):
+                ptr = t.untyped_storage().data_ptr()
+                if isinstance(t, nn.Parameter) or ptr == 0 or ptr in owned:
+                    continue
+                found.setdefault(ptr, t)
+    return list(found.values())
+
+
+def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
     """:meth:`StepRun.peak_bytes`."""
     model, mem, policy = run.model, run.memory, run.policy
-    plan = Plan.from_solution(solution, precision=policy.mode, structure=run.structure)
+    plan = solution
+    if isinstance(solution, Solution):
+        plan = Plan.from_solution(solution, precision=policy.mode, structure=run.structure)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     # Every tensor a backward writes gradients into: the model's parameters and, in the
@@ -348,13 +377,24 @@ def _measured_step(run: StepRun, solution: Solution) -> float:
             for t in graded:
                 t.grad = None
             apply_plan(model, plan)
+
             try:
-                step()  # a first run allocates what later runs reuse (caches, lazy state)
+                # A first run allocates what later runs reuse (caches, lazy state). It runs
+                # under the allocator's profiler too, so that what it leaves for the next
+                # run (tensors a module keeps on itself between calls) is known to the
+                # allocator's reporter with its size: otherwise their frees inside the
+                # measured run go unreported, or are reported with the size of an earlier
+                # tensor at the same address, at random.
+                allocator_peak(step, device=device)
                 if not accumulating:
                     for t in graded:
                         t.grad = None
                 # Accumulating, the measured run adds into the gradients the first made, as a
-                # later micro-batch does; they are counted below as held all along.
+                # later micro-batch does; they are counted below as held all along. What the
+                # modules keep on themselves is held when the measured run starts, and its
+                # rise is measured past their frees as the run replaces them: counted on top
+                # (not referenced here, which would keep them alive).
+                kept_bytes = sum(t.untyped_storage().nbytes() for t in module_tensors(model))
                 peak = allocator_peak(step, live=[*params, *model.buffers()], device=device)
             finally:
                 remove_plan(model)
@@ -368,5 +408,5 @@ def _measured_step(run: StepRun, solution: Solution) -> float:
     # forward and backward cannot have seen what the whole step held beyond them).
     rise = peak.peak_bytes - peak.start_bytes
     static = mem.base_bytes - mem.workspace_bytes
-    activations = static + mem.accumulated_grad_bytes + run.held_output_bytes + rise
+    activations = static + mem.accumulated_grad_bytes + run.held_output_bytes + kept_bytes + rise
     return max(activations, mem.optimizer_phase_bytes)

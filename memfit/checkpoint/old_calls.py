@@ -1,6 +1,6 @@
 """The calls ``memfit.plan`` and ``plan_step`` took before ``plan(model, batch, loss_fn,
 budget=..., ...)``: told apart from the new one here, translated by
-:func:`memfit.checkpoint.planner.plan`, each kept for one release with a DeprecationWarning.
+:func:`memfit.checkpoint.api.plan`, each kept for one release with a DeprecationWarning.
 
 * a ``loss_fn(output)`` (:func:`takes_output`), where the step's is ``loss_fn(model, batch)``;
 * the settings by position, in ``memfit.plan``'s old order (:data:`PLAN_ORDER`) or

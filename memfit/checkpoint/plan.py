@@ -122,6 +122,10 @@ class Plan:
     """The recomputed pieces with what each trades, when the costs were given."""
     version: int = VERSION
     """The plan format version."""
+    measured_peak_bytes: float | None = None
+    """The step's peak under the plan as the allocator measured it on the example batch
+    (one forward and backward over the step's static bytes) when the planner verified it;
+    None when not measured (``verify=False``, or a plan made by hand)."""
 
     @classmethod
     def from_solution(
@@ -233,6 +237,7 @@ class Plan:
             "precision": self.precision,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
             "static_bytes": self.static_bytes,
             "kept_bytes": self.kept_bytes,
             "transient_bytes": self.transient_bytes,
@@ -329,6 +334,7 @@ class Plan:
         lines += [
             "",
             f"  predicted peak {format_bytes(self.predicted_peak_bytes):>12}",
+            *self._measured_rows(),
             f"    static       {format_bytes(self.static_bytes):>12}  parameters, "
             "optimizer state, inputs",
             f"    kept         {format_bytes(self.kept_bytes):>12}  activations held for backward",
@@ -348,6 +354,16 @@ class Plan:
             lines.append("")
             lines += [f"  note: {n}" for n in notes]
         return "\n".join(line.rstrip() for line in lines)
+
+    def _measured_rows(self) -> list[str]:
+        if self.measured_peak_bytes is None:
+            return []
+        predicted, measured = self.predicted_peak_bytes, self.measured_peak_bytes
+        error = f" ({(measured - predicted) / predicted:+.1%})" if predicted else ""
+        return [
+            f"  measured peak  {format_bytes(measured):>12}  one step on the example "
+            f"batch, by the allocator{error}"
+        ]
 
     def _piece_rows(self, max_rows: int) -> list[str]:
         kept = sum(d == KEEP for d in self.decisions.values())
@@ -614,6 +630,9 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         else [(n, c) for n, c in structure],
         notes=list(notes),
         exact=field_("exact", lambda v: isinstance(v, bool), "true or false", True),
+        measured_peak_bytes=field_(
+            "measured_peak_bytes", lambda v: v is None or number(v), "a number or null", None
+        ),
         pieces=[
             Piece(
                 p["unit"],

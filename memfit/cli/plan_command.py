@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import memfit
-    from memfit.checkpoint.planner import default_step_loss, resolve_policy
+    from memfit.checkpoint.api import default_step_loss
+    from memfit.checkpoint.planner import resolve_policy
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -84,7 +84,7 @@ class Engine:
        (:func:`~memfit.precision.apply.apply_precision`);
     2. **checkpoint plan**, on the first micro-batch (:meth:`prepare`, which the first
        micro-batch calls): planned under the precision of step 1 by
-       :func:`~memfit.checkpoint.planner.make_plan`, then applied with ``apply_plan``.
+       :func:`~memfit.checkpoint.api.make_plan`, then applied with ``apply_plan``.
 
     ``memory_budget`` without ``checkpoint`` implies ``checkpoint="auto"``; with an
     explicit ``checkpoint="none"`` it is a ConfigError (the budget would be ignored).

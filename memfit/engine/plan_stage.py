@@ -50,7 +50,8 @@ def make_engine_plan(
         planned = make_engine_plan(model, micro, loss_fn, policy, opt, "optimal", 2**28, 1)
         apply_plan(model, planned.result.plan)
     """
-    from memfit.checkpoint.planner import profile_step, solve_profile
+    from memfit.checkpoint.planner import solve_profile
+    from memfit.checkpoint.profile_stage import profile_step
 
     profiled = profile_step(model, batch, loss_fn, policy, units)
     # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
@@ -86,7 +87,7 @@ def check_first_step(
     """Judge the first step under a plan memfit made by its peak as the allocator measured
     it (:func:`~memfit.checkpoint.planner.planned_step_verdict`), and make the plan again
     once from the same profile when its prediction was off by more than the reserve
-    (:func:`~memfit.checkpoint.planner.follow_verdict`). Returns the PlanCheck; a re-made
+    (:func:`~memfit.checkpoint.closed_loop.follow_verdict`). Returns the PlanCheck; a re-made
     plan is applied in place of the old one. The step itself trained as any other.
 
     Raises BudgetError when the plan is the least any plan reaches (the ``full`` fallback,
@@ -99,7 +100,8 @@ def check_first_step(
         engine_plan = check.plan
     """
     from memfit.checkpoint.apply import apply_plan, remove_plan
-    from memfit.checkpoint.planner import follow_verdict, planned_step_verdict
+    from memfit.checkpoint.closed_loop import follow_verdict
+    from memfit.checkpoint.planner import planned_step_verdict
 
     budget = planned.budget_to_verify
     verdict = planned_step_verdict(planned.result, measured_peak_bytes, budget)

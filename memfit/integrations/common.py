@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.apply import apply_plan, planned
 from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
-from memfit.checkpoint.planner import Budget, PlanResult, make_plan
+from memfit.checkpoint.planner import Budget, PlanResult
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers.fixed import parse_strategy
 from memfit.errors import ConfigError

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates
-from memfit.checkpoint.planner import default_step_loss
+from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors

@@ -195,6 +195,12 @@ class Recorder:
         self.bwd_keys: set[Any] = set()
         self.bwd_live = [0]
         self.bwd_seq = 0  # the sequence number of the autograd node running backward
+        # Each counted storage's finalizer, by key: an in-place accumulation stops it.
+        self.bwd_frees: dict[Any, weakref.finalize] = {}
+        self.head_frees: dict[Any, weakref.finalize] = {}
+        # True from a node's end to the next node's start: the ops then are the engine's
+        # sums of gradients into the next nodes' input buffers.
+        self.accumulating = False
         self.probes_this_op = 0
         self.ops: dict[Any, _Op] = {}  # what on_op needs of each op, looked up once a step
         self.alive_of: tuple[str, int] | None = None  # what alive_chain is for
@@ -445,6 +451,8 @@ class Recorder:
         if phase in ("fwd", "loss") and self.mm_units and op.mutable:
             self.check_mutation(func, args, kwargs)
         if phase == "bwd":
+            if self.full and self.accumulating and func is _ADD:
+                self.accumulated_in_place(args, kwargs, out)
             self.backward_made(outs)
             if self.in_head:
                 self.head_made(outs)
@@ -535,10 +543,11 @@ class Recorder:
             if key in self.bwd_keys or key in self.saved_seen or key in self.resident:
                 continue
             try:
-                weakref.finalize(ref, _head_freed, self.bwd_keys, self.bwd_live, key, nbytes)
+                done = weakref.finalize(ref, _head_freed, self.bwd_keys, self.bwd_live, key, nbytes)
             except TypeError:
                 continue
             self.bwd_keys.add(key)
+            self.bwd_frees[key] = done
             self.bwd_live[0] += nbytes
 
     def head_made(self, made: list[torch.Tensor]) -> None:
@@ -549,12 +558,41 @@ class Recorder:
             if key in self.head_keys or key in self.saved_seen or key in self.resident:
                 continue  # a view of a gradient counted already, or a forward tensor
             try:
-                weakref.finalize(ref, _head_freed, self.head_keys, self.head_live, key, nbytes)
+                done = weakref.finalize(
+                    ref, _head_freed, self.head_keys, self.head_live, key, nbytes
+                )
             except TypeError:
                 continue  # nothing to follow the lifetime of: not counted
             self.head_keys.add(key)
+            self.head_frees[key] = done
             self.head_live[0] += nbytes
         self.head_peak = max(self.head_peak, self.head_live[0])
+
+    def accumulated_in_place(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """The engine sums a tensor's gradients into one buffer in place (``add_``) when it
+        holds the buffer's only reference, as in a plain step; the references this dispatch
+        mode holds make it add out of place here, which would count a second buffer at
+        every sum (a scan loop's full-size gradient, once per step). The sum is counted in
+        its buffer's place instead. A buffer a plain step could not add to in place (a
+        view, one that is also the other term, a larger storage) stays counted."""
+        if len(args) != 2 or kwargs or not isinstance(out, torch.Tensor):
+            return
+        buffer, other = args
+        if not (isinstance(buffer, torch.Tensor) and isinstance(other, torch.Tensor)):
+            return
+        if torch.is_grad_enabled() or buffer.layout != torch.strided or not _dense(buffer):
+            return  # create_graph sums out of place; sparse and strided views cannot
+        key, nbytes, _ = storage_of(buffer)
+        if key == storage_of(other)[0] or nbytes != out.numel() * out.element_size():
+            return
+        for keys, frees, live in (
+            (self.bwd_keys, self.bwd_frees, self.bwd_live),
+            (self.head_keys, self.head_frees, self.head_live),
+        ):
+            done = frees.pop(key, None)
+            if done is not None and done.detach() is not None:
+                keys.discard(key)
+                live[0] -= nbytes
 
     # ---- backward
 
@@ -572,12 +610,19 @@ class Recorder:
             seq = node._sequence_nr()
             if seq < 2**62:  # AccumulateGrad nodes carry UINT64_MAX
                 handles.append(node.register_prehook(self._node_hook(self.owner(seq), seq)))
+                if self.full:
+                    handles.append(node.register_hook(self._node_done))
             todo.extend(n for n, _ in node.next_functions if n is not None)
         return handles
+
+    def _node_done(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        # The node has run; the engine now adds its outputs to the next nodes' buffers.
+        self.accumulating = True
 
     def _node_hook(self, owner: str | None, seq: int) -> Callable[[Any], None]:
         def hook(grad_outputs: Any) -> None:
             if self.full:
+                self.accumulating = False
                 self.bwd_owner = owner
                 self.bwd_seq = seq
                 if owner is not None and owner not in self.top:
@@ -587,6 +632,21 @@ class Recorder:
 
         return hook
 
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory each once, in any order of its
+    dimensions (a contiguous tensor, or one transposed): what an in-place add needs."""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+#: The op the autograd engine sums a tensor's gradients with when it cannot add in place.
+_ADD = torch.ops.aten.add.Tensor
 
 #: Argument types that hold no tensor (an op's scalars, dtypes, devices, shapes).
 _SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.device, torch.Size})

@@ -1,0 +1,282 @@
+"""The planner's public calls: :func:`make_plan` and :func:`plan` (``memfit.plan``).
+
+Each runs the stages (:mod:`memfit.checkpoint.planner`: profile, step memory, solve) and
+then verifies the plan on a measured step (:func:`memfit.checkpoint.closed_loop.verify_plan`)
+unless told not to. ``plan`` also takes the call forms of earlier releases
+(:mod:`memfit.checkpoint.old_calls`), each with a DeprecationWarning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.checkpoint.closed_loop import verify_plan
+from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position, takes_output
+from memfit.checkpoint.plan import Plan
+from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_profile
+from memfit.checkpoint.profile_stage import profile_model, profile_step
+from memfit.checkpoint.profiler.runner import default_loss
+from memfit.checkpoint.step_memory import (
+    RankLayout,
+)
+from memfit.deprecations import warn_renamed
+from memfit.errors import ConfigError
+from memfit.nested import call_model
+from memfit.precision.policy import PrecisionPolicy
+
+
+def make_plan(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | PrecisionPolicy | None = "auto",
+    strategy: str = "optimal",
+    budget: Budget = None,
+    accumulation_steps: int = 1,
+    units: Sequence[str] | None = None,
+    frontier: bool = True,
+    world_size: int = 1,
+    data_parallel: str | None = None,
+    verify: bool = True,
+) -> PlanResult:
+    """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve ->
+    verify.
+
+    ``batch`` is one micro-batch as training feeds it; ``accumulation_steps`` the
+    micro-batches per optimizer step (above 1, the gradients of the earlier ones are held
+    while the last one runs). ``budget`` is the peak of the whole step; None plans without
+    a limit. Raises :class:`~memfit.errors.BudgetError` when no plan fits.
+    ``world_size`` and ``data_parallel`` (``"ddp"``, ``"fsdp"``): plan one rank's step
+    under a per-device ``budget`` (``batch`` is then that rank's micro-batch).
+    ``verify``: measure the plan's step on ``batch`` and make it again from the
+    measurement when it missed (:func:`verify_plan`); False returns the prediction alone.
+
+    Example::
+
+        result = make_plan(model, batch, loss_fn, optimizer=opt, precision="bf16-mixed",
+                           budget="2GiB", accumulation_steps=4)
+        memfit.apply_plan(model, result.plan)
+    """
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    policy, chosen = resolve_policy(precision, model, batch, loss_fn)
+    profiled = profile_step(model, batch, loss_fn, policy, units)
+    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
+    layout = RankLayout.of(world_size, data_parallel)
+    result = solve_profile(
+        model,
+        profiled,
+        policy,
+        optimizer,
+        strategy,
+        budget,
+        int(accumulation_steps),
+        frontier,
+        layout=layout,
+    )
+    return verify_plan(result, model, optimizer) if verify else result
+
+
+def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of a step when none is given: the sum of the first floating-point tensor
+    of the model's output, the model called on ``batch`` as
+    :func:`~memfit.nested.call_model` calls it (``model(x)``, ``model(*x)``,
+    ``model(**x)``).
+
+    Example::
+
+        loss = default_step_loss(model, {"input_ids": ids, "labels": ids})  # out.loss
+    """
+    return default_loss(call_model(model, batch))
+
+
+def plan(
+    model: nn.Module,
+    batch: Any = None,
+    *positional: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    budget: Budget = None,
+    strategy: str = "optimal",
+    precision: str | PrecisionPolicy | None = "auto",
+    optimizer: torch.optim.Optimizer | None = None,
+    units: Sequence[str] | None = None,
+    accumulation_steps: int = 1,
+    frontier: bool = True,
+    keep_output: bool | None = None,
+    world_size: int = 1,
+    data_parallel: str | None = None,
+    example_inputs: Any = None,
+    verify: bool = True,
+) -> Plan:
+    """Profile a training step ``loss_fn(model, batch)`` under ``precision`` and plan its
+    activation checkpointing under ``budget``.
+
+    Called ``plan(model, batch, loss_fn, budget=..., ...)``: ``loss_fn`` by position (the
+    third argument) or keyword, every setting by keyword. ``batch``: one micro-batch as training feeds it (the Engine's ``train_step(batch,
+    loss_fn)`` form). ``loss_fn(model, batch) -> scalar``, as the Engine,
+    ``memfit.estimate`` and ``memfit.tune`` take it; None: the sum of the first
+    floating-point tensor of ``model(batch)`` (a dict is passed as keywords, a tuple as
+    positional arguments). ``budget`` is the peak of a whole training step ("2GiB",
+    bytes, or a fraction of device memory); None plans without a limit (``optimal`` then
+    recomputes nothing). ``strategy``: ``optimal``, ``none``, ``full``, ``uniform:K`` or
+    ``sqrt``. ``optimizer``: its state is counted (none without it).
+    ``accumulation_steps``: micro-batches per optimizer step. ``units``: the candidate
+    units (qualified names) instead of those ``find_units`` finds. ``frontier=False``
+    leaves out the (peak, time) frontier, most of the solve's time on large trees.
+    ``keep_output`` (with ``loss_fn=None`` only): the training loop holds the model's
+    output through backward (``out = model(x); loss(out).backward()``, the default);
+    False for a loop that keeps only the loss. ``world_size`` and ``data_parallel``
+    (``"ddp"``, ``"fsdp"``): plan one rank of a data-parallel run under a per-device
+    budget (docs/distributed.md). ``verify``: the plan's step is measured once on
+    ``batch`` by the allocator (``plan.measured_peak_bytes``), and made again from the
+    measurement when it missed the prediction (:func:`verify_plan`); False skips the
+    measurement. Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
+    measured.
+
+    Kept for one release, each with a DeprecationWarning: a ``loss_fn(output)`` (a
+    function of one required positional parameter,
+    :func:`~memfit.checkpoint.old_calls.takes_output`), the settings
+    by position in the old orders (``plan(model, x, budget, strategy, loss_fn, ...)``,
+    ``plan_step(model, batch, loss_fn, budget, strategy, ...)``) and ``example_inputs=``
+    (now ``batch``).
+
+    Example::
+
+        plan = memfit.plan(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
+        memfit.apply_plan(model, plan)
+    """
+    settings: dict[str, Any] = dict(
+        loss_fn=loss_fn,
+        budget=budget,
+        strategy=strategy,
+        precision=precision,
+        optimizer=optimizer,
+        units=units,
+        accumulation_steps=accumulation_steps,
+        frontier=frontier,
+        keep_output=keep_output,
+        world_size=world_size,
+        data_parallel=data_parallel,
+        verify=verify,
+    )
+    if example_inputs is not None:
+        if batch is not None:
+            raise TypeError("memfit.plan() got batch and example_inputs (its old name): pass batch")
+        warn_renamed("memfit.plan(example_inputs=...)", "memfit.plan(model, batch, ...)")
+        batch = example_inputs
+    if batch is None:
+        raise TypeError("memfit.plan() needs a batch: memfit.plan(model, batch, loss_fn, ...)")
+    if positional:
+        first, rest = positional[0], positional[1:]
+        if callable(first) or (first is None and not rest):  # loss_fn, as it now is
+            if loss_fn is not None:
+                raise TypeError("memfit.plan() got multiple values for argument 'loss_fn'")
+            settings["loss_fn"] = first
+            order, values = PLAN_STEP_ORDER, rest  # any more: plan_step's old order
+        else:  # memfit.plan's old order: budget, strategy, loss_fn, ...
+            order, values = PLAN_ORDER, positional
+        if values:
+            defaults = {n: p.default for n, p in inspect.signature(plan).parameters.items()}
+            settings = by_position(order, values, settings, defaults, "memfit.plan()")
+            warn_renamed(
+                f"passing memfit.plan's settings by position ({', '.join(order[: len(values)])})",
+                f"keywords: memfit.plan(model, batch, loss_fn, {order[0]}=..., ...)",
+            )
+    loss_fn = settings.pop("loss_fn")
+    if loss_fn is not None and takes_output(loss_fn):
+        warn_renamed(
+            "memfit.plan with loss_fn(output)",
+            "loss_fn(model, batch) -> loss, the form the Engine, memfit.estimate and "
+            "memfit.tune take (e.g. lambda model, batch: model(**batch).loss), or no loss_fn "
+            "for the sum of the output",
+        )
+        return _plan_on_output(model, batch, loss_fn, **settings)
+    if loss_fn is None:
+        return _plan_on_output(model, batch, None, **settings)
+    return _plan_step(model, batch, loss_fn, **settings)
+
+
+def _plan_on_output(
+    model: nn.Module,
+    batch: Any,
+    output_loss: Callable[[Any], torch.Tensor] | None,
+    *,
+    keep_output: bool | None,
+    precision: str | PrecisionPolicy | None,
+    units: Sequence[str] | None,
+    accumulation_steps: int,
+    world_size: int,
+    data_parallel: str | None,
+    verify: bool,
+    **solve_settings: Any,
+) -> Plan:
+    """:func:`plan` of ``output_loss(model(batch))`` (default: the sum of the output), the
+    model profiled alone with its output held through backward unless ``keep_output`` is
+    False."""
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    loss_of = output_loss or default_loss
+    policy, chosen = resolve_policy(precision, model, batch, lambda m, x: loss_of(call_model(m, x)))
+    held = True if keep_output is None else keep_output
+    profiled = profile_model(model, batch, output_loss, policy, units, held)
+    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
+    optimizer = solve_settings["optimizer"]
+    result = solve_profile(
+        model,
+        profiled,
+        policy,
+        optimizer,
+        solve_settings["strategy"],
+        solve_settings["budget"],
+        int(accumulation_steps),
+        solve_settings["frontier"],
+        layout=RankLayout.of(world_size, data_parallel),
+    )
+    return (verify_plan(result, model, optimizer) if verify else result).plan
+
+
+def _plan_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    keep_output: bool | None,
+    **settings: Any,
+) -> Plan:
+    """:func:`plan` of a step ``loss_fn(model, batch)``: :func:`make_plan`'s plan."""
+    if keep_output is not None:
+        raise ConfigError(
+            "keep_output applies to memfit.plan without a loss_fn (the output's sum): a "
+            "loss_fn(model, batch) is profiled with the model, so what it holds of the "
+            "output is measured; drop keep_output"
+        )
+    return make_plan(model, batch, loss_fn, **settings).plan
+
+
+def plan_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *positional_settings: Any,
+    **settings: Any,
+) -> Plan:
+    """Deprecated: ``memfit.plan(model, batch, loss_fn, budget=..., ...)`` is the same plan.
+
+    Example::
+
+        plan = memfit.plan(model, batch, gpt_loss, budget="1GiB", precision="bf16-mixed")
+    """
+    warn_renamed(
+        "memfit.checkpoint.plan_step", "memfit.plan(model, batch, loss_fn, budget=..., ...)"
+    )
+    named = by_position(PLAN_STEP_ORDER, positional_settings, settings, {}, "plan_step()")
+    named.setdefault("keep_output", None)
+    return _plan_step(model, batch, loss_fn, **named)
