@@ -213,3 +213,15 @@ def test_a_factory_that_returns_something_else_is_a_usage_error(
     assert "Workload.model_fn must be a function that builds the model, got a built Sequential" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_plan_reports_the_measured_peak_unless_told_not_to_measure(
+    factories: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*COMMANDS["plan"], "--factory", f"{factories}:workload", "--batch-size", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    measured = json.loads(capsys.readouterr().out)["measured_peak_bytes"]
+    assert isinstance(measured, float) and measured > 0
+    assert main([*args, "--no-verify"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["measured_peak_bytes"] is None

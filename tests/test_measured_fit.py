@@ -313,7 +313,7 @@ def test_a_budget_the_least_plan_measures_over_is_refused_with_the_measured_numb
     assert fit is not None
     if fit.verdict.fits:  # the prediction was that far high: a byte below the measurement
         budget = int(fit.measured_peak_bytes) - 1
-    with pytest.raises(BudgetError, match=r"Measured, the least plan's step peaked at .*\d bytes"):
+    with pytest.raises(BudgetError, match=r"measured: the least plan's step peaked at .*\d bytes"):
         solve_profile(model, profiled, policy, optimizer, "optimal", budget)
 
 

@@ -202,11 +202,14 @@ def solve_profile(
         if fit is None:
             raise exc from None
         if not fit.verdict.fits:
+            measured = fit.measured_peak_bytes
             raise BudgetError(
-                f"{exc} Measured, the least plan's step peaked at "
-                f"{format_bytes(fit.measured_peak_bytes)} ({fit.measured_peak_bytes:.0f} "
-                "bytes; the allocator's count of one forward and backward on the example "
-                "batch), over the budget too."
+                f"budget {format_bytes(budget_bytes)} is below the smallest peak any "
+                f"checkpoint plan reaches, measured: the least plan's step peaked at "
+                f"{format_bytes(measured)} ({measured:.0f} bytes; the allocator's count of "
+                "one forward and backward on the example batch). Raise the budget to at "
+                "least that, use a smaller micro-batch (more accumulation steps) or a "
+                f"'*-master' precision. The prediction: {exc}"
             ) from None
         solution, measured_fit = fit.solution, fit
     else:

@@ -44,6 +44,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch size (default: 16)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="also write the plan's JSON to this file")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="return the predicted plan without measuring its step on the example batch",
+    )
     p.set_defaults(run=run)
 
 
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         precision=policy,
         optimizer=engine.optimizer,
+        verify=args.verify,
     )
     plan.notes.extend(chosen)
     text = plan.to_json()
