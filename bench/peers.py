@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 import transformers
+from bench_meta import memfit_commit, run_meta  # bench/bench_meta.py
 from peer_models import BUILDERS, LossFn, Subject  # bench/peer_models.py
 from torch import nn
 from torch.utils.checkpoint import (
@@ -654,6 +655,7 @@ def main() -> None:
             parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
+    commit = memfit_commit()  # the library as this run imports it
     start = time.perf_counter()
     reports: list[ModelReport] = []
     skipped: dict[str, str] = {}
@@ -686,15 +688,7 @@ def main() -> None:
     for line in found:
         print(f"- {line}")
     if args.json:
-        meta = {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(),
-            "args": vars(args),
-            "peer_margin": PEER_MARGIN,
-            "reserve": RESERVE,
-            "wall_seconds": wall,
-        }
+        meta = run_meta(args, wall, commit, peer_margin=PEER_MARGIN, reserve=RESERVE)
         rows = [dataclasses.asdict(report) for report in reports]
         with open(args.json, "w") as f:
             json.dump(

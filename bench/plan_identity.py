@@ -23,12 +23,12 @@ import warnings
 from typing import Any
 
 import torch
-import zoo  # bench/zoo.py: the models, their batches and optimizers
+import zoo  # bench/zoo.py: the models of bench/zoo_models.py, their batches and optimizers
 
 import memfit
 import memfit.checkpoint.planner as planner
-from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.api import make_plan
+from memfit.checkpoint.costs import UnitCost
 from memfit.models import build_model
 
 #: The GPT of bench/checkpoint.py and the budgets its --pairs-only table plans at.
@@ -82,16 +82,13 @@ def zoo_plans(budgets_per_model: int, names: list[str]) -> dict[str, Any]:
         spec = zoo.ZOO[name]
         for precision in zoo.PRECISIONS:
             torch.manual_seed(0)
-            model = spec.cls(spec.config())
-            model.train()
+            model = spec.build()
             inputs = spec.batch(torch.Generator().manual_seed(0))
             opt = zoo.make_optimizer(model, "adamw")
-            zoo.make_step(model, opt, inputs, "fp32")()  # the optimizer state exists
+            zoo.make_step(model, opt, inputs, "fp32", spec.loss)()  # the optimizer state exists
             if precision != "fp32":
                 memfit.precision.apply_precision(model, memfit.PrecisionPolicy(precision))
-            whole = memfit.plan(
-                model, inputs, precision=precision, optimizer=opt, keep_output=False
-            )
+            whole = memfit.plan(model, inputs, spec.loss, precision=precision, optimizer=opt)
             rows[f"{name}/{precision}/none"] = record(whole)
             least = min(p.peak_bytes for p in whole.frontier)
             for k in range(budgets_per_model + 1):
@@ -102,10 +99,10 @@ def zoo_plans(budgets_per_model: int, names: list[str]) -> dict[str, Any]:
                         memfit.plan(
                             model,
                             inputs,
+                            spec.loss,
                             budget=budget,
                             precision=precision,
                             optimizer=opt,
-                            keep_output=False,
                         )
                     )
                 except memfit.MemfitError as exc:

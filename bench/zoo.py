@@ -1,15 +1,19 @@
-"""memfit's budgets on a zoo of Hugging Face models built from configs, every peak measured.
+"""memfit's budgets on a zoo of models at every point of its frontier, every peak measured.
 
-For each model (tiny configs of ResNet, ConvNeXt, ViT, GPT-2, Llama, BERT and T5, built
-with ``transformers`` from their configs, no weights downloaded) and each precision (fp32,
-and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around forward):
+For each model of ``bench/zoo_models.py`` (tiny Hugging Face models built from their configs,
+no weights downloaded: ResNet, ConvNeXt, ViT, GPT-2, Llama, BERT, T5, Mixtral, Whisper, Swin,
+Mamba, Wav2Vec2 with its CTC loss, SegFormer, CLIP; and memfit's GPT, a chain of residual MLP
+blocks 16x apart in width, an LSTM language model and an ``nn.EmbeddingBag`` recommender) and
+each precision (fp32, and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around
+forward):
 
 * **no plan**: the step without checkpointing, predicted (``memfit.plan`` without a
-  budget) and measured;
-* **budgets** across memfit's own frontier, from its least peak (divided by
-  ``1 - RESERVE``, plus a byte) to 90% of the way to its greatest: memfit's ``optimal``
-  plan at each, applied, and the peak of a whole training step (``zero_grad``, forward,
-  backward, ``optimizer.step()``) measured by the allocator oracle
+  budget, which also gives memfit's (peak, recompute) frontier) and measured;
+* **every frontier point**: a budget at each point's peak (divided by ``1 - RESERVE``, plus
+  a byte: the planner keeps ``RESERVE`` of a budget free), at most ``--points`` of them
+  evenly spread over a longer frontier (its first and last included): memfit's
+  ``optimal`` plan at each, applied, and the peak of a whole training step (``zero_grad``,
+  forward, backward, ``optimizer.step()``) measured by the allocator oracle
   (``memfit.allocator.allocator_peak``: torch.profiler memory events) and by the dispatch
   tracker (``memfit.measure``); whether it stays within the budget, the prediction error,
   the recompute FLOPs planned and counted (``flop_counter``: the step's FLOPs less those of
@@ -18,20 +22,23 @@ and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around forward):
   (non-reentrant) on a copy of the model and its optimizer, its measured peak and counted
   recompute FLOPs; then memfit planned with the peer's measured peak as the budget: is it
   accepted, does it stay within, does it recompute fewer FLOPs;
-* **gradients** (fp32): the mid-budget plan on a copy of the model with every dropout
-  probability 0 against the same copy unplanned, one seeded step each: are all parameter
-  gradients (and buffers, e.g. BatchNorm's running statistics) bitwise equal
-  (``torch.equal``); and, for models with dropout, the same with dropout on.
+* **gradients** (fp32): the middle one of the measured plans that recompute something, on
+  a copy of the model with every dropout probability 0, against the same copy unplanned,
+  one seeded step each: are all parameter gradients (and buffers, e.g. BatchNorm's running
+  statistics) bitwise equal (``torch.equal``); and, for models with dropout, the same with
+  dropout on.
 
-Every step runs after a warm-up step under the same plan; the optimizer state exists
-before the first measurement (one step is run first). A crash on a row is recorded with
-its error and the run goes on. ``memfit.plan(precision="bf16-mixed")`` plans the step as memfit
-trains it, with memfit's fp32 islands (normalization layers in fp32), and so do the bf16
-steps measured here; ``--plain-autocast`` measures plain ``torch.autocast`` instead.
+Every step is seeded (torch and numpy: the same dropout masks, layer drops and Wav2Vec2's
+SpecAugment masks in every step, profiled or measured) and runs after a warm-up step under
+the same plan; the optimizer state exists before the first measurement (one step is run
+first). A crash on a row is recorded with its error and the run goes on.
+``memfit.plan(precision="bf16-mixed")`` plans the step as memfit trains it, with memfit's
+fp32 islands (normalization layers in fp32), and so do the bf16 steps measured here;
+``--plain-autocast`` measures plain ``torch.autocast`` instead.
 
-    python bench/zoo.py                         # the table in docs/benchmarks.md
-    python bench/zoo.py --quick                 # smoke run: one budget, fp32
-    python bench/zoo.py --models gpt2,t5 --budgets 5 --json zoo.json
+    python bench/zoo.py --json zoo.json         # the tables in docs/benchmarks.md
+    python bench/zoo.py --quick                 # smoke run: one budget per model, fp32
+    python bench/zoo.py --models gpt2,t5 --points 5 --precision fp32
     python bench/zoo.py --precision bf16-mixed --plain-autocast   # bf16 without islands
 """
 
@@ -41,20 +48,22 @@ import argparse
 import copy
 import json
 import platform
+import random
 import re
-import subprocess
 import sys
 import time
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
+from bench_meta import memfit_commit, run_meta  # bench/bench_meta.py
 from torch import nn
+from zoo_models import ZOO, LossFn, ZooModel, hf_loss, make_optimizer  # bench/zoo_models.py
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
@@ -63,183 +72,30 @@ from memfit.checkpoint.profiler import flop_counter
 from memfit.units import format_bytes
 
 PRECISIONS = ("fp32", "bf16-mixed")
-#: Where the budgets lie between the least and the greatest frontier peak, the last one.
-TOP_SHARE = 0.9
+#: The most frontier points measured per model and precision; a longer frontier is thinned.
+MAX_POINTS = 12
 
 
-@dataclass(frozen=True)
-class ZooModel:
-    """One model of the zoo: its config, its class and an example batch."""
+def seeded(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` with torch's and numpy's random state reset first, so that every step
+    (memfit's profiled ones and the measured ones) draws the same dropout masks, skips the
+    same layers (layer drop) and masks the same frames (Wav2Vec2's SpecAugment, numpy's)."""
 
-    config: Callable[[], transformers.PretrainedConfig]
-    cls: type[nn.Module]
-    batch: Callable[[torch.Generator], dict[str, Any]]
-    """The inputs of one step, labels included (the model computes its loss)."""
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        return loss_fn(model, batch)
 
-
-def _images(n: int, size: int, labels: int) -> Callable[[torch.Generator], dict[str, Any]]:
-    def batch(g: torch.Generator) -> dict[str, Any]:
-        return {
-            "pixel_values": torch.randn(n, 3, size, size, generator=g),
-            "labels": torch.randint(0, labels, (n,), generator=g),
-        }
-
-    return batch
-
-
-def _causal(n: int, seq: int, vocab: int) -> Callable[[torch.Generator], dict[str, Any]]:
-    def batch(g: torch.Generator) -> dict[str, Any]:
-        ids = torch.randint(0, vocab, (n, seq), generator=g)
-        # use_cache=False as Hugging Face's own checkpointing trains: memfit does not
-        # recompute layers that update a key/value cache.
-        return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
-
-    return batch
-
-
-def _masked(n: int, seq: int, vocab: int) -> Callable[[torch.Generator], dict[str, Any]]:
-    def batch(g: torch.Generator) -> dict[str, Any]:
-        ids = torch.randint(0, vocab, (n, seq), generator=g)
-        labels = torch.where(torch.rand(n, seq, generator=g) < 0.15, ids, -100)
-        return {"input_ids": ids, "labels": labels}
-
-    return batch
-
-
-def _seq2seq(n: int, src: int, tgt: int, vocab: int) -> Callable[[torch.Generator], dict]:
-    def batch(g: torch.Generator) -> dict[str, Any]:
-        return {
-            "input_ids": torch.randint(0, vocab, (n, src), generator=g),
-            "labels": torch.randint(0, vocab, (n, tgt), generator=g),
-            "use_cache": False,
-        }
-
-    return batch
-
-
-VOCAB = 1024
-
-ZOO: dict[str, ZooModel] = {
-    "resnet": ZooModel(
-        lambda: transformers.ResNetConfig(
-            embedding_size=16,
-            hidden_sizes=[16, 32, 64, 128],
-            depths=[2, 2, 2, 2],
-            layer_type="basic",
-            num_labels=10,
-        ),
-        transformers.ResNetForImageClassification,
-        _images(8, 128, 10),
-    ),
-    "convnext": ZooModel(
-        lambda: transformers.ConvNextConfig(
-            hidden_sizes=[16, 32, 64, 128],
-            depths=[2, 2, 2, 2],
-            image_size=64,
-            num_labels=10,
-        ),
-        transformers.ConvNextForImageClassification,
-        _images(8, 64, 10),
-    ),
-    "vit": ZooModel(
-        lambda: transformers.ViTConfig(
-            image_size=64,
-            patch_size=8,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            num_labels=10,
-        ),
-        transformers.ViTForImageClassification,
-        _images(8, 64, 10),
-    ),
-    "gpt2": ZooModel(
-        lambda: transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=128,
-            n_embd=64,
-            n_layer=4,
-            n_head=4,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
-        transformers.GPT2LMHeadModel,
-        _causal(8, 128, VOCAB),
-    ),
-    "llama": ZooModel(
-        lambda: transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
-        transformers.LlamaForCausalLM,
-        _causal(8, 128, VOCAB),
-    ),
-    "bert": ZooModel(
-        lambda: transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            max_position_embeddings=128,
-        ),
-        transformers.BertForMaskedLM,
-        _masked(8, 128, VOCAB),
-    ),
-    "t5": ZooModel(
-        lambda: transformers.T5Config(
-            vocab_size=VOCAB,
-            d_model=64,
-            d_kv=16,
-            d_ff=256,
-            num_layers=3,
-            num_decoder_layers=3,
-            num_heads=4,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        ),
-        transformers.T5ForConditionalGeneration,
-        _seq2seq(8, 64, 32, VOCAB),
-    ),
-}
-
-
-def _dropout_keys(config: transformers.PretrainedConfig) -> list[str]:
-    """The config's dropout probabilities (``*dropout*``, ``*pdrop*``, ``drop_path_rate``)."""
-    return [
-        key for key, value in config.to_dict().items() if isinstance(value, float) and "drop" in key
-    ]
-
-
-def without_dropout(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
-    """A copy of ``config`` with every dropout probability 0 (a deterministic step)."""
-    config = copy.deepcopy(config)
-    for key in _dropout_keys(config):
-        setattr(config, key, 0.0)
-    return config
-
-
-def has_dropout(config: transformers.PretrainedConfig) -> bool:
-    return any(getattr(config, key) > 0 for key in _dropout_keys(config))
-
-
-def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
-    flags = {"adamw": {"foreach": False}, "adamw-foreach": {"foreach": True}}
-    flags["adamw-fused"] = {"fused": True}
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, **flags[kind])
+    return loss
 
 
 def make_step(
-    model: nn.Module, opt: torch.optim.Optimizer, inputs: dict[str, Any], precision: str
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    inputs: Any,
+    precision: str,
+    loss_fn: LossFn = hf_loss,
 ) -> Callable[[], None]:
     """One whole training step; bf16-mixed runs forward under CPU autocast."""
     mixed = precision == "bf16-mixed"
@@ -247,7 +103,7 @@ def make_step(
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-            loss = model(**inputs).loss
+            loss = loss_fn(model, inputs)
         loss.backward()
         opt.step()
 
@@ -255,7 +111,7 @@ def make_step(
 
 
 def measure_step(
-    model: nn.Module, opt: torch.optim.Optimizer, inputs: dict[str, Any], step: Callable
+    model: nn.Module, opt: torch.optim.Optimizer, inputs: Any, step: Callable
 ) -> tuple[int, int]:
     """(allocator peak, tracker peak) of ``step``, after a warm-up step."""
     step()
@@ -287,14 +143,48 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{last if where else ''}"
 
 
-def budgets_on(frontier: list, n: int, quick: bool) -> list[tuple[float, int]]:
-    """``n`` budgets from the least frontier peak the planner can meet to ``TOP_SHARE`` of
-    the way to the greatest, each with its share of the way; ``quick``: the middle one."""
-    peaks = [p.peak_bytes for p in frontier]
-    lo = int(min(peaks) / (1 - RESERVE)) + 1
-    hi = max(peaks) / (1 - RESERVE)
-    shares = [0.5] if quick else [TOP_SHARE * i / max(1, n - 1) for i in range(n)]
-    return [(s, int(lo + s * (hi - lo))) for s in shares]
+@dataclass(frozen=True)
+class FrontierBudget:
+    """The budget at one point of memfit's frontier."""
+
+    index: int
+    """The point's place on the frontier, 0 for the least peak."""
+    points: int
+    """How many points the frontier has."""
+    budget_bytes: int
+    """The point's peak divided by ``1 - RESERVE``, plus a byte."""
+
+
+def frontier_budgets(frontier: list, max_points: int, quick: bool) -> list[FrontierBudget]:
+    """A budget at each point of ``frontier`` (sorted by peak), at most ``max_points`` of
+    them evenly spread (the first and last included) when it is longer; ``quick``: the
+    middle point alone.
+
+    >>> from memfit.checkpoint.solvers.frontier import FrontierPoint
+    >>> pts = [FrontierPoint(98.0 * i, 0.0, 0.0) for i in range(1, 31)]
+    >>> [b.index for b in frontier_budgets(pts, 4, False)], frontier_budgets(pts, 4, True)[0]
+    ([0, 10, 19, 29], FrontierBudget(index=15, points=30, budget_bytes=1601))
+    """
+    n = len(frontier)
+    if quick:
+        indices = [n // 2]
+    elif n <= max_points:
+        indices = list(range(n))
+    else:
+        indices = sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
+    return [FrontierBudget(i, n, int(frontier[i].peak_bytes / (1 - RESERVE)) + 1) for i in indices]
+
+
+@dataclass
+class Subject:
+    """One model of the zoo under test: the model, its optimizer, one batch, its loss."""
+
+    name: str
+    spec: ZooModel
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    inputs: Any
+    loss_fn: LossFn
 
 
 class Bench:
@@ -307,44 +197,31 @@ class Bench:
     def add(self, row: dict[str, Any]) -> dict[str, Any]:
         self.rows.append(row)
         status = row.get("error") or ""
+        measured = "–" if row.get("measured") is None else format_bytes(int(row["measured"]))
         print(
-            f"  {row['model']:<9} {row['precision']:<10} {row['variant']:<24} "
-            f"{_b(row.get('measured'))} {status[:120]}",
+            f"  {row['model']:<11} {row['precision']:<10} {row['variant']:<20} "
+            f"{measured} {status[:120]}",
             file=sys.stderr,
             flush=True,
         )
         return row
 
     def plan_row(
-        self,
-        name: str,
-        model: nn.Module,
-        opt: torch.optim.Optimizer,
-        inputs: dict[str, Any],
-        precision: str,
-        budget: int,
-        variant: str,
-        base_flops: float,
+        self, s: Subject, precision: str, budget: int, variant: str, base_flops: float
     ) -> tuple[dict[str, Any], memfit.Plan | None]:
         """Plan at ``budget``, apply, measure a step, remove the plan."""
         row: dict[str, Any] = {
-            "model": name,
+            "model": s.name,
             "precision": precision,
             "variant": variant,
             "budget": budget,
         }
         plan = None
         try:
-            # The step below keeps only the loss (loss = model(**inputs).loss, the first
-            # tensor of the output, which the default loss sums), as
-            # Hugging Face's Trainer does: the model's output is gone before backward.
+            # The step keeps only the loss, as Hugging Face's Trainer does: the model's
+            # output is gone before backward; memfit profiles that step.
             plan = memfit.plan(
-                model,
-                inputs,
-                budget=budget,
-                precision=precision,
-                optimizer=opt,
-                keep_output=False,
+                s.model, s.inputs, s.loss_fn, budget=budget, precision=precision, optimizer=s.opt
             )
             units = recomputed_units(plan)
             row.update(
@@ -356,13 +233,13 @@ class Bench:
                 exact=plan.exact,
                 notes=list(plan.notes),
             )
-            memfit.apply_plan(model, plan)
+            memfit.apply_plan(s.model, plan)
             try:
-                step = make_step(model, opt, inputs, precision)
-                row["measured"], row["tracked"] = measure_step(model, opt, inputs, step)
+                step = make_step(s.model, s.opt, s.inputs, precision, s.loss_fn)
+                row["measured"], row["tracked"] = measure_step(s.model, s.opt, s.inputs, step)
                 row["recompute_flops_counted"] = count_flops(step) - base_flops
             finally:
-                memfit.remove_plan(model)
+                memfit.remove_plan(s.model)
             row["within_budget"] = row["measured"] <= budget
             row["error_pct"] = 100 * (row["predicted"] - row["measured"]) / row["measured"]
         except Exception as exc:  # a crash on a model is a finding: record it, go on
@@ -373,12 +250,11 @@ class Bench:
     def model_rows(self, name: str) -> None:
         spec = ZOO[name]
         torch.manual_seed(0)
-        config = spec.config()
-        model = spec.cls(config)
-        model.train()
+        model = spec.build()
         inputs = spec.batch(torch.Generator().manual_seed(0))
         opt = make_optimizer(model, self.args.optimizer)
-        make_step(model, opt, inputs, "fp32")()  # the optimizer state exists from here on
+        s = Subject(name, spec, model, opt, inputs, seeded(spec.loss))
+        make_step(model, opt, inputs, "fp32", s.loss_fn)()  # the optimizer state exists
         precisions = ["fp32"] if self.args.quick else self.args.precision
         for precision in precisions:
             # The step as memfit's Engine trains it (and as memfit.plan plans it),
@@ -387,32 +263,17 @@ class Bench:
             if islands:
                 memfit.precision.apply_precision(model, memfit.PrecisionPolicy(precision))
             try:
-                self.precision_rows(name, spec, config, model, opt, inputs, precision)
+                self.precision_rows(s, precision)
             finally:
                 if islands:
                     memfit.precision.remove_precision(model)
 
-    def precision_rows(
-        self,
-        name: str,
-        spec: ZooModel,
-        config: transformers.PretrainedConfig,
-        model: nn.Module,
-        opt: torch.optim.Optimizer,
-        inputs: dict[str, Any],
-        precision: str,
-    ) -> None:
-        base: dict[str, Any] = {"model": name, "precision": precision, "variant": "no plan"}
+    def precision_rows(self, s: Subject, precision: str) -> None:
+        base: dict[str, Any] = {"model": s.name, "precision": precision, "variant": "no plan"}
         try:
-            whole = memfit.plan(
-                model,
-                inputs,
-                precision=precision,
-                optimizer=opt,
-                keep_output=False,
-            )
-            step = make_step(model, opt, inputs, precision)
-            base["measured"], base["tracked"] = measure_step(model, opt, inputs, step)
+            whole = memfit.plan(s.model, s.inputs, s.loss_fn, precision=precision, optimizer=s.opt)
+            step = make_step(s.model, s.opt, s.inputs, precision, s.loss_fn)
+            base["measured"], base["tracked"] = measure_step(s.model, s.opt, s.inputs, step)
             base_flops = count_flops(step)
             base.update(
                 predicted=float(whole.predicted_peak_bytes),
@@ -425,67 +286,59 @@ class Bench:
             base["error"] = error_text(exc)
             self.add(base)
             return
+        budgets = frontier_budgets(whole.frontier, self.args.points, self.args.quick)
+        base["points_measured"] = len(budgets)
         self.add(base)
-        budgets = budgets_on(whole.frontier, self.args.budgets, self.args.quick)
         plans = []
-        for i, (share, budget) in enumerate(budgets):
-            row, plan = self.plan_row(
-                name, model, opt, inputs, precision, budget, f"budget {i + 1}", base_flops
-            )
-            row["share"] = share  # 0: the frontier's least peak (plus the reserve)
+        for b in budgets:
+            variant = f"point {b.index + 1}/{b.points}"
+            row, plan = self.plan_row(s, precision, b.budget_bytes, variant, base_flops)
+            row["point"], row["points"] = b.index + 1, b.points
             plans.append(plan)
         if precision == "fp32":
-            self.gradient_row(name, spec, config, model, inputs, plans[len(plans) // 2])
-        if getattr(model, "supports_gradient_checkpointing", False):
-            self.peer_rows(name, model, opt, inputs, precision, base_flops)
+            recomputing = [p for p in plans if p is not None and recomputed_units(p)]
+            self.gradient_row(s, recomputing[len(recomputing) // 2] if recomputing else None)
+        if getattr(s.model, "supports_gradient_checkpointing", False):
+            self.peer_rows(s, precision, base_flops)
 
-    def peer_rows(
-        self,
-        name: str,
-        model: nn.Module,
-        opt: torch.optim.Optimizer,
-        inputs: dict[str, Any],
-        precision: str,
-        base_flops: float,
-    ) -> None:
+    def peer_rows(self, s: Subject, precision: str, base_flops: float) -> None:
         """Hugging Face's gradient checkpointing on a copy, then memfit at its peak."""
-        row: dict[str, Any] = {"model": name, "precision": precision, "variant": "HF checkpointing"}
+        row: dict[str, Any] = {
+            "model": s.name,
+            "precision": precision,
+            "variant": "HF checkpointing",
+        }
         try:
-            peer, peer_opt = copy.deepcopy((model, opt))  # the copy's optimizer holds the copy
-            step = make_step(peer, peer_opt, inputs, precision)
+            peer, peer_opt = copy.deepcopy((s.model, s.opt))  # the copy's optimizer holds the copy
+            step = make_step(peer, peer_opt, s.inputs, precision, s.loss_fn)
             without = count_flops(step)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # renamed in transformers 5
                 peer.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-            row["measured"], row["tracked"] = measure_step(peer, peer_opt, inputs, step)
+            row["measured"], row["tracked"] = measure_step(peer, peer_opt, s.inputs, step)
             row["recompute_flops_counted"] = count_flops(step) - without
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                peer.gradient_checkpointing_disable()
             del peer, peer_opt
         except Exception as exc:
             row["error"] = error_text(exc)
             self.add(row)
             return
         self.add(row)
-        at, _ = self.plan_row(
-            name, model, opt, inputs, precision, row["measured"], "memfit @ HF peak", base_flops
-        )
+        at, _ = self.plan_row(s, precision, row["measured"], "memfit @ HF peak", base_flops)
         at["accepted"] = "error" not in at or not at["error"].startswith("BudgetError")
         least = next(
             (
                 r
                 for r in self.rows
-                if r["model"] == name
+                if r["model"] == s.name
                 and r["precision"] == precision
-                and r.get("share") == 0.0
+                and r.get("point") == 1
                 and "measured" in r
             ),
             None,
         )
-        if least is not None:  # memfit's least plan, measured in its budget row
+        if least is not None:  # memfit's least plan, measured in its frontier row
             at["least_predicted"] = least["predicted"]
             at["least_measured"] = least["measured"]
             at["least_recompute_flops"] = least["recompute_flops_counted"]
@@ -493,37 +346,31 @@ class Bench:
         if "recompute_flops_counted" in at:
             at["flops_le_peer"] = at["recompute_flops_counted"] <= row["recompute_flops_counted"]
 
-    def gradient_row(
-        self,
-        name: str,
-        spec: ZooModel,
-        config: transformers.PretrainedConfig,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        plan: memfit.Plan | None,
-    ) -> None:
-        """The mid-budget plan's gradients against the unplanned model's, bitwise."""
-        row: dict[str, Any] = {"model": name, "precision": "fp32", "variant": "gradients"}
+    def gradient_row(self, s: Subject, plan: memfit.Plan | None) -> None:
+        """A measured plan's gradients against the unplanned model's, bitwise."""
+        row: dict[str, Any] = {"model": s.name, "precision": "fp32", "variant": "gradients"}
         if plan is None:
-            row["error"] = "no mid-budget plan (its row failed)"
+            row["error"] = "no measured plan that recomputes anything"
             self.add(row)
             return
         row["budget"] = plan.budget_bytes
         row["units_recomputed"] = len(recomputed_units(plan))
         row["selective"] = sum(d == "selective" for d in plan.decisions.values())
         try:
-            twin = spec.cls(without_dropout(config))
-            twin.load_state_dict(model.state_dict())
-            twin.train()
-            row.update(_compare(twin, plan, inputs, "dropout0"))
-            if has_dropout(config):
-                row.update(_compare(model, plan, inputs, "dropout"))
+            torch.manual_seed(0)  # the twin's weights are loaded; any left unset are seeded
+            twin = s.spec.build(dropout=False)
+            twin.load_state_dict(s.model.state_dict())
+            row.update(_compare(twin, plan, s.inputs, s.loss_fn, "dropout0"))
+            if s.spec.has_dropout():
+                row.update(_compare(s.model, plan, s.inputs, s.loss_fn, "dropout"))
         except Exception as exc:
             row["error"] = error_text(exc)
         self.add(row)
 
 
-def _compare(model: nn.Module, plan: memfit.Plan, inputs: dict[str, Any], tag: str) -> dict:
+def _compare(
+    model: nn.Module, plan: memfit.Plan, inputs: Any, loss_fn: LossFn, tag: str
+) -> dict[str, Any]:
     """One seeded forward and backward of an unplanned copy of ``model`` and of a planned
     one: how many parameter gradients and buffers differ (``torch.equal``)."""
     ref, planned = copy.deepcopy(model), copy.deepcopy(model)
@@ -531,8 +378,7 @@ def _compare(model: nn.Module, plan: memfit.Plan, inputs: dict[str, Any], tag: s
 
     def run(m: nn.Module) -> tuple[torch.Tensor, dict, dict]:
         m.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        loss = m(**inputs).loss
+        loss = loss_fn(m, inputs)  # seeded: the same masks in both runs
         loss.backward()
         grads = {n: p.grad for n, p in m.named_parameters()}
         return loss.detach(), grads, dict(m.named_buffers())
@@ -574,6 +420,11 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.1f}%"
 
 
+def _short(text: str, limit: int = 140) -> str:
+    text = " ".join(text.split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _units(r: dict[str, Any]) -> str:
     if "units_recomputed" not in r:
         return "–"
@@ -581,30 +432,67 @@ def _units(r: dict[str, Any]) -> str:
     return f"{r['units_recomputed']}" + (f" ({sel} selective)" if sel else "")
 
 
-def print_tables(rows: list[dict[str, Any]]) -> None:
-    print(
-        "| model | precision | variant | budget | predicted | measured (allocator) "
-        "| measured (tracker) | error | within | recompute MFLOP planned | counted "
-        "| units recomputed |"
+def _at_hf(r: dict[str, Any] | None) -> str:
+    """memfit at Hugging Face checkpointing's peak: its recompute against the peer's."""
+    if r is None:
+        return "–"
+    if not r.get("accepted", True):
+        return "**refused**"
+    if "recompute_flops_counted" not in r:
+        return f"**error**: {_short(r.get('error', ''), 60)}"
+    return f"{_mflop(r['recompute_flops_counted'])} vs {_mflop(r['peer_recompute_flops'])}" + (
+        "" if r["flops_le_peer"] else " (**more**)"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
-    for r in rows:
-        if r["variant"] == "gradients":
-            continue
-        if r.get("error") and "measured" not in r:
-            print(
-                f"| {r['model']} | {r['precision']} | {r['variant']} | {_b(r.get('budget'))} "
-                f"| {_b(r.get('predicted'))} | **error**: {r['error'][:140]} |"
-            )
-            continue
-        within = r.get("within_budget")
-        print(
-            f"| {r['model']} | {r['precision']} | {r['variant']} | {_b(r.get('budget'))} "
-            f"| {_b(r.get('predicted'))} | {_b(r.get('measured'))} | {_b(r.get('tracked'))} "
-            f"| {_pct(r.get('error_pct'))} | {_yes(within)} "
-            f"| {_mflop(r.get('recompute_flops_planned'))} "
-            f"| {_mflop(r.get('recompute_flops_counted'))} | {_units(r)} |"
-        )
+
+
+def summary_line(rows: list[dict[str, Any]], model: str, precision: str) -> str:
+    """One model at one precision: its least point, the budgets it held, its worst
+    prediction, its gradients and its recompute at Hugging Face checkpointing's peak."""
+    mine = [r for r in rows if r["model"] == model and r["precision"] == precision]
+    base = next((r for r in mine if r["variant"] in ("no plan", "setup")), mine[0])
+    if "measured" not in base:
+        return f"| {model} | {precision} | **error**: {_short(base.get('error', ''))} |||||||"
+    points = [r for r in mine if "point" in r]
+    total = points[0]["points"] if points else len(base["frontier"])
+    least = next((r for r in points if r["point"] == 1), None)
+    if least is None:
+        least_cell = "–"
+    elif "measured" not in least:
+        least_cell = f"**error**: {_short(least.get('error', ''), 60)}"
+    else:
+        least_cell = f"{_b(least['predicted'])} / {_b(least['measured'])}"
+    held = sum(r.get("within_budget") is True for r in points)
+    refused = sum(r.get("error", "").startswith("BudgetError") for r in points)
+    crashed = sum("error" in r for r in points) - refused
+    held_cell = f"{held}/{len(points)}" + (f", {refused} refused" if refused else "")
+    held_cell += f", {crashed} crashed" if crashed else ""
+    errors = [r["error_pct"] for r in mine if r.get("error_pct") is not None]
+    grads = next((r for r in rows if r["model"] == model and r["variant"] == "gradients"), None)
+    if precision != "fp32" or grads is None:
+        grads_cell = "–"
+    elif grads.get("error"):
+        grads_cell = "**error**"
+    else:
+        grads_cell = f"{_yes(grads.get('dropout0_equal'))} / {_yes(grads.get('dropout_equal'))}"
+    at_hf = next((r for r in mine if r["variant"] == "memfit @ HF peak"), None)
+    return (
+        f"| {model} | {precision} | {_b(base['predicted'])} / {_b(base['measured'])} "
+        f"| {len(points)} of {total} | {least_cell} | {held_cell} "
+        f"| {_pct(max(errors, key=abs) if errors else None)} | {grads_cell} | {_at_hf(at_hf)} |"
+    )
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    """The summary, memfit at Hugging Face's peak, the gradients, then every row."""
+    print(
+        "| model | precision | no plan: predicted / measured | frontier points measured "
+        "| least point: predicted / measured | budgets held | worst prediction error "
+        "| gradients bitwise (fp32): dropout 0 / on | memfit @ HF peak: recompute MFLOP vs HF |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|---:|")
+    pairs = dict.fromkeys((r["model"], r["precision"]) for r in rows if r["variant"] != "gradients")
+    for model, precision in pairs:
+        print(summary_line(rows, model, precision))
     peers = [r for r in rows if r["variant"] == "memfit @ HF peak"]
     if peers:
         print("\nmemfit planned with Hugging Face checkpointing's measured peak as the budget:\n")
@@ -616,7 +504,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print("|---|---|---:|---:|---|---:|---|---:|---|---|")
         for r in peers:
             if r.get("accepted", True) and r.get("error"):
-                accepts = f"**error**: {r['error'][:120]}"
+                accepts = f"**error**: {_short(r['error'], 120)}"
             elif not r.get("accepted", True):
                 needs = re.search(r"at least ([\d.]+ [KMG]?i?B)", r.get("error", ""))
                 accepts = "**no**, BudgetError" + (f" (asks ≥ {needs.group(1)})" if needs else "")
@@ -637,7 +525,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             )
     grads = [r for r in rows if r["variant"] == "gradients"]
     if grads:
-        print("\nGradients of the mid-budget plan against the unplanned model (fp32, bitwise):\n")
+        print("\nGradients of a measured plan against the unplanned model (fp32, bitwise):\n")
         print(
             "| model | budget | units recomputed | dropout 0: equal | dropout on: equal "
             "| differing |"
@@ -645,7 +533,9 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print("|---|---:|---:|---|---|---|")
         for r in grads:
             if r.get("error"):
-                print(f"| {r['model']} | {_b(r.get('budget'))} | **error**: {r['error'][:200]} |")
+                print(
+                    f"| {r['model']} | {_b(r.get('budget'))} | **error**: {_short(r['error'])} |||"
+                )
                 continue
             differ = [
                 f"{tag}: {len(r[f'{tag}_grads_differ'])}/{r[f'{tag}_params']} grads, "
@@ -658,6 +548,29 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
                 f"| {_yes(r.get('dropout0_equal'))} | {_yes(r.get('dropout_equal'))} "
                 f"| {'; '.join(differ) or '–'} |"
             )
+    print("\nEvery row (point i/n: the i-th of the frontier's n points, by increasing peak):\n")
+    print(
+        "| model | precision | variant | budget | predicted | measured (allocator) "
+        "| measured (tracker) | error | within | recompute MFLOP planned | counted "
+        "| units recomputed |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        if r["variant"] == "gradients":
+            continue
+        if r.get("error") and "measured" not in r:
+            print(
+                f"| {r['model']} | {r['precision']} | {r['variant']} | {_b(r.get('budget'))} "
+                f"| {_b(r.get('predicted'))} | **error**: {_short(r['error'])} |||||||"
+            )
+            continue
+        print(
+            f"| {r['model']} | {r['precision']} | {r['variant']} | {_b(r.get('budget'))} "
+            f"| {_b(r.get('predicted'))} | {_b(r.get('measured'))} | {_b(r.get('tracked'))} "
+            f"| {_pct(r.get('error_pct'))} | {_yes(r.get('within_budget'))} "
+            f"| {_mflop(r.get('recompute_flops_planned'))} "
+            f"| {_mflop(r.get('recompute_flops_counted'))} | {_units(r)} |"
+        )
 
 
 def failures(rows: list[dict[str, Any]], limit_pct: float = 10.0) -> list[str]:
@@ -701,21 +614,6 @@ def failures(rows: list[dict[str, Any]], limit_pct: float = 10.0) -> list[str]:
     return out
 
 
-def _commit() -> str | None:
-    """The repository's commit, "+dirty" when memfit/ differs from it (read only)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "memfit"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -727,11 +625,18 @@ def main() -> None:
         type=lambda s: s.split(","),
         help="comma-separated, of: fp32, bf16-mixed (default both)",
     )
-    parser.add_argument("--budgets", type=int, default=3, help="budgets per model and precision")
+    parser.add_argument(
+        "--points",
+        type=int,
+        default=MAX_POINTS,
+        help=f"the most frontier points measured per model and precision (default {MAX_POINTS})",
+    )
     parser.add_argument(
         "--optimizer", default="adamw", choices=("adamw", "adamw-foreach", "adamw-fused")
     )
-    parser.add_argument("--quick", action="store_true", help="one budget per model, fp32 only")
+    parser.add_argument(
+        "--quick", action="store_true", help="one budget per model (the middle point), fp32"
+    )
     parser.add_argument(
         "--plain-autocast",
         dest="islands",
@@ -749,12 +654,12 @@ def main() -> None:
     for p in args.precision:
         if p not in PRECISIONS:
             parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
-    if args.budgets < 1:
-        parser.error("--budgets must be at least 1")
+    if args.points < 2:
+        parser.error("--points must be at least 2 (the frontier's least and greatest peaks)")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     bench = Bench(args)
-    commit = _commit()  # the library as this run imports it
+    commit = memfit_commit()  # the library as this run imports it
     start = time.perf_counter()
     for name in names:
         try:
@@ -764,10 +669,11 @@ def main() -> None:
                 {"model": name, "precision": "–", "variant": "setup", "error": error_text(exc)}
             )
     wall = time.perf_counter() - start
+    points = "1 (quick: the middle one)" if args.quick else f"at most {args.points}"
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), "
-        f"optimizer {args.optimizer}, budgets {'1 (quick)' if args.quick else args.budgets}, "
+        f"optimizer {args.optimizer}, frontier points {points} per model and precision, "
         f"bf16-mixed {'with memfit fp32 islands' if args.islands else 'plain autocast'}; "
         f"memfit keeps {RESERVE:.0%} of a budget free; wall time {wall:.0f} s\n"
     )
@@ -777,15 +683,8 @@ def main() -> None:
     for line in found:
         print(f"- {line}")
     if args.json:
-        meta = {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(),
-            "memfit_commit": commit,
-            "args": vars(args),
-            "wall_seconds": wall,
-            "configs": {n: ZOO[n].config().to_dict() for n in names},
-        }
+        configs = {n: ZOO[n].describe() for n in names}
+        meta = run_meta(args, wall, commit, reserve=RESERVE, configs=configs)
         with open(args.json, "w") as f:
             json.dump(
                 {"meta": meta, "rows": bench.rows, "failures": found}, f, indent=1, default=str
