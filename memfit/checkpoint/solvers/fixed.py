@@ -66,9 +66,7 @@ def family_plan(
     k: int | None,
     limit: int | None,
 ) -> NodePlan:
-    """Checkpoint the first ``limit`` blocks (all when None) in forward order; a block
-    checkpointed alone only where its recompute can free memory (it saves more than its
-    input)."""
+    """Checkpoint the first ``limit`` blocks (all when None) in forward order."""
     decision = [KEEP] * len(nodes)
     segs: Segments = {}
     left = math.inf if limit is None else limit
@@ -90,12 +88,7 @@ def family_plan(
                     groups.extend(run[i : i + size] for i in range(0, len(run), size))
         for group in groups:
             if len(group) == 1:
-                block = nodes[node.children[group[0]]]
-                # A block that saves no more than its input frees nothing when recomputed
-                # (its checkpoint holds the input), and its rebuild costs time and memory:
-                # an embedding lookup, a view. Never planned.
-                if block.saved_bytes > block.input_bytes:
-                    decision[block.index] = RECOMPUTE
+                decision[node.children[group[0]]] = RECOMPUTE
             else:
                 segs.setdefault(u, []).append((group[0], group[-1]))
     return NodePlan(decision, segs)
