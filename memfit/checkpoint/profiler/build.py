@@ -1,7 +1,6 @@
 """Turning a profiled step's per-unit records into the planner's :class:`UnitCost` tree
-(:func:`build_costs`), then evening out the times of identical units (:func:`pool_times`),
-leaving out the inputs an earlier unit holds already (:func:`drop_held_inputs`) and
-marking the inputs siblings share (:func:`mark_shared_inputs`)."""
+(:func:`build_costs`), then evening out the times of identical units (:func:`pool_times`)
+and marking the inputs siblings share (:func:`mark_shared_inputs`)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from memfit.checkpoint.profiler.recorder import ChainState, Stats
 from memfit.checkpoint.recompute import has_own_forward, stock_sequential
 from memfit.checkpoint.tree import Unit
 
-__all__ = ["build_costs", "drop_held_inputs", "mark_shared_inputs", "pool_times"]
+__all__ = ["build_costs", "mark_shared_inputs", "pool_times"]
 
 
 def pool_times(unit: Unit, cost: UnitCost) -> None:
@@ -61,92 +60,22 @@ def pool_times(unit: Unit, cost: UnitCost) -> None:
             m.tail_seconds, m.non_matmul_fwd_seconds = fwd * tail, fwd * selective
 
 
-def drop_held_inputs(
-    cost: UnitCost, stats: dict[str, Stats], saved_owner: dict[Any, str | None]
-) -> dict[str, set[Any]]:
-    """Leave out of each unit's ``input_bytes`` the inputs an earlier unit holds whatever
-    the plan; return them per unit name.
-
-    Many units may receive one tensor: a decoder's every cross-attention layer the
-    encoder's output, every layer the rotary position tables. A checkpoint holds its
-    inputs, but one storage is held once, whoever holds it. An earlier unit *holds* an
-    input when it receives it and the input's first saver for backward lies inside it,
-    reached through units that all receive it: kept, it saves the input; recomputed,
-    its checkpoint holds it; and either way the input is counted there (in the saved
-    bytes of its first saver, or in the input bytes of the recomputed unit around it).
-    It holds it until backward reaches it, after every later unit. So a later unit's
-    checkpoint adds nothing for that input. "Earlier" means before the unit at its own
-    level or at an ancestor's: an earlier sibling of the unit or of one of its ancestors
-    (a unit inside a recomputed earlier piece holds nothing on its own).
-
-    An input that no unit saves (an attention bias added to the scores) is held by the
-    checkpoints alone, by as many as receive it when they are recomputed: it stays
-    counted in each (an upper bound). Only units called once hold inputs here (a storage
-    freed between two calls could return at the same address as another tensor).
-    """
-    holds: dict[str, set[Any]] = {}
-
-    def find_holds(unit: UnitCost) -> set[Any]:
-        # The keys this unit's subtree holds, for a unit called once that receives them;
-        # for a container never called itself (a ModuleList), its children's.
-        st = stats[unit.name]
-        inner: set[Any] = set()
-        for child in unit.children:
-            inner |= find_holds(child)
-        if st.call_count == 0:
-            found = inner
-        elif st.call_count == 1:
-            own = {k for k in st.input_storage_bytes if saved_owner.get(k) == unit.name}
-            found = (own | inner) & st.input_storage_bytes.keys()
-        else:
-            found = set()
-        holds[unit.name] = found
-        return found
-
-    find_holds(cost)
-    dropped: dict[str, set[Any]] = {}
-
-    def visit(unit: UnitCost, held_before: set[Any]) -> None:
-        before = set(held_before)
-        first_input = unit.children[0].input_bytes if unit.children else None
-        for child in unit.children:
-            st = stats[child.name]
-            dropped[child.name] = set(st.input_storage_bytes.keys() & before)
-            gone = sum(st.input_storage_bytes[k] for k in dropped[child.name])
-            child.input_bytes = max(0.0, child.input_bytes - gone)
-            visit(child, before)
-            before |= holds[child.name]
-        if stats[unit.name].call_count == 0 and unit.input_bytes == first_input:
-            # A chain never called itself receives what its first child does.
-            unit.input_bytes = unit.children[0].input_bytes
-
-    visit(cost, set())
-    return dropped
-
-
 def mark_shared_inputs(
     unit: Unit,
     cost: UnitCost,
     stats: dict[str, Stats],
     saved_owner: dict[Any, str | None],
     saved_by: dict[Any, set[str | None]],
-    held: dict[str, set[Any]] | None = None,
 ) -> None:
     """Set each unit's ``input_saved_by_previous_bytes``: bytes of its inputs that the
     sibling before it already saves for backward (e.g. a block whose last ReLU saves the
     output the next block receives; for a first child, its parent's own ops),
     ``input_saved_by_both_bytes``: those it saves too (a convolution saves its input;
     under autocast it saves a 16-bit copy instead), and ``input_saved_bytes``: the bytes
-    of its inputs its own subtree is the first to save. ``held``: per unit, the inputs left
-    out of its ``input_bytes`` (:func:`drop_held_inputs`), left out here too."""
-    held = held or {}
+    of its inputs its own subtree is the first to save."""
 
     def inside(owner: str | None, name: str) -> bool:
         return owner is not None and (owner == name or owner.startswith(name + "."))
-
-    def inputs(name: str) -> dict[Any, int]:
-        gone = held.get(name, set())
-        return {k: n for k, n in stats[name].input_storage_bytes.items() if k not in gone}
 
     by_name = {c.name: c for c in cost.children}
     units = {u.name: u for u in unit.children}
@@ -155,11 +84,17 @@ def mark_shared_inputs(
         # stem's last ReLU, before the first stage): kept whenever the parent is kept.
         first = cost.children[0]
         first.input_saved_by_previous_bytes = float(
-            sum(n for key, n in inputs(first.name).items() if saved_owner.get(key) == cost.name)
+            sum(
+                n
+                for key, n in stats[first.name].input_storage_bytes.items()
+                if saved_owner.get(key) == cost.name
+            )
         )
     for prev, cur in zip(cost.children, cost.children[1:]):
         shared = {
-            key: n for key, n in inputs(cur.name).items() if inside(saved_owner.get(key), prev.name)
+            key: n
+            for key, n in stats[cur.name].input_storage_bytes.items()
+            if inside(saved_owner.get(key), prev.name)
         }
         both = sum(
             n for key, n in shared.items() if any(inside(o, cur.name) for o in saved_by[key])
@@ -170,12 +105,21 @@ def mark_shared_inputs(
         child.input_saved_bytes = float(
             sum(
                 n
-                for key, n in inputs(child.name).items()
+                for key, n in stats[child.name].input_storage_bytes.items()
                 if inside(saved_owner.get(key), child.name)
             )
         )
     for name, child in by_name.items():
-        mark_shared_inputs(units[name], child, stats, saved_owner, saved_by, held)
+        mark_shared_inputs(units[name], child, stats, saved_owner, saved_by)
+
+
+def _first_call(cost: UnitCost, stats: dict[str, Stats]) -> float:
+    """The first call in ``cost``'s subtree: its own, or, never called itself, its
+    descendants' earliest; infinity when nothing in it was called."""
+    st = stats[cost.name]
+    if st.call_count:
+        return float(st.first_call_order)
+    return min((_first_call(c, stats) for c in cost.children), default=float("inf"))
 
 
 def build_costs(
@@ -191,11 +135,11 @@ def build_costs(
         build_costs(c, stats, chains, iterated, measured, timed_tails) for c in unit.children
     ]
     if not unit.is_chain:
-        # Forward order; units never called go last, in registration order.
-        never = float("inf")
-        children.sort(
-            key=lambda c: stats[c.name].first_call_order if stats[c.name].call_count else never
-        )
+        # Forward order, each child by the first call in its subtree: a list of layers the
+        # model loops over is never called itself, and its place is its layers' (a
+        # recommender's embedding tables before its top MLP; one tower of two before the
+        # other). Units never called at all go last, in registration order.
+        children.sort(key=lambda c: _first_call(c, stats))
     names = [u.name for u in unit.walk()]
 
     def total(attr: str) -> float:

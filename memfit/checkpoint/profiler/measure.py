@@ -11,12 +11,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
-from memfit.checkpoint.profiler.build import (
-    build_costs,
-    drop_held_inputs,
-    mark_shared_inputs,
-    pool_times,
-)
+from memfit.checkpoint.profiler.build import build_costs, mark_shared_inputs, pool_times
 from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE
 from memfit.checkpoint.profiler.recorder import Recorder, Stats, storage_of
 from memfit.checkpoint.profiler.result import Profile
@@ -173,8 +168,7 @@ def profile(
     for unit in root.walk():
         # A module called several times in a step is checkpointed on every call.
         unit.piece_seconds = piece_seconds * max(1, stats[unit.name].call_count)
-    held = drop_held_inputs(root, stats, saved_owner)
-    mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by, held)
+    mark_shared_inputs(tree.root, root, stats, saved_owner, saved_by)
     return Profile(
         root=root,
         structure=structure_fingerprint(model, tree),
