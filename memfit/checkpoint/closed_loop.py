@@ -21,13 +21,13 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import (
     Budget,
     PlanResult,
+    cost_tree,
     planned_step_verdict,
     result_of_solution,
     solve_profile,
     step_run,
 )
 from memfit.checkpoint.solvers import parse_strategy
-from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
 from memfit.units import format_bytes
 
@@ -112,24 +112,13 @@ def follow_verdict(
         f"{format_bytes(predicted)} predicted ({verdict.error_fraction:+.1%})"
     )
     try:
-        again = solve_profile(
-            model,
-            result.profile,
-            result.policy,
-            optimizer,
-            result.strategy,
-            result.budget,
-            result.accumulation_steps,
-            frontier=False,
-            correction_bytes=miss,
-            layout=result.layout,
-        ).plan
+        again = _resolved(result, model, optimizer, correction=miss).plan
     except BudgetError as exc:
         note = f"{said}; corrected by that, no plan fits the budget, so this plan is kept: {exc}"
         result.plan.notes.append(note)
         warnings.warn(note, stacklevel=stacklevel)
         return PlanCheck(predicted, measured, 0.0, False, result.plan)
-    replanned = (again.decisions, again.segments) != (result.plan.decisions, result.plan.segments)
+    replanned = not _same_plan(again, result.plan)
     outcome = "re-planned" if replanned else "the same plan still fits"
     again.notes.append(
         f"{said}; the step memory is corrected by "
@@ -140,6 +129,14 @@ def follow_verdict(
 
 #: How many times :func:`verify_plan` measures a plan and makes it again from the miss.
 VERIFY_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class MeasuredPlan:
+    """A plan :func:`verify_plan` made and the peak its step measured."""
+
+    result: PlanResult
+    peak_bytes: float
 
 
 def verify_plan(
@@ -172,11 +169,11 @@ def verify_plan(
     if run is None:
         return result
     budget_bytes = result.plan.budget_bytes
-    measured: list[tuple[PlanResult, float]] = []
+    measured: list[MeasuredPlan] = []
     current, correction = result, 0.0
     for _ in range(VERIFY_ROUNDS):
         peak = run.peak_bytes(current.plan)
-        measured.append((current, peak))
+        measured.append(MeasuredPlan(current, peak))
         verdict = planned_step_verdict(current, peak)
         if verdict.action == "keep":
             break
@@ -185,13 +182,13 @@ def verify_plan(
             again = _resolved(result, model, optimizer, correction=correction)
         except BudgetError:
             break
-        if any(_same_plan(again.plan, done.plan) for done, _ in measured):
+        if any(_same_plan(again.plan, done.result.plan) for done in measured):
             break
         current = again
-    fitting = [(r, p) for r, p in measured if budget_bytes is None or p <= budget_bytes]
+    fitting = [m for m in measured if budget_bytes is None or m.peak_bytes <= budget_bytes]
     if fitting:
-        chosen, peak = min(fitting, key=lambda rp: rp[0].plan.recompute_seconds)
-        return _with_measured(chosen, peak, result.plan)
+        chosen = min(fitting, key=lambda m: m.result.plan.recompute_seconds)
+        return _with_measured(chosen.result, chosen.peak_bytes, result.plan)
     assert budget_bytes is not None  # without a budget every step fits
     return _measured_fallback(result, model, optimizer, run, measured)
 
@@ -249,7 +246,7 @@ def _measured_fallback(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     run: StepRun,
-    measured: list[tuple[PlanResult, float]],
+    measured: list[MeasuredPlan],
 ) -> PlanResult:
     """No plan made from the prediction measured within the budget: the plan without
     recompute (checkpoints can cost more than they free), then the least plan, each
@@ -257,8 +254,9 @@ def _measured_fallback(
     numbers."""
     budget_bytes = float(result.plan.budget_bytes or 0.0)
     tried = [
-        f"{format_bytes(r.plan.predicted_peak_bytes)} predicted, {format_bytes(p)} measured"
-        for r, p in measured
+        f"{format_bytes(m.result.plan.predicted_peak_bytes)} predicted, "
+        f"{format_bytes(m.peak_bytes)} measured"
+        for m in measured
     ]
     if parse_strategy(result.strategy)[0] != "optimal":
         raise BudgetError(
@@ -275,13 +273,7 @@ def _measured_fallback(
         )
         return _with_measured(unplanned, peak, result.plan)
     tried.append(f"{format_bytes(peak)} measured without recompute")
-    root = with_backward_costs(
-        result.profile.root,
-        model,
-        result.policy,
-        accumulating=result.accumulation_steps > 1,
-        layout=result.layout,
-    )
+    root = cost_tree(model, result.profile, result.policy, result.accumulation_steps, result.layout)
     least = measured_least_plan(run, root, result.strategy, budget_bytes, frontier=False)
     if least is not None:
         if least.verdict.fits:

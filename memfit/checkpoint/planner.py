@@ -172,9 +172,7 @@ def solve_profile(
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
         )
-    root = with_backward_costs(
-        profiled.root, model, policy, accumulating=accumulation_steps > 1, layout=layout
-    )
+    root = cost_tree(model, profiled, policy, accumulation_steps, layout)
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
@@ -303,6 +301,25 @@ def result_of_solution(
         layout=layout,
         measured_peak_bytes=measured_fit.measured_peak_bytes if measured_fit else None,
         measured_is_least=bool(measured_fit and measured_fit.least),
+    )
+
+
+def cost_tree(
+    model: nn.Module,
+    profiled: ModelProfile,
+    policy: PrecisionPolicy,
+    accumulation_steps: int,
+    layout: RankLayout | None,
+) -> UnitCost:
+    """The profiled cost tree with each unit's backward costs for this step (what its
+    rebuild casts again, the gradients made by then), as the solver sees it.
+
+    Example::
+
+        root = cost_tree(model, result.profile, result.policy, 1, None)
+    """
+    return with_backward_costs(
+        profiled.root, model, policy, accumulating=accumulation_steps > 1, layout=layout
     )
 
 
