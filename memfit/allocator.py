@@ -55,16 +55,56 @@ class AllocatorPeak:
     end_bytes: int | None = None
     """What was allocated when the work ended (what its result keeps alive included; CPU
     only, None elsewhere)."""
+    timeline: Timeline | None = None
+    """The level after every allocation and free, and the work's marks (CPU, when asked
+    for with ``timeline=True``)."""
 
 
-def _storage_bytes(objects: Iterable[Any]) -> int:
+@dataclass(frozen=True)
+class Timeline:
+    """What was allocated over a piece of work, event by event, with the times of the marks
+    the work made (``torch.profiler.record_function(name)`` ranges whose name starts with
+    ``memfit::``), all on the profiler's clock.
+
+    Example::
+
+        t = allocator_peak(step, live=params, timeline=True).timeline
+        t.highest(0, t.marks["memfit::unit_begin"][0])   # the most held before it
+    """
+
+    times: list[int]
+    """When each allocation or free happened (ns)."""
+    levels: list[int]
+    """Bytes allocated after it, above :attr:`AllocatorPeak.start_bytes`."""
+    marks: dict[str, list[int]]
+    """Each mark's start times (ns), in order."""
+
+    def highest(self, begin_ns: float, end_ns: float) -> int:
+        """The most allocated above the start between two times (the level at ``begin_ns``
+        counts: it was held then); 0 before anything was allocated."""
+        i = bisect.bisect_right(self.times, begin_ns)
+        j = bisect.bisect_right(self.times, end_ns)
+        at_begin = self.levels[i - 1] if i else 0
+        return max([at_begin, *self.levels[i:j]])
+
+
+def storage_bytes(objects: Iterable[Any]) -> int:
+    """Bytes of the memory behind the tensors in ``objects`` (nested structures of them),
+    each storage once; a sparse tensor's are its indices' and values'.
+
+    Example::
+
+        storage_bytes([p.grad for p in model.parameters()])
+    """
     seen: set[int] = set()
     total = 0
     for t in tensors(list(objects)):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen and storage.nbytes() > 0:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else [t]
+        for part in parts:
+            storage = part.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes() > 0:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
 
 
@@ -91,12 +131,17 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def allocator_peak(
-    fn: Callable[[], Any], live: Iterable[Any] = (), device: str | torch.device = "cpu"
+    fn: Callable[[], Any],
+    live: Iterable[Any] = (),
+    device: str | torch.device = "cpu",
+    timeline: bool = False,
 ) -> AllocatorPeak:
     """Run ``fn()`` and return its peak memory on ``device`` as the allocator saw it.
 
     ``live``: tensors (or nested structures of them) alive when ``fn`` starts; on CPU
     their storages are the starting point. On CUDA the allocator knows it itself.
+    ``timeline``: keep every level and the work's ``memfit::`` marks (CPU only;
+    :class:`Timeline`).
 
     Example::
 
@@ -110,7 +155,7 @@ def allocator_peak(
         result = fn()
         torch.cuda.synchronize(device)
         return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
-    start = _storage_bytes(live)
+    start = storage_bytes(live)
     if torch.autograd.profiler._is_profiler_enabled:
         # A profiler is running already (the user's, or an outer measurement): starting
         # another would end it. The storage tracker measures instead (kernels' own
@@ -154,6 +199,11 @@ def allocator_peak(
         times.append(event.start_ns())
         levels.append(running)
     ops = [(e.start_ns(), e.end_ns()) for e in everything if e.name().startswith("aten::")]
+    marks: dict[str, list[int]] = {}
+    if timeline:
+        for e in sorted(everything, key=lambda e: e.start_ns()):
+            if e.name().startswith("memfit::"):
+                marks.setdefault(e.name(), []).append(e.start_ns())
     # Bytes freed that the work never allocated were alive when it started (last step's
     # gradients that ``zero_grad`` frees): the start was at least that much higher, and so
     # was every level after it. Known gap: a tensor both named in ``live`` and freed by the
@@ -161,7 +211,12 @@ def allocator_peak(
     # events carry no address to tell it apart.
     start += -lowest
     return AllocatorPeak(
-        start + highest, start, result, _op_workspace(times, levels, ops), start + running
+        start + highest,
+        start,
+        result,
+        _op_workspace(times, levels, ops),
+        start + running,
+        Timeline(times, levels, marks) if timeline else None,
     )
 
 

@@ -218,9 +218,9 @@ def measured_plan(
     """
     mem = run.memory
     least = _least_peak(root, mem, strategy)
-    if max(least, mem.optimizer_phase_bytes) > budget_bytes * (1 + MEASURE_MARGIN):
+    if max(least, mem.floor_bytes) > budget_bytes * (1 + MEASURE_MARGIN):
         return None
-    if max(least, mem.optimizer_phase_bytes) <= budget_bytes:
+    if max(least, mem.floor_bytes) <= budget_bytes:
         edge = solve(
             root,
             strategy,
@@ -230,7 +230,7 @@ def measured_plan(
             reserve=0.0,
             frontier=frontier,
         )
-        predicted = max(edge.predicted_peak_bytes, mem.optimizer_phase_bytes)
+        predicted = max(edge.predicted_peak_bytes, mem.floor_bytes)
         if edge.predicted_peak_bytes > least * (1 + 1e-9):  # not the least plan: measured below
             peak = run.peak_bytes(edge)
             verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve)
@@ -273,7 +273,7 @@ def measured_least_plan(
     mem = run.memory
     held, loss = mem.held_bytes, mem.loss_bytes
     least = _least_peak(root, mem, strategy) if least_bytes is None else least_bytes
-    predicted = max(least, mem.optimizer_phase_bytes)
+    predicted = max(least, mem.floor_bytes)
     if predicted > budget_bytes * (1 + MEASURE_MARGIN):
         return None
     # The least point's plan: the cheapest under a budget just at its peak.
@@ -292,7 +292,7 @@ def measured_least_plan(
     if full.decisions == chosen.decisions:
         return MeasuredFit(chosen, peak, verdict, least=True)
     full_peak = run.peak_bytes(full)
-    full_predicted = max(full.predicted_peak_bytes, mem.optimizer_phase_bytes)
+    full_predicted = max(full.predicted_peak_bytes, mem.floor_bytes)
     full_verdict = judge_fit(
         full_predicted, full_peak, budget_bytes, reserve=reserve, least_plan=True
     )
@@ -320,7 +320,7 @@ def measured_within_reserve(
     if edge is None:
         return None
     peak = run.peak_bytes(edge)
-    predicted = max(edge.predicted_peak_bytes, run.memory.optimizer_phase_bytes)
+    predicted = max(edge.predicted_peak_bytes, run.memory.floor_bytes)
     verdict = judge_fit(predicted, peak, budget_bytes)
     return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
 

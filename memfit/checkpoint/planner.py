@@ -150,8 +150,13 @@ def solve_profile(
         output_held=profiled.output_held,
         layout=layout,
     )
+    edges = profiled.edges
+    if edges is not None and (layout is None or layout.kind is None):
+        # Measured on the whole model in one process: a rank's share would differ.
+        edge = max(edges.head_bytes + mem.accumulated_grad_bytes, edges.tail_bytes + mem.grad_bytes)
+        mem = dataclasses.replace(mem, edge_bytes=mem.base_bytes + edge)
     if profiled.workspace_bytes:
-        # Kernels' own workspace: where in the step is not known, so all of it counts.
+        # Kernels' own workspace: where among the units is not known, so all of it counts.
         mem = dataclasses.replace(
             mem,
             base_bytes=mem.base_bytes + profiled.workspace_bytes,
@@ -171,6 +176,15 @@ def solve_profile(
             "step's temporaries): no "
             "checkpoint plan can fit it. Raise the budget, use a '*-master' precision or a "
             "smaller optimizer state, or shard the model."
+        )
+    if budget_bytes is not None and mem.edge_bytes > budget_bytes:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below what the step holds while none of "
+            f"its units runs, {format_bytes(mem.edge_bytes)} (measured on the example batch: "
+            "the layers before the first unit and after the last one, in forward or backward, "
+            "with every gradient made by then and the kernels' own buffers): no checkpoint "
+            "plan can fit it. Raise the budget, use a smaller micro-batch (more accumulation "
+            "steps), or name units that include those layers (units=[...])."
         )
     root = cost_tree(model, profiled, policy, accumulation_steps, layout)
     held = mem.held_bytes
@@ -248,13 +262,13 @@ def result_of_solution(
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
     the whole step (``measured_fit``: the measurement that accepted it, if one did)."""
-    held, optimizer_phase = mem.held_bytes, mem.optimizer_phase_bytes
+    held, floor = mem.held_bytes, mem.floor_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
     counted = plan_cost(
         root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
     )
-    predicted = max(counted.peak_bytes, optimizer_phase)
+    predicted = max(counted.peak_bytes, floor)
     note = solution.note
     if note and budget_bytes is not None and solution.recompute_flops == 0:
         # The solver's note speaks of activations only; say it with the whole step's peak.
@@ -274,7 +288,7 @@ def result_of_solution(
         # The solver's frontier is the activation phase's; the step's peak is never below
         # the optimizer step's, so the plan's frontier says that too (and agrees with its
         # peak).
-        frontier=_with_floor(solution.frontier, optimizer_phase),
+        frontier=_with_floor(solution.frontier, floor),
         note=note,
     )
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)

@@ -32,7 +32,7 @@ from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
 from memfit.checkpoint.profiler.runner import default_loss
 from memfit.checkpoint.tree import find_units, structure_fingerprint
-from memfit.checkpoint.workspace import kernel_workspace_bytes
+from memfit.checkpoint.workspace import StepEdges, step_workspace
 from memfit.errors import PlanError
 from memfit.nested import call_model
 from memfit.precision.apply import precision_applied
@@ -60,9 +60,11 @@ class ModelProfile:
     """Whether the model's output is held through backward (``out = model(x)``), or freed
     once the loss is computed (a step written ``loss_fn(model, batch)``)."""
     workspace_bytes: float = 0.0
-    """What kernels allocate for themselves at the step's peak, which no dispatch-level
-    count sees (a CPU convolution's unfold buffers): the allocator's peak of one step less
-    the storage tracker's (:func:`kernel_workspace_bytes`)."""
+    """What kernels allocate for themselves at the peak of the units' part of the step,
+    which no dispatch-level count sees (a CPU convolution's unfold buffers): the
+    allocator's peak there less the storage tracker's (:func:`step_workspace`)."""
+    edges: StepEdges | None = None
+    """What the step holds while no unit runs, measured (:func:`step_workspace`)."""
     unstable: dict[str, str] = dataclasses.field(default_factory=dict)
     """Units left out of every plan because their forward does other work when run again
     (:mod:`memfit.checkpoint.probe`), each with the reason; plans say so in their notes."""
@@ -121,11 +123,17 @@ def _probed(
 ) -> ModelProfile:
     """``profiled`` with what the profile's own step cannot tell: the units that do other
     work when run again and each unit's forward workspace (:func:`_without_unstable`),
-    and the kernels' workspace of a whole step (:func:`kernel_workspace_bytes`). Runs
-    under the precision the profile ran under."""
+    and the kernels' workspace and the edges of a whole step (:func:`step_workspace`).
+    Runs under the precision the profile ran under."""
     profiled = _without_unstable(model, profiled, forward, policy)
-    workspace = kernel_workspace_bytes(model, loss, policy, inputs)
-    return dataclasses.replace(profiled, workspace_bytes=float(workspace), run_loss=loss)
+    units = [u.name for u in profiled.root.walk() if u.name]
+    measured = step_workspace(model, loss, policy, inputs, units)
+    return dataclasses.replace(
+        profiled,
+        workspace_bytes=float(measured.workspace_bytes),
+        edges=measured.edges,
+        run_loss=loss,
+    )
 
 
 def _without_unstable(

@@ -268,6 +268,12 @@ class StepMemory:
     accumulated_grad_bytes: float = 0.0
     """Gradients held from earlier micro-batches while the last one runs (all of
     ``grad_bytes`` when ``accumulation_steps > 1``, else 0)."""
+    edge_bytes: float = 0.0
+    """The most the step holds while no unit runs, before the first unit's forward and
+    after the last one's backward (a stem's forward and backward, with their kernels'
+    buffers): measured on the model by the allocator
+    (:func:`memfit.checkpoint.workspace.step_workspace`), and no plan changes it. 0 when
+    not measured (off CPU, or per rank of a data-parallel run)."""
 
     @property
     def held_bytes(self) -> float:
@@ -279,6 +285,12 @@ class StepMemory:
     def optimizer_phase_bytes(self) -> float:
         """What the optimizer step holds: base, every gradient and the step's temporaries."""
         return self.base_bytes + self.grad_bytes + self.optimizer_temp_bytes
+
+    @property
+    def floor_bytes(self) -> float:
+        """The least peak any plan can have: the larger of the optimizer step and the
+        step's measured edges."""
+        return max(self.optimizer_phase_bytes, self.edge_bytes)
 
 
 def step_memory(

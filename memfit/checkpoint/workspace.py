@@ -1,50 +1,90 @@
-"""The kernels' own workspace in a step: what the allocator sees beyond every tensor.
+"""What the allocator sees of a step that no tensor count predicts, measured on the model.
 
-A CPU kernel may allocate buffers no tensor shows (a depthwise convolution's backward
-unfolds its input, for one). A dispatch-level tracker cannot see them; the allocator can.
-Running one step under both at once (:mod:`memfit.allocator`, :mod:`memfit.memory`) and
-taking their difference at the peak measures them, and the planner counts it all step.
+Two parts of a step's memory cannot be counted from tensors:
+
+* **the kernels' own workspace.** A CPU kernel may allocate buffers no tensor shows (a
+  depthwise convolution's backward unfolds its input, for one). A dispatch-level tracker
+  cannot see them; the allocator can. Running one step under both at once
+  (:mod:`memfit.allocator`, :mod:`memfit.memory`) and taking their difference at the
+  peak of the units' part of the step measures them, and the planner counts it all step.
+* **the edges of the step**, while no unit runs: before the first unit's forward (an
+  embedding, a convolution stem) and after the last unit's backward (that stem's backward,
+  with every gradient made by then). No plan changes what is held there, so the planned
+  peak is never below it. A stem's backward can be the step's peak: on a CPU without
+  bf16 kernels, a bf16 convolution's backward unfolds its input into a buffer larger than
+  any activation. It is measured, not modelled.
 
 Example::
 
-    kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
+    m = step_workspace(model, lambda: model(x).sum(), PrecisionPolicy("fp32"),
+                       units=["layers.0", "layers.1"])
+    m.workspace_bytes, m.edges
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.allocator import allocator_peak
+from memfit.allocator import Timeline, allocator_peak, storage_bytes
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.memory import measure
+from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 
-__all__ = ["kernel_workspace_bytes"]
+__all__ = ["StepEdges", "StepWorkspace", "kernel_workspace_bytes", "step_workspace"]
+
+_BEGIN = "memfit::unit_begin"
+_BACKWARD_DONE = "memfit::unit_backward_done"
 
 
-def kernel_workspace_bytes(
+@dataclass(frozen=True)
+class StepEdges:
+    """What a step holds while none of its units runs, above its parameters, buffers and
+    inputs (the allocator's count, kernels' buffers included)."""
+
+    head_bytes: int
+    """The most held before the first unit's forward begins."""
+    tail_bytes: int
+    """The most held after the last unit's backward is done, less the gradients the
+    measured step had made by its end (the planner adds the step's own gradients)."""
+
+
+@dataclass(frozen=True)
+class StepWorkspace:
+    """One step measured by the allocator and the storage tracker at once."""
+
+    workspace_bytes: int
+    """What kernels allocate beyond every tensor at the peak of the units' part of the
+    step: the allocator's peak there less the tracker's peak."""
+    edges: StepEdges | None
+    """The step's edges, when the units' first forward and last backward were seen."""
+
+
+def step_workspace(
     model: nn.Module,
     loss: Callable[[], torch.Tensor],
     policy: PrecisionPolicy,
     inputs: Any = None,
-) -> int:
-    """Bytes kernels allocate for themselves at a step's peak, beyond every tensor: one
-    forward and backward of ``loss()`` on CPU measured by the allocator and by the
-    storage tracker at once (:mod:`memfit.allocator`, :mod:`memfit.memory`); their
-    difference at the peak (the allocator's window runs no garbage collection, so only the
-    step's own memory shows). A CPU depthwise convolution's backward, for one, allocates
-    unfold buffers the size of its input times its kernel. (What a unit's forward kernels
-    hold in a rebuild is measured per unit by the probe.) Gradients, buffers and the random
-    state are as before; on other devices 0.
+    units: Sequence[str] = (),
+) -> StepWorkspace:
+    """One forward and backward of ``loss()`` on CPU measured by the allocator and by the
+    storage tracker at once (the allocator's window runs no garbage collection, so only
+    the step's own memory shows): the kernels' workspace at the peak of the part of the
+    step where ``units`` (the outermost planned modules' names) run, and what the step
+    holds before and after them (:class:`StepEdges`). Gradients, buffers and the random
+    state are as before; on other devices nothing is measured (zeros, no edges).
 
     Example::
 
-        kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
+        step_workspace(model, lambda: model(x).sum(), PrecisionPolicy("fp32"), None,
+                       ["layers.0", "layers.1"]).edges.tail_bytes
     """
     model = unwrap_compiled(model)
     params = list(model.parameters())
@@ -53,17 +93,84 @@ def kernel_workspace_bytes(
         # On CUDA the caching allocator counts every tensor on the device, the tracker
         # only the model's: their difference is not the kernels'. The Engine's closed loop
         # measures the allocator there and corrects the plan instead.
-        return 0
+        return StepWorkspace(0, None)
 
     def step() -> None:
         with policy.autocast(device.type):
             value = loss()
         value.backward()
 
-    with preserved(model, train=None, rng_devices=[]):
+    modules = [model.get_submodule(name) for name in units if name]
+    with preserved(model, train=None, rng_devices=[]), _marked(modules):
         peak = allocator_peak(
             lambda: measure(step, model=model),
             live=[*params, *model.buffers(), inputs],
             device=device,
+            timeline=True,
         )
-    return max(0, int(peak.peak_bytes - peak.result.tracked_peak_bytes))
+        grads = storage_bytes([p.grad for p in params if p.grad is not None])
+    timeline = peak.timeline
+    edges = _edges(timeline, int(grads)) if timeline is not None else None
+    units_peak = peak.peak_bytes
+    if timeline is not None and edges is not None:
+        begin, done = timeline.marks[_BEGIN][0], timeline.marks[_BACKWARD_DONE][-1]
+        units_peak = peak.start_bytes + timeline.highest(begin, done)
+    return StepWorkspace(max(0, int(units_peak - peak.result.tracked_peak_bytes)), edges)
+
+
+def kernel_workspace_bytes(
+    model: nn.Module,
+    loss: Callable[[], torch.Tensor],
+    policy: PrecisionPolicy,
+    inputs: Any = None,
+) -> int:
+    """Bytes kernels allocate for themselves at a step's peak, beyond every tensor (the
+    whole step's peak: no units named; :func:`step_workspace`).
+
+    Example::
+
+        kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
+    """
+    return step_workspace(model, loss, policy, inputs).workspace_bytes
+
+
+def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
+    begins, dones = timeline.marks.get(_BEGIN), timeline.marks.get(_BACKWARD_DONE)
+    if not begins or not dones:
+        return None
+    end = timeline.times[-1] if timeline.times else dones[-1]
+    head = timeline.highest(float("-inf"), begins[0])
+    tail = timeline.highest(dones[-1], end)
+    return StepEdges(head_bytes=head, tail_bytes=max(0, tail - grad_bytes))
+
+
+@contextlib.contextmanager
+def _marked(modules: list[nn.Module]) -> Iterator[None]:
+    """Marks on the profiler's clock when any of ``modules`` begins its forward, and when
+    each part of its backward is done: the gradient of each input made in the step, and
+    each parameter's gradient accumulated. The last such mark ends the last unit's
+    backward; a unit with neither has no backward."""
+    step_handles: list[Any] = []
+
+    def mark(name: str) -> None:
+        with torch.profiler.record_function(name):
+            pass
+
+    def done(_: torch.Tensor) -> None:
+        mark(_BACKWARD_DONE)
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        mark(_BEGIN)
+        if torch.is_grad_enabled():
+            # Only tensors made in the step: a leaf's hook would outlive it.
+            made = [t for t in tensors((args, kwargs)) if t.requires_grad and t.grad_fn]
+            step_handles.extend(t.register_hook(done) for t in made)
+
+    params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+    handles = [p.register_post_accumulate_grad_hook(done) for p in params.values()]
+    handles += [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
+    try:
+        yield
+    finally:
+        for h in [*handles, *step_handles]:
+            h.remove()

@@ -69,8 +69,8 @@ def make_engine_plan(
         full = solve_profile(
             model, profiled, policy, optimizer, "full", None, accumulation_steps, False
         )
-        if full.memory.optimizer_phase_bytes > budget:
-            raise  # the optimizer step alone holds more: no plan can help
+        if full.memory.floor_bytes > budget:
+            raise  # the optimizer step or the step's edges alone hold more: no plan can help
         full.plan.notes.append(
             f"the planner predicts no plan fits ({exc}); training with 'full', whose "
             "first step is measured against the budget"

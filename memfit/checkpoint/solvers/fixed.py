@@ -66,17 +66,21 @@ def family_plan(
     k: int | None,
     limit: int | None,
 ) -> NodePlan:
-    """Checkpoint the first ``limit`` blocks (all when None) in forward order."""
+    """Checkpoint the first ``limit`` blocks (all when None) in forward order, a block on
+    its own only where recomputing it can free memory (:func:`_frees`)."""
     decision = [KEEP] * len(nodes)
     segs: Segments = {}
     left = math.inf if limit is None else limit
     for u, blocks in chains:
         if left <= 0:
             break
+        node = nodes[u]
+        alone = not node.sequential or name == "full"
+        if alone:  # every block a piece of its own: those that free nothing are not counted
+            blocks = [p for p in blocks if _frees(nodes[node.children[p]])]
         chosen = blocks[: int(min(left, len(blocks)))]
         left -= len(chosen)
-        node = nodes[u]
-        if not node.sequential or name == "full":
+        if alone:
             groups = [[p] for p in chosen]
         else:
             groups = []
@@ -88,10 +92,20 @@ def family_plan(
                     groups.extend(run[i : i + size] for i in range(0, len(run), size))
         for group in groups:
             if len(group) == 1:
-                decision[node.children[group[0]]] = RECOMPUTE
+                block = nodes[node.children[group[0]]]
+                if _frees(block):
+                    decision[block.index] = RECOMPUTE
             else:
                 segs.setdefault(u, []).append((group[0], group[-1]))
     return NodePlan(decision, segs)
+
+
+def _frees(block: FlatUnit) -> bool:
+    """Whether recomputing ``block`` alone can free memory: it saves more than its input,
+    which its checkpoint holds. One that saves no more (an embedding lookup, a frozen or
+    ``no_grad`` layer, a view or a parameter-free reshape) frees nothing its checkpoint
+    does not hold again, and its rebuild costs time and memory."""
+    return block.saved_bytes > block.input_bytes
 
 
 def _runs(positions: list[int]) -> list[list[int]]:

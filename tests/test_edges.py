@@ -1,0 +1,142 @@
+"""The step's edges: what a step holds while none of its units runs (a stem before the first
+unit, its backward after the last one) is measured, and no plan is predicted below it.
+
+A stem whose backward allocates a large buffer of its own (as a CPU convolution's backward
+unfolds its input when the CPU has no kernel for the dtype) sets the step's peak after
+every unit's backward is done: checkpointing the units cannot lower it. The planner
+measures it and never predicts a plan below it, nor accepts a budget under it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.allocator import allocator_peak
+from memfit.checkpoint.workspace import step_workspace
+from memfit.errors import BudgetError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_SCRATCH = 4 << 20  # bytes of the stem's own buffer: larger than any unit's activations
+
+
+class _ScratchInBackward(torch.autograd.Function):
+    """Doubles its input; its backward allocates a scratch buffer and frees it again."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(_SCRATCH // 4)
+        return grad * 2 + scratch[:1] * 0
+
+
+class _ScratchInForward(nn.Module):
+    """Doubles its input after allocating a scratch buffer it frees again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(_SCRATCH // 4)
+        return x * 2 + scratch[:1] * 0
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class StemNet(nn.Module):
+    """A linear stem (the scratch in its forward or its backward), four blocks, a head."""
+
+    def __init__(self, where: str, width: int = 32) -> None:
+        super().__init__()
+        self.where = where
+        self.stem = nn.Linear(width, width)
+        self.scratch = _ScratchInForward()
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(4)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = _ScratchInBackward.apply(x) if self.where == "backward" else self.scratch(x)
+        return self.head(self.blocks(x)).sum()
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch)
+
+
+def _measured(model: StemNet, batch: torch.Tensor, plan: memfit.Plan) -> int:
+    """The allocator's peak of one forward and backward under ``plan`` (SGD keeps no
+    state, so the step's start is the parameters and the batch)."""
+    memfit.apply_plan(model, plan)
+    try:
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            _loss(model, batch).backward()
+
+        step()
+        model.zero_grad(set_to_none=True)
+        return allocator_peak(step, live=[*model.parameters(), batch]).peak_bytes
+    finally:
+        memfit.remove_plan(model)
+
+
+def _setup(where: str) -> tuple[StemNet, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = StemNet(where)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(512, 32)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_edges_are_measured_where_no_unit_runs(where: str) -> None:
+    model, _, batch = _setup(where)
+    policy = memfit.PrecisionPolicy("fp32")
+    measured = step_workspace(model, lambda: _loss(model, batch), policy, batch, ["blocks"])
+    assert measured.edges is not None
+    edge = measured.edges.head_bytes if where == "forward" else measured.edges.tail_bytes
+    other = measured.edges.tail_bytes if where == "forward" else measured.edges.head_bytes
+    # The scratch buffer shows at its edge and not at the other.
+    assert edge >= _SCRATCH
+    assert other < _SCRATCH
+    # The gradients are left as they were.
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_no_plan_is_predicted_below_the_edges(where: str) -> None:
+    model, opt, batch = _setup(where)
+    whole = memfit.plan(
+        model, batch, _loss, optimizer=opt, units=["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    )
+    least = memfit.plan(
+        model,
+        batch,
+        _loss,
+        budget=int(whole.frontier[0].peak_bytes / 0.98) + 1,
+        optimizer=opt,
+        units=["blocks.0", "blocks.1", "blocks.2", "blocks.3"],
+        verify=False,
+    )
+    peak = _measured(model, batch, least)
+    # The least peak predicted is the step's, within 3% (it was 4 MiB below it, the
+    # stem's buffer unseen, before the edges were measured).
+    assert least.predicted_peak_bytes >= peak * 0.97
+    assert least.predicted_peak_bytes <= peak * 1.03
+
+
+def test_a_budget_below_the_edges_is_refused_with_the_measured_number() -> None:
+    model, opt, batch = _setup("backward")
+    whole = memfit.plan(model, batch, _loss, optimizer=opt)
+    floor = whole.frontier[0].peak_bytes
+    with pytest.raises(BudgetError, match="while none of its units runs"):
+        memfit.plan(model, batch, _loss, budget=int(floor * 0.9), optimizer=opt, verify=False)
