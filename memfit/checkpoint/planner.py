@@ -138,6 +138,8 @@ def solve_profile(
     model = unwrap_compiled(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
+    # The edges were measured on the whole model in one process: a rank's share differs.
+    edges = profiled.edges if layout is None or layout.kind is None else None
     mem = step_memory(
         model,
         profiled.profile,
@@ -149,10 +151,9 @@ def solve_profile(
         accumulation_steps=accumulation_steps,
         output_held=profiled.output_held,
         layout=layout,
+        loss_spike_bytes=None if edges is None else edges.loss_spike_bytes,
     )
-    edges = profiled.edges
-    if edges is not None and (layout is None or layout.kind is None):
-        # Measured on the whole model in one process: a rank's share would differ.
+    if edges is not None:
         edge = max(edges.head_bytes + mem.accumulated_grad_bytes, edges.tail_bytes + mem.grad_bytes)
         mem = dataclasses.replace(mem, edge_bytes=mem.base_bytes + edge)
     if profiled.workspace_bytes:

@@ -304,6 +304,7 @@ def step_memory(
     accumulation_steps: int = 1,
     output_held: bool = True,
     layout: RankLayout | None = None,
+    loss_spike_bytes: float | None = None,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
@@ -315,7 +316,10 @@ def step_memory(
     caller holds the model's output through backward (``out = model(x)``); False when only
     the loss outlives the forward (``loss = loss_fn(model, batch)``, the Engine's form),
     so the output is freed before backward, but for what the loss saves of it.
-    ``layout``: what one rank of a data-parallel run holds (module docstring)."""
+    ``layout``: what one rank of a data-parallel run holds (module docstring).
+    ``loss_spike_bytes``: the transients of the loss's part of forward, measured
+    (:attr:`memfit.checkpoint.workspace.StepEdges.loss_spike_bytes`), held above the end
+    of forward at its moment."""
     layout = layout or RankLayout()
     root = prof.root if root is None else root
     static = static_bytes(model, policy, optimizer, layout, root)
@@ -340,6 +344,13 @@ def step_memory(
         loss_bytes = output + loss_saved + max(cast_cache, head)
     else:  # loss = loss_fn(model, batch): the output is gone when backward starts
         loss_bytes = loss_saved + max(output + cast_cache, head)
+    if loss_spike_bytes:
+        # Measured: the loss's transients above the end of forward, with what the loss
+        # saves and autocast's copies (a loss inside the model spikes while they are still
+        # held). The model's output was freed by then, so the spike holds it if it was
+        # alive at its moment; no gradient is in flight yet, which the held bytes count.
+        spike = loss_saved + cast_cache + loss_spike_bytes - in_flight
+        loss_bytes = max(loss_bytes, spike)
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
         loss_bytes=float(loss_bytes),

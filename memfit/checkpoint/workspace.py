@@ -41,7 +41,9 @@ from memfit.precision.policy import PrecisionPolicy
 __all__ = ["StepEdges", "StepWorkspace", "kernel_workspace_bytes", "step_workspace"]
 
 _BEGIN = "memfit::unit_begin"
+_END = "memfit::unit_end"
 _BACKWARD_DONE = "memfit::unit_backward_done"
+_FORWARD_DONE = "memfit::forward_done"
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class StepEdges:
     tail_bytes: int
     """The most held after the last unit's backward is done, less the gradients the
     measured step had made by its end (the planner adds the step's own gradients)."""
+    loss_spike_bytes: int = 0
+    """The most the loss's part of forward (from the end of the last unit's forward to
+    the call of ``backward``) held above what was left when it ended: its transients (a
+    segmentation model's upsampled logits made contiguous for ``log_softmax``), which no
+    count of saved tensors sees. The same ops run there under any plan."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ def step_workspace(
     def step() -> None:
         with policy.autocast(device.type):
             value = loss()
+        with torch.profiler.record_function(_FORWARD_DONE):
+            pass
         value.backward()
 
     modules = [model.get_submodule(name) for name in units if name]
@@ -141,15 +150,22 @@ def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
     end = timeline.times[-1] if timeline.times else dones[-1]
     head = timeline.highest(float("-inf"), begins[0])
     tail = timeline.highest(dones[-1], end)
-    return StepEdges(head_bytes=head, tail_bytes=max(0, tail - grad_bytes))
+    spike = 0
+    ends, done = timeline.marks.get(_END, []), timeline.marks.get(_FORWARD_DONE, [])
+    if done and ends and ends[0] < done[0]:
+        start = max(t for t in ends if t < done[0])  # the last unit's end in forward
+        spike = timeline.highest(start, done[0]) - timeline.highest(done[0], done[0])
+    return StepEdges(
+        head_bytes=head, tail_bytes=max(0, tail - grad_bytes), loss_spike_bytes=max(0, spike)
+    )
 
 
 @contextlib.contextmanager
 def _marked(modules: list[nn.Module]) -> Iterator[None]:
-    """Marks on the profiler's clock when any of ``modules`` begins its forward, and when
-    each part of its backward is done: the gradient of each input made in the step, and
-    each parameter's gradient accumulated. The last such mark ends the last unit's
-    backward; a unit with neither has no backward."""
+    """Marks on the profiler's clock when any of ``modules`` begins and ends its forward,
+    and when each part of its backward is done: the gradient of each input made in the step, and each parameter's
+    gradient accumulated. The last such mark ends the last unit's backward; a unit with
+    neither has no backward."""
     step_handles: list[Any] = []
 
     def mark(name: str) -> None:
@@ -166,9 +182,13 @@ def _marked(modules: list[nn.Module]) -> Iterator[None]:
             made = [t for t in tensors((args, kwargs)) if t.requires_grad and t.grad_fn]
             step_handles.extend(t.register_hook(done) for t in made)
 
+    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+        mark(_END)
+
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
     handles = [p.register_post_accumulate_grad_hook(done) for p in params.values()]
     handles += [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
+    handles += [m.register_forward_hook(post_hook) for m in modules]
     try:
         yield
     finally:
