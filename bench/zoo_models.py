@@ -146,6 +146,29 @@ def hf_model(
     return ZooModel(family, make, batch, config=config)
 
 
+def lora_model(
+    family: str,
+    config: Callable[[], transformers.PretrainedConfig],
+    cls: type[nn.Module],
+    batch: BatchFn,
+    lora: dict[str, Any],
+    lora_dropout: float = 0.0,
+) -> ZooModel:
+    """A Hugging Face model built as :func:`hf_model` builds it, wrapped in LoRA adapters
+    as a PEFT fine-tune makes them: ``peft.get_peft_model(model, LoraConfig(**lora))``
+    freezes the model's weights, the adapters alone train; ``lora_dropout`` on the
+    adapters' inputs (0 in the twin without dropout). Its loss the model's own."""
+
+    def make(dropout: bool) -> nn.Module:
+        import peft  # optional (the hf extra): only the adapter models need it
+
+        model = cls(config() if dropout else without_dropout(config()))
+        settings = peft.LoraConfig(**lora, lora_dropout=lora_dropout if dropout else 0.0)
+        return peft.get_peft_model(model, settings)
+
+    return ZooModel(family, make, batch, config=config)
+
+
 # ---------------------------------------------------------------------- batches
 
 
@@ -410,6 +433,19 @@ def make_recommender(dropout: bool) -> nn.Module:
 
 # ---------------------------------------------------------------------- the zoo
 
+
+def _bert_config() -> transformers.BertConfig:
+    """The zoo's BERT, fine-tuned whole (``bert``) or through adapters (``bert-lora``)."""
+    return transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    )
+
+
 ZOO: dict[str, ZooModel] = {
     "resnet": hf_model(
         "ResNet image classifier",
@@ -477,14 +513,7 @@ ZOO: dict[str, ZooModel] = {
     ),
     "bert": hf_model(
         "BERT masked LM",
-        lambda: transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            max_position_embeddings=128,
-        ),
+        _bert_config,
         transformers.BertForMaskedLM,
         _masked(8, 128, VOCAB),
     ),
@@ -666,6 +695,38 @@ ZOO: dict[str, ZooModel] = {
         loss=click_loss,
         blocks=lambda m: [m.bottom, m.top],
         settings={**RECOMMENDER_SHAPE, "dropout": 0.1},
+    ),
+    # Adapters as users fine-tune a model: PEFT's LoRA on the attention's query and value
+    # projections (r=8), the base weights frozen.
+    "llama-lora": lora_model(
+        "Llama causal LM, LoRA adapters (PEFT)",
+        lambda: transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        transformers.LlamaForCausalLM,
+        _causal(8, 128, VOCAB),
+        {
+            "task_type": "CAUSAL_LM",
+            "r": 8,
+            "lora_alpha": 16,
+            "target_modules": ["q_proj", "v_proj"],
+        },
+    ),
+    "bert-lora": lora_model(
+        "BERT masked LM, LoRA adapters (PEFT)",
+        _bert_config,
+        transformers.BertForMaskedLM,
+        _masked(8, 128, VOCAB),
+        {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]},
+        lora_dropout=0.1,
     ),
 }
 

@@ -91,6 +91,15 @@ def _measured(model: nn.Module, batch: torch.Tensor, plan: memfit.Plan) -> int:
         memfit.remove_plan(model)
 
 
+def _least_plan(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> memfit.Plan:
+    """The plan at the least point of memfit's frontier over the four blocks, as predicted
+    (unverified: the prediction is what the tests judge)."""
+    units = [f"blocks.{i}" for i in range(4)]
+    whole = memfit.plan(model, batch, _loss, optimizer=opt, units=units)
+    budget = int(whole.frontier[0].peak_bytes / 0.98) + 1
+    return memfit.plan(model, batch, _loss, budget=budget, optimizer=opt, units=units, verify=False)
+
+
 def _setup(where: str) -> tuple[StemNet, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
     model = StemNet(where)
@@ -115,18 +124,7 @@ def test_the_edges_are_measured_where_no_unit_runs(where: str) -> None:
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_no_plan_is_predicted_below_the_edges(where: str) -> None:
     model, opt, batch = _setup(where)
-    whole = memfit.plan(
-        model, batch, _loss, optimizer=opt, units=["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
-    )
-    least = memfit.plan(
-        model,
-        batch,
-        _loss,
-        budget=int(whole.frontier[0].peak_bytes / 0.98) + 1,
-        optimizer=opt,
-        units=["blocks.0", "blocks.1", "blocks.2", "blocks.3"],
-        verify=False,
-    )
+    least = _least_plan(model, opt, batch)
     peak = _measured(model, batch, least)
     # The least peak predicted is the step's, within 3% (it was 4 MiB below it, the
     # stem's buffer unseen, before the edges were measured).
@@ -162,17 +160,7 @@ def test_the_losss_transients_are_measured_and_predicted() -> None:
     model = SpikyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = torch.randn(512, 32)
-    units = [f"blocks.{i}" for i in range(4)]
-    whole = memfit.plan(model, batch, _loss, optimizer=opt, units=units)
-    least = memfit.plan(
-        model,
-        batch,
-        _loss,
-        budget=int(whole.frontier[0].peak_bytes / 0.98) + 1,
-        optimizer=opt,
-        units=units,
-        verify=False,
-    )
+    least = _least_plan(model, opt, batch)
     peak = _measured(model, batch, least)
     # Before the loss's part of forward was measured, the 4 MiB temporary went unseen.
     assert peak * 0.97 <= least.predicted_peak_bytes <= peak * 1.03
