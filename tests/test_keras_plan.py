@@ -138,12 +138,13 @@ def test_a_graph_that_is_no_chain_recomputes_units_alone() -> None:
     assert not prof.chain
     plan = mk.plan(model, x, y, LOSS, strategy="full", profiled=prof)
     assert not plan.segments
-    # The Dense layers without activation save only their input: recomputed alone they
-    # would free nothing, so they are kept; those with relu are recomputed, each alone.
+    # The relu layers save twice their input and are recomputed, each alone; the first
+    # Dense saves nothing of its own (its input is the batch) and is kept. (The adds and
+    # the head save about as much as their input: the allocator's count decides them.)
     recomputed = {n for n, d in plan.decisions.items() if d == "recompute"}
-    assert recomputed == {"a", "b"}, plan.decisions
+    assert {"a", "b"} <= recomputed and "up" not in recomputed, plan.decisions
     planned = mk.apply_plan(model, plan)
-    assert sum(isinstance(layer, mk.RematSegment) for layer in planned.layers) == 2
+    assert sum(isinstance(layer, mk.RematSegment) for layer in planned.layers) == len(recomputed)
     for a, b in zip(gradients(model, x, y), gradients(planned, x, y)):
         np.testing.assert_array_equal(a, b)
 
