@@ -17,6 +17,7 @@ from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.profile_stage import profile_step
+from memfit.checkpoint.step_memory import _cast_bytes
 from memfit.engine import split_batch
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy
@@ -296,3 +297,12 @@ def test_optimizer_state_is_predicted_before_a_step_or_counted_as_allocated() ->
     opt.state[model.bias]["extra"] = base[2:4]
     assert optimizer_state_bytes(opt) == 296 + 2 * 2 * 4
     assert optimizer_state_bytes(opt, storages=True) == 296 + 10 * 4
+
+
+def test_autocasts_copies_are_of_the_weights_it_multiplies_not_of_lookup_tables() -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(1000, 64), torch.nn.EmbeddingBag(500, 64), torch.nn.Linear(64, 32)
+    )
+    # bf16 copies of the Linear's weight alone: autocast casts no embedding lookup.
+    assert _cast_bytes(model, PrecisionPolicy("bf16-mixed")) == 64 * 32 * 2
+    assert _cast_bytes(model, PrecisionPolicy("fp32")) == 0

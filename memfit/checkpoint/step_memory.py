@@ -422,17 +422,23 @@ def _in_flight_bytes(root: UnitCost) -> float:
 
 def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
     """Bytes of the 16-bit copies autocast makes of ``module``'s fp32 weights (0 outside
-    the mixed modes): matrices and filters of modules that are not fp32 islands."""
+    the mixed modes): matrices and filters of modules that are not fp32 islands. An
+    embedding's table is not one: autocast casts no lookup (``embedding``,
+    ``embedding_bag``), only what it reads out."""
     if not policy.mixed or policy.master_weights:
         return 0
     width = torch.finfo(policy.compute_dtype).bits // 8
     return sum(
         p.numel() * width
         for m in module.modules()
-        if not policy.is_island(m)
+        if not policy.is_island(m) and not isinstance(m, _LOOKUPS)
         for p in m.parameters(recurse=False)
         if p.dtype == torch.float32 and p.dim() >= 2
     )
+
+
+#: Modules whose weights autocast never casts: lookups read rows, they multiply nothing.
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
 
 
 def with_backward_costs(
