@@ -38,7 +38,7 @@ from memfit.memory import measure
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 
-__all__ = ["StepEdges", "StepWorkspace", "kernel_workspace_bytes", "step_workspace"]
+__all__ = ["StepEdges", "StepWorkspace", "step_workspace"]
 
 _BEGIN = "memfit::unit_begin"
 _END = "memfit::unit_end"
@@ -84,7 +84,7 @@ def step_workspace(
     """One forward and backward of ``loss()`` on CPU measured by the allocator and by the
     storage tracker at once (the allocator's window runs no garbage collection, so only
     the step's own memory shows): the kernels' workspace at the peak of the part of the
-    step where ``units`` (the outermost planned modules' names) run, and what the step
+    step where ``units`` (the planned modules' names) run, and what the step
     holds before and after them (:class:`StepEdges`). Gradients, buffers and the random
     state are as before; on other devices nothing is measured (zeros, no edges).
 
@@ -127,22 +127,6 @@ def step_workspace(
     return StepWorkspace(max(0, int(units_peak - peak.result.tracked_peak_bytes)), edges)
 
 
-def kernel_workspace_bytes(
-    model: nn.Module,
-    loss: Callable[[], torch.Tensor],
-    policy: PrecisionPolicy,
-    inputs: Any = None,
-) -> int:
-    """Bytes kernels allocate for themselves at a step's peak, beyond every tensor (the
-    whole step's peak: no units named; :func:`step_workspace`).
-
-    Example::
-
-        kernel_workspace_bytes(model, lambda: model(x).sum(), PrecisionPolicy("fp32"))
-    """
-    return step_workspace(model, loss, policy, inputs).workspace_bytes
-
-
 def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
     begins, dones = timeline.marks.get(_BEGIN), timeline.marks.get(_BACKWARD_DONE)
     if not begins or not dones:
@@ -163,9 +147,9 @@ def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
 @contextlib.contextmanager
 def _marked(modules: list[nn.Module]) -> Iterator[None]:
     """Marks on the profiler's clock when any of ``modules`` begins and ends its forward,
-    and when each part of its backward is done: the gradient of each input made in the step, and each parameter's
-    gradient accumulated. The last such mark ends the last unit's backward; a unit with
-    neither has no backward."""
+    and when each part of its backward is done: the gradient of each input made in the
+    step, and each parameter's gradient accumulated. The last such mark ends the last
+    unit's backward; a unit with neither has no backward."""
     step_handles: list[Any] = []
 
     def mark(name: str) -> None:
