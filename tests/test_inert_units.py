@@ -142,3 +142,35 @@ def test_a_sparse_embedding_is_planned_and_its_plan_keeps_the_gradients() -> Non
         memfit.remove_plan(net)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert peak <= least.budget_bytes
+
+
+def test_a_sparse_gradient_is_sized_by_the_rows_it_holds_not_by_its_table() -> None:
+    # A 20,000-row table looked up 1,024 times: its sparse gradient holds 1,024 rows and
+    # their ids (0.27 MiB), not the table (4.9 MiB). Sized as the table, the least plan
+    # was predicted 10% above its measured peak and a budget it meets was refused as
+    # "below what the optimizer step alone holds".
+    torch.manual_seed(0)
+    net = Net(embed="sparse")
+    net.embed = nn.Embedding(20_000, WIDTH, sparse=True)
+    batch = torch.randint(0, 20_000, (BATCH, 4), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    units = ["embed", *_BLOCKS]
+    least = memfit.plan(net, batch, _loss, strategy="full", optimizer=opt, units=units)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(net, batch).backward()
+        opt.step()
+
+    memfit.apply_plan(net, least)
+    try:
+        measured = allocator_peak(step, live=[*net.parameters(), batch]).peak_bytes
+    finally:
+        memfit.remove_plan(net)
+    assert abs(least.predicted_peak_bytes - measured) <= 0.03 * measured, (
+        least.predicted_peak_bytes,
+        measured,
+    )
+    # A budget 1% above what the least plan measured is met, not refused.
+    fitted = memfit.plan(net, batch, _loss, budget=int(measured * 1.01), optimizer=opt, units=units)
+    assert fitted.measured_peak_bytes is None or fitted.measured_peak_bytes <= fitted.budget_bytes

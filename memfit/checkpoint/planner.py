@@ -52,6 +52,7 @@ from memfit.checkpoint.solvers.frontier import pareto
 from memfit.checkpoint.step_memory import (
     RankLayout,
     StepMemory,
+    sparse_grad_sizes,
     step_memory,
     with_backward_costs,
 )
@@ -334,7 +335,12 @@ def cost_tree(
         root = cost_tree(model, result.profile, result.policy, 1, None)
     """
     return with_backward_costs(
-        profiled.root, model, policy, accumulating=accumulation_steps > 1, layout=layout
+        profiled.root,
+        model,
+        policy,
+        accumulating=accumulation_steps > 1,
+        layout=layout,
+        sparse_grads=sparse_grad_sizes(profiled.profile, accumulation_steps),
     )
 
 

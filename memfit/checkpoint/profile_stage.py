@@ -222,6 +222,10 @@ def profile_step(
         model_root = next((c for c in prof.root.children if c.name == "model"), None)
         if model_root is None:
             raise PlanError("profiling did not see the model run; loss_fn must call the model")
+        # Named as the model's own parameters, as the step's memory looks them up.
+        prof.sparse_grad_bytes = {
+            name.removeprefix("model."): n for name, n in prof.sparse_grad_bytes.items()
+        }
         # The loss outside the model saves its own tensors (e.g. fp32 logits), and the
         # model's output lives until the loss's backward: neither can be recomputed.
         profiled = ModelProfile(

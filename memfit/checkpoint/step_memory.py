@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -199,11 +200,16 @@ def static_bytes(
     optimizer: torch.optim.Optimizer | None,
     layout: RankLayout | None = None,
     root: UnitCost | None = None,
+    sparse_grads: Mapping[str, float] | None = None,
 ) -> StaticBytes:
     """The weights, buffers, gradients, fp32 masters and optimizer state a step holds
     whatever the plan (the module docstring says how each is counted), on one rank of
     ``layout``. Under FSDP2 ``root``, the model's unit tree, names the blocks gathered
     while they compute; without it (before profiling) they are left out, a lower bound.
+    ``sparse_grads``: the bytes of each sparse gradient, by parameter name, as a profiled
+    step measured them (:func:`sparse_grad_sizes`); without it every gradient is sized
+    as its parameter, which bounds a sparse one only while its ids are fewer than the
+    table's rows.
 
     Example::
 
@@ -223,8 +229,10 @@ def static_bytes(
     master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
     if policy.master_weights and master_bytes == 0:
         master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
+    sparse = _by_param(model, sparse_grads)
     grad_bytes = sum(
-        p.numel() * (4 if policy.master_weights else p.element_size()) for p in updated
+        sparse.get(id(p), p.numel() * (4 if policy.master_weights else p.element_size()))
+        for p in updated
     )
     state_bytes = optimizer_state_bytes(optimizer)
     layout = layout or RankLayout()
@@ -322,7 +330,8 @@ def step_memory(
     of forward at its moment."""
     layout = layout or RankLayout()
     root = prof.root if root is None else root
-    static = static_bytes(model, policy, optimizer, layout, root)
+    sparse = sparse_grad_sizes(prof, accumulation_steps)
+    static = static_bytes(model, policy, optimizer, layout, root, sparse)
     # Under autocast with fp32 weights, torch keeps a 16-bit copy of each weight it casts
     # until the autocast region ends, after the loss: held at the end of forward, gone in
     # backward (a recompute casts only its own piece's weights again).
@@ -363,6 +372,25 @@ def step_memory(
         if accumulation_steps > 1 or layout.kind == "ddp"
         else 0.0,
     )
+
+
+def sparse_grad_sizes(prof: Profile, accumulation_steps: int = 1) -> dict[str, float]:
+    """Each sparse gradient's bytes at the optimizer step, by parameter name: what the
+    profiled step made, once per micro-batch (autograd sums sparse gradients by
+    concatenating their rows, uncoalesced, so ``k`` micro-batches hold ``k`` times one's).
+
+    Example::
+
+        sparse_grad_sizes(prof, accumulation_steps=4)   # {"embed.weight": 4 * 272384.0}
+    """
+    return {name: float(n * accumulation_steps) for name, n in prof.sparse_grad_bytes.items()}
+
+
+def _by_param(model: nn.Module, by_name: Mapping[str, float] | None) -> dict[int, float]:
+    """``by_name`` keyed by the parameters' ids instead of their names."""
+    if not by_name:
+        return {}
+    return {id(p): by_name[n] for n, p in model.named_parameters() if n in by_name}
 
 
 def _gathered_bytes(
@@ -447,6 +475,7 @@ def with_backward_costs(
     policy: PrecisionPolicy,
     accumulating: bool = False,
     layout: RankLayout | None = None,
+    sparse_grads: Mapping[str, float] | None = None,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -461,6 +490,8 @@ def with_backward_costs(
 
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
+    ``sparse_grads``: sparse gradients' measured bytes by parameter name
+    (:func:`sparse_grad_sizes`).
     """
     layout = layout or RankLayout()
     accumulating = accumulating or layout.kind == "ddp"
@@ -468,8 +499,11 @@ def with_backward_costs(
     width = 4 if policy.master_weights or sharded else None
     shards = layout.world_size if sharded else 1
 
+    sparse = _by_param(model, sparse_grads)
+
     def grad_bytes(params: list[nn.Parameter]) -> float:
-        return float(sum(p.numel() * (width or p.element_size()) for p in params)) / shards
+        sizes = (sparse.get(id(p), p.numel() * (width or p.element_size())) for p in params)
+        return float(sum(sizes)) / shards
 
     order: list[UnitCost] = list(root.walk())  # forward order: parents before children
     own: dict[str, float] = {}

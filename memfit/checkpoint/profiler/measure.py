@@ -135,6 +135,11 @@ def profile(
                     model, inputs, loss_fn, policy, device.type, rec, tree
                 )
             grad_bytes = _unique_bytes([p.grad for p in model.parameters() if p.grad is not None])
+            sparse_grads = {
+                name: storage_of(p.grad)[1]
+                for name, p in model.named_parameters()
+                if p.grad is not None and p.grad.layout != torch.strided
+            }
             input_bytes = _unique_bytes(tensors(inputs))
             output_bytes = rec.nonresident_bytes(tensors(output))
             loss_saved = rec.loss_saved
@@ -197,6 +202,7 @@ def profile(
         },
         piece_seconds=piece_seconds,
         head_backward_bytes=head_backward,
+        sparse_grad_bytes=sparse_grads,
     )
 
 

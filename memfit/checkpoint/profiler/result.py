@@ -67,6 +67,10 @@ class Profile:
     backward reaches any unit below them) holds at once of what it makes: the gradients of
     the logits and of the loss's intermediates, the LM head's weight gradient. Everything
     kept is still alive then, so it adds to the end of forward's peak."""
+    sparse_grad_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of each sparse gradient the step made (indices and values), by parameter
+    name: an ``nn.Embedding(sparse=True)``'s gradient holds one row per id looked up, not
+    the table. Dense gradients are sized from their parameters and are absent."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times
