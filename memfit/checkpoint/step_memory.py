@@ -283,11 +283,22 @@ class StepMemory:
     (:func:`memfit.checkpoint.workspace.step_workspace`), and no plan changes it. 0 when
     not measured (off CPU, or per rank of a data-parallel run)."""
 
+    retained_bytes: float = 0.0
+    """What the units' forward keeps alive outside autograd's saved tensors (a custom
+    Function's ``ctx.x``, hidden states appended to a list), measured on the profiled
+    step (:attr:`memfit.checkpoint.profiler.Profile.retained_bytes`): no plan frees it,
+    and it is counted as held through the activation phase."""
+
     @property
     def held_bytes(self) -> float:
         """What the activation phase holds besides activations: base, the in-flight
-        gradient and the accumulated gradients."""
-        return self.base_bytes + self.in_flight_bytes + self.accumulated_grad_bytes
+        gradient, the accumulated gradients and what the forward retains outside autograd."""
+        return (
+            self.base_bytes
+            + self.in_flight_bytes
+            + self.accumulated_grad_bytes
+            + self.retained_bytes
+        )
 
     @property
     def optimizer_phase_bytes(self) -> float:
@@ -371,6 +382,7 @@ def step_memory(
         accumulated_grad_bytes=float(static.grads)
         if accumulation_steps > 1 or layout.kind == "ddp"
         else 0.0,
+        retained_bytes=float(sum(prof.retained_bytes.values())),
     )
 
 

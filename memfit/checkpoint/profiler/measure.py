@@ -15,6 +15,7 @@ from memfit.checkpoint.profiler.build import build_costs, mark_shared_inputs, po
 from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE
 from memfit.checkpoint.profiler.recorder import Recorder, Stats, storage_of
 from memfit.checkpoint.profiler.result import Profile
+from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.profiler.runner import (
     collector_paused,
     default_loss,
@@ -130,6 +131,8 @@ def profile(
             rec.resident = {
                 storage_of(t)[0] for t in [*model.parameters(), *model.buffers(), *tensors(inputs)]
             }
+            if measured:  # fake tensors hold no memory to be retained
+                rec.retained = RetainedTracker(rec.resident)
             with collector_paused(not measured):
                 output, bwd_seconds = run_step(
                     model, inputs, loss_fn, policy, device.type, rec, tree
@@ -144,6 +147,7 @@ def profile(
             output_bytes = rec.nonresident_bytes(tensors(output))
             loss_saved = rec.loss_saved
             head_backward = rec.head_peak
+            retained = dict(rec.retained_bytes)
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
             saved_owner = dict(rec.saved_owner)
@@ -203,6 +207,7 @@ def profile(
         piece_seconds=piece_seconds,
         head_backward_bytes=head_backward,
         sparse_grad_bytes=sparse_grads,
+        retained_bytes=retained,
     )
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
+from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.recompute import MATMUL_OPS
 from memfit.checkpoint.tree import Unit, UnitTree
 from memfit.nested import tensors
@@ -186,8 +187,14 @@ class Recorder:
         self.saved_seen: dict[Any, Any] = {}
         self.saved_by: dict[Any, set[str | None]] = {}  # every unit that saves a storage
         self.saved_owner: dict[Any, str | None] = {}
-        self.mm_seen: dict[Any, Any] = {}
-        self.mm_units: dict[Any, tuple[str, ...]] = {}  # the units around each matmul output
+        # Matmul outputs while they live (weakly: holding them would keep alive what the
+        # step frees), and the units around each.
+        self.mm_seen: dict[Any, int] = {}
+        self.mm_units: dict[Any, tuple[str, ...]] = {}
+        # What units' forward ops make, followed until freed (measured steps only: set by
+        # the caller once ``resident`` is known).
+        self.retained: RetainedTracker | None = None
+        self.retained_bytes: dict[str, int] = {}
         # The head of backward: the loss's and the top units' own ops, before backward
         # reaches any unit below them. What it makes, live at once, at most.
         self.top = _top_chain(tree.root)
@@ -468,6 +475,8 @@ class Recorder:
             unit = None
         if unit is None:
             return
+        if phase == "fwd" and self.retained is not None:
+            self.retained.made(unit, outs, storage_of)
         packet, formula = op.packet, op.formula
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         moved = 0
@@ -496,7 +505,11 @@ class Recorder:
             for t in outs:
                 key, nbytes, ref = storage_of(t)
                 if key not in self.mm_seen and key not in self.resident:
-                    self.mm_seen[key] = ref
+                    try:
+                        weakref.finalize(ref, _forget, (self.mm_seen, self.mm_units), key)
+                    except TypeError:
+                        pass  # no storage to follow: its key stays
+                    self.mm_seen[key] = nbytes
                     self.mm_units[key] = tuple(call.name for call in self.stack)
                     st.matmul_output_bytes_own += nbytes
         else:
@@ -598,6 +611,19 @@ class Recorder:
                 keys.discard(key)
                 live[0] -= nbytes
 
+    def note_retained(self, ends: Any) -> None:
+        """At the end of forward (the autocast region left): what units' forward ops made
+        that is still alive but neither saved for backward nor among ``ends`` (the
+        model's output, the loss): ``retained_bytes``, by the unit that made it."""
+        if self.retained is None:
+            return
+        exclude = set(self.saved_seen)
+        exclude.update(storage_of(t)[0] for t in tensors(ends))
+        for state in self.chains.values():  # held here, not by the model
+            if state.last_out is not None:
+                exclude.add(storage_of(state.last_out)[0])
+        self.retained_bytes = self.retained.held(exclude)
+
     # ---- backward
 
     def hook_graph(self, roots: list[Any]) -> list[Any]:
@@ -674,6 +700,11 @@ def _op_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Ten
 _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.PythonTLSSnapshot
 )
+
+
+def _forget(tables: tuple[dict[Any, Any], ...], key: Any) -> None:
+    for table in tables:
+        table.pop(key, None)
 
 
 def _head_freed(keys: set[Any], live: list[int], key: Any, nbytes: int) -> None:

@@ -71,6 +71,11 @@ class Profile:
     """Bytes of each sparse gradient the step made (indices and values), by parameter
     name: an ``nn.Embedding(sparse=True)``'s gradient holds one row per id looked up, not
     the table. Dense gradients are sized from their parameters and are absent."""
+    retained_bytes: dict[str, int] = field(default_factory=dict)
+    """What units' forward made and something other than autograd still held when the
+    forward and the loss were done (a custom Function's ``ctx.x``, a Python list of
+    hidden states), by unit: held under every plan, since a checkpointed forward keeps
+    them all the same (:mod:`memfit.checkpoint.profiler.retained`). Measured steps only."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times

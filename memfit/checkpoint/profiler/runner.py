@@ -98,6 +98,7 @@ def run_step(
                     return output, 0.0
                 rec.phase = "loss"
                 loss = loss_fn(output)
+            rec.note_retained((output, loss))  # autocast's weight copies are freed by now
             if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
                 raise PlanError(
                     "the loss does not depend on the model's parameters through autograd "

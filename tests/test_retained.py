@@ -1,0 +1,88 @@
+"""What a forward keeps alive outside autograd's saved tensors is counted under every plan.
+
+A custom ``autograd.Function`` that keeps its input as ``ctx.x`` instead of calling
+``save_for_backward`` holds it through backward, and a checkpointed forward keeps it all
+the same: the saved-tensor hooks the profiler counts with never see it. Unplanned and
+fully recomputed, such a model was predicted 22.8% and 31.3% below its allocator-measured
+peak (3.54 MiB for 4.59, 2.17 for 3.16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import memfit
+from memfit.allocator import allocator_peak
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WIDTH, BATCH = 64, 256
+UNITS = [f"blocks.{i}" for i in range(4)]
+
+
+class SquareKeepingInput(torch.autograd.Function):
+    """x * x, keeping x on its context rather than saving it for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.x = x
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return 2 * ctx.x * grad
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(SquareKeepingInput.apply(F.gelu(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+@pytest.mark.parametrize("strategy", ["none", "full"])
+def test_a_context_attribute_is_counted_under_every_plan(strategy: str) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    plan = memfit.plan(net, batch, _loss, strategy=strategy, optimizer=opt, units=UNITS)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(net, batch).backward()
+        opt.step()
+
+    memfit.apply_plan(net, plan)
+    try:
+        measured = allocator_peak(step, live=[*net.parameters(), batch]).peak_bytes
+    finally:
+        memfit.remove_plan(net)
+    # Each block keeps a (256, 256) fp32 input on its context: 256 KiB, 1 MiB in all.
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.03 * measured, (
+        plan.predicted_peak_bytes,
+        measured,
+    )
