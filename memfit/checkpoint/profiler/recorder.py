@@ -195,6 +195,7 @@ class Recorder:
         # the caller once ``resident`` is known).
         self.retained: RetainedTracker | None = None
         self.retained_bytes: dict[str, int] = {}
+        self.saved_at: dict[Any, tuple[int, int]] = {}  # each saved storage: (seq, bytes)
         # The head of backward: the loss's and the top units' own ops, before backward
         # reaches any unit below them. What it makes, live at once, at most.
         self.top = _top_chain(tree.root)
@@ -394,6 +395,8 @@ class Recorder:
         key, nbytes, ref = storage_of(t)
         if key in self.resident:
             return t
+        if self.retained is not None and self.phase == "fwd" and self.stack:
+            self.retained.saved(t, key, nbytes)
         self.saved_by.setdefault(key, set()).add(self.stack[-1].name if self.stack else None)
         if key in self.saved_seen:
             return t
@@ -407,6 +410,7 @@ class Recorder:
                 # before this op's first probe (on_op resets the count of its probes).
                 seq = self.sequence_now() - 1 - self.probes_this_op
                 self.probes_this_op += 1
+                self.saved_at[key] = (seq, nbytes)
                 for call in self.stack:
                     seqs, running = self.save_seqs[call.name], self.save_bytes[call.name]
                     seqs.append(seq)
@@ -617,12 +621,34 @@ class Recorder:
         model's output, the loss): ``retained_bytes``, by the unit that made it."""
         if self.retained is None:
             return
-        exclude = set(self.saved_seen)
-        exclude.update(storage_of(t)[0] for t in tensors(ends))
+        ends_keys = {storage_of(t)[0] for t in tensors(ends)}
         for state in self.chains.values():  # held here, not by the model
             if state.last_out is not None:
-                exclude.add(storage_of(state.last_out)[0])
-        self.retained_bytes = self.retained.held(exclude)
+                ends_keys.add(storage_of(state.last_out)[0])
+        self.retained_bytes = self.retained.held(set(self.saved_seen) | ends_keys)
+        for key in self.retained.saved_and_held(ends_keys):
+            self.unsave(key)
+
+    def unsave(self, key: Any) -> None:
+        """Move a saved storage that the model also holds elsewhere from its unit's saved
+        bytes to its retained bytes: no plan frees it."""
+        owner = self.saved_owner.get(key)
+        at = self.saved_at.get(key)
+        if owner is None or at is None:
+            return
+        seq, nbytes = at
+        st = self.stats[owner]
+        st.saved_bytes_own -= nbytes
+        st.saved_bytes_after_children = min(st.saved_bytes_after_children, st.saved_bytes_own)
+        self.retained_bytes[owner] = self.retained_bytes.get(owner, 0) + nbytes
+        name: str | None = owner
+        while name is not None:  # what backward finds alive in the subtree drops with it
+            seqs, running = self.save_seqs[name], self.save_bytes[name]
+            i = bisect_right(seqs, seq) - 1
+            if i >= 0 and seqs[i] == seq:
+                for j in range(i, len(running)):
+                    running[j] -= nbytes
+            name = self.parent_name.get(name)
 
     # ---- backward
 

@@ -4,27 +4,32 @@ A unit's forward may hold tensors outside autograd's saved tensors: a custom
 ``autograd.Function`` that keeps its input as ``ctx.x`` instead of calling
 ``save_for_backward``, a model that appends each block's hidden activation to a Python
 list, a module caching its last output. The saved-tensor hooks the profiler counts with
-never see them, and a checkpoint cannot drop them (its forward runs the same code, which
-keeps them all the same), so a prediction that leaves them out is low by their size under
-every plan, and recomputing such a unit saves less than its saved bytes suggest.
+never see the first kind, and a checkpoint cannot drop either (its forward runs the same
+code, which keeps them all the same), so a prediction that leaves them out is low by their
+size under every plan, and recomputing such a unit saves less than its saved bytes suggest.
 
 :class:`RetainedTracker` follows, without holding them, the storages each unit's own
-forward ops make; what is still alive once the forward and the loss are done, and is
-neither saved for backward, nor the model's output or loss, nor a parameter, buffer or
-input, is held by something else: :meth:`RetainedTracker.held` gives its bytes by the unit
-that made it.
+forward ops make, and the tensors autograd saves. Once the forward and the loss are done:
+
+* a storage still alive that is neither saved for backward, nor the model's output or
+  loss, nor a parameter, buffer or input, is held by something else (:meth:`held`);
+* a saved tensor that a Python container besides autograd holds (a list, an attribute)
+  stays after a recompute of its unit (:meth:`saved_and_held`).
 
 Example::
 
     tracker = RetainedTracker(resident_keys)
-    tracker.made("blocks.0", [out])       # in forward, for each op's outputs
-    tracker.held(exclude=saved_keys)      # {"blocks.0": 65536} after the loss
+    tracker.made("blocks.0", [out], storage_of)   # in forward, for each op's outputs
+    tracker.held(exclude=saved_keys)              # {"blocks.0": 65536} after the loss
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 import weakref
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +37,67 @@ import torch
 __all__ = ["RetainedTracker"]
 
 
+@dataclass
+class _Packed:
+    """A tensor autograd saved in a unit's forward, weakly held, and how often."""
+
+    ref: weakref.ref[torch.Tensor]
+    packs: int
+    key: Any
+    nbytes: int
+
+
 class RetainedTracker:
-    """The storages units' forward ops made, by key, while they live (weakly held)."""
+    """The storages units' forward ops made, by key, while they live (weakly held), and
+    the tensors autograd saved."""
 
     def __init__(self, resident: Collection[Any]) -> None:
         self.resident = resident
         self.alive: dict[Any, tuple[str, int]] = {}
+        self.packed: dict[int, _Packed] = {}
+
+    def saved(self, t: torch.Tensor, key: Any, nbytes: int) -> None:
+        """Autograd packed ``t`` (of storage ``key``, ``nbytes``) in a unit's forward."""
+        entry = self.packed.get(id(t))
+        if entry is not None and entry.ref() is t:
+            entry.packs += 1
+            return
+        try:
+            self.packed[id(t)] = _Packed(weakref.ref(t), 1, key, nbytes)
+        except TypeError:
+            pass  # a tensor that takes no weak reference: not followed
+
+    def saved_and_held(self, exclude: Collection[Any], ignore: Collection[int] = ()) -> set[Any]:
+        """The storages of saved tensors that a Python container besides autograd holds
+        (a list, a dict, a module's attributes), less those in ``exclude`` (the output,
+        the loss). ``ignore``: ids of the caller's own containers.
+
+        A tensor with more references than autograd's packs is a candidate; references
+        from objects the cycle collector does not see (the autograd engine's own) do not
+        count, so a candidate is held only where a container that the collector lists
+        as referring to it holds it."""
+        candidates: list[tuple[torch.Tensor, Any]] = []
+        for entry in self.packed.values():
+            t = entry.ref()
+            if t is None or entry.key in exclude:
+                continue
+            # getrefcount counts its argument and the local ``t``; autograd holds one per pack.
+            if sys.getrefcount(t) - 2 - entry.packs > 0:
+                candidates.append((t, entry.key))
+            del t
+        if not candidates:
+            return set()
+        by_id = {id(t): key for t, key in candidates}
+        skip = {id(candidates), id(self.packed), *ignore}
+        held: set[Any] = set()
+        # One walk of the collector's objects for all candidates together.
+        for holder in gc.get_referrers(*(t for t, _ in candidates)):
+            if id(holder) in skip or not isinstance(holder, (list, dict, set)):
+                continue
+            values = holder.values() if isinstance(holder, dict) else holder
+            held.update(by_id[id(v)] for v in values if id(v) in by_id)
+        del candidates
+        return held
 
     def made(self, unit: str, outs: Iterable[torch.Tensor], storage_of: Any) -> None:
         """Follow the storages of ``outs``, made by an op of ``unit``'s own forward, until
