@@ -21,13 +21,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.checkpoint.profiler.chains import ChainWatch
 from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
 from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.recompute import MATMUL_OPS
 from memfit.checkpoint.tree import Unit, UnitTree
 from memfit.nested import tensors
 
-__all__ = ["ChainState", "OpMode", "Recorder", "Stats", "clock", "storage_of"]
+__all__ = ["OpMode", "Recorder", "Stats", "clock", "storage_of"]
 
 
 def storage_of(t: torch.Tensor) -> tuple[Any, int, Any]:
@@ -133,15 +134,6 @@ class _Op(NamedTuple):
     matmul: bool  # one of MATMUL_OPS
 
 
-@dataclass
-class ChainState:
-    n: int
-    expected: int = 0
-    passes: int = 0
-    ok: bool = True
-    last_out: torch.Tensor | None = None
-
-
 class Recorder:
     """Hooks, a dispatch mode and saved-tensor hooks for one profiled step."""
 
@@ -164,18 +156,8 @@ class Recorder:
         self.flop_rate = flop_rate
         self.bandwidth = bandwidth
         self.unit_of: dict[int, str] = {id(u.module): u.name for u in tree}
-        self.parent_of: dict[str, tuple[str, int]] = {}
-        self.chains: dict[str, ChainState] = {}
-        self.chain_children: dict[str, list[str]] = {}
-        for unit in tree:
-            if unit.is_chain:
-                self.chains[unit.name] = ChainState(len(unit.children))
-                self.chain_children[unit.name] = [c.name for c in unit.children]
-                for k, child in enumerate(unit.children):
-                    self.parent_of[child.name] = (unit.name, k)
-        # A chain child's output (but the last's), by storage: segments are sound only if
-        # nothing but the next child uses it (not a parent collecting hidden states).
-        self.chain_outputs: dict[Any, tuple[str, int]] = {}
+        self.chain_watch = ChainWatch(tree, storage_of)
+        self.chains = self.chain_watch.chains
         self.stack: list[_Call] = []
         self.phase: str | None = None
         self.bwd_owner: str | None = None
@@ -296,7 +278,7 @@ class Recorder:
                 for m, bname in self.subtree_buffers[name]
                 if (buf := m._buffers.get(bname)) is not None
             ]
-            self.chain_enter(name, args, kwargs)
+            self.chain_watch.enter(name, args, kwargs)
         if self.stack:
             self.stack[-1].saved_bytes_after_children = 0  # a child begins: what came before it
         self.stack.append(call)
@@ -334,43 +316,8 @@ class Recorder:
         st.saved_bytes_after_children += call.saved_bytes_after_children
         st.tail_flops += call.tail_flops
         st.tail_op_seconds += call.tail_op_seconds
-        self.chain_exit(name, output)
-        self.check_chain_use(returned, inside=name)
-
-    def chain_enter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        where = self.parent_of.get(name)
-        if where is None:
-            return
-        state = self.chains[where[0]]
-        k = where[1]
-        single = args[0] if len(args) == 1 and not kwargs else None
-        if not isinstance(single, torch.Tensor) or k != state.expected:
-            state.ok = False
-        elif k > 0 and single is not state.last_out:
-            state.ok = False
-
-    def chain_exit(self, name: str, output: Any) -> None:
-        where = self.parent_of.get(name)
-        if where is None:
-            return
-        state = self.chains[where[0]]
-        k = where[1]
-        if not isinstance(output, torch.Tensor):
-            state.ok = False
-        state.last_out = output if isinstance(output, torch.Tensor) else None
-        if isinstance(output, torch.Tensor) and k < state.n - 1:
-            key, _, ref = storage_of(output)
-            self.chain_outputs[key] = (where[0], k)
-            # A key is a storage's address: once the storage is freed, another tensor may
-            # get it, and would pass for this output used out of turn (which made whether a
-            # chain runs in segments vary from run to run). The entry dies with the storage.
-            try:
-                weakref.finalize(ref, self.chain_outputs.pop, key, None)
-            except TypeError:
-                pass  # a tensor without a plain storage: keyed by the tensor's own id
-        state.expected = (k + 1) % state.n
-        if k == state.n - 1:
-            state.passes += 1
+        self.chain_watch.exit(name, output)
+        self.chain_watch.check_use(returned, self.running(), inside=name)
 
     # ---- bytes
 
@@ -428,23 +375,9 @@ class Recorder:
 
     # ---- ops
 
-    def check_chain_use(self, items: list[torch.Tensor], inside: str | None = None) -> None:
-        """A chain child's output used anywhere but inside the next child (an op of the
-        parent's, or a unit's output holding ``items``): the chain cannot run in segments,
-        which yield one output per segment."""
-        if not self.chain_outputs:
-            return
-        for t in items:
-            where = self.chain_outputs.get(storage_of(t)[0])
-            if where is None:
-                continue
-            chain, k = where
-            allowed = self.chain_children[chain][k + 1]
-            if inside == allowed or any(call.name == allowed for call in self.stack):
-                continue
-            if inside == self.chain_children[chain][k]:
-                continue  # the child returning its own output
-            self.chains[chain].ok = False
+    def running(self) -> list[str]:
+        """The units whose forward is running, outermost first."""
+        return [call.name for call in self.stack]
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, seconds: float) -> None:
         # Every op of a step comes here: its tensors are gathered once, for all the checks.
@@ -462,7 +395,7 @@ class Recorder:
         else:  # most are device queries (fake tensors' ``prim.device``): no tensor out
             outs = [] if type(out) in _SCALARS else tensors(out)
         if phase == "fwd" and self.full:
-            self.check_chain_use(ins)
+            self.chain_watch.check_use(ins, self.running())
         if phase in ("fwd", "loss") and self.mm_units and op.mutable:
             self.check_mutation(func, args, kwargs)
         if phase == "bwd":
@@ -621,10 +554,8 @@ class Recorder:
         model's output, the loss): ``retained_bytes``, by the unit that made it."""
         if self.retained is None:
             return
-        ends_keys = {storage_of(t)[0] for t in tensors(ends)}
-        for state in self.chains.values():  # held here, not by the model
-            if state.last_out is not None:
-                ends_keys.add(storage_of(state.last_out)[0])
+        # What the step returned, and what the recorder holds itself, not the model.
+        ends_keys = {storage_of(t)[0] for t in [*tensors(ends), *self.chain_watch.held()]}
         self.retained_bytes = self.retained.held(set(self.saved_seen) | ends_keys)
         for key in self.retained.saved_and_held(ends_keys):
             self.unsave(key)

@@ -37,6 +37,12 @@ import torch
 __all__ = ["RetainedTracker"]
 
 
+#: Storages smaller than this are not counted as retained: a kernel may keep a scalar
+#: for its later calls (the first step of a GPT keeps 4 bytes a block, the next ones
+#: none), which would make two plans of one model differ, and no activation is so small.
+SMALLEST = 4096
+
+
 @dataclass
 class _Packed:
     """A tensor autograd saved in a unit's forward, weakly held, and how often."""
@@ -114,9 +120,10 @@ class RetainedTracker:
 
     def held(self, exclude: Collection[Any]) -> dict[str, int]:
         """Bytes still alive, by the unit that made them, less the storages in
-        ``exclude`` (those saved for backward, the output, the loss)."""
+        ``exclude`` (those saved for backward, the output, the loss) and those under
+        :data:`SMALLEST` bytes."""
         by_unit: dict[str, int] = {}
         for key, (unit, nbytes) in list(self.alive.items()):
-            if key not in exclude:
+            if key not in exclude and nbytes >= SMALLEST:
                 by_unit[unit] = by_unit.get(unit, 0) + nbytes
         return by_unit
