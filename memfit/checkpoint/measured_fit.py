@@ -37,7 +37,7 @@ from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profiler.runner import preserved
-from memfit.checkpoint.solvers import Solution, solve
+from memfit.checkpoint.solvers import Solution, parse_strategy, solve
 from memfit.checkpoint.step_memory import StepMemory
 from memfit.nested import tensors
 from memfit.precision.apply import precision_applied
@@ -287,7 +287,10 @@ def measured_least_plan(
         return MeasuredFit(chosen, peak, verdict, least=True)
     # Plans tied at the least predicted peak can measure differently (a selective unit the
     # model under-predicts), and the tie is broken by measured time: every unit recomputed,
-    # per-block checkpointing as users write it, is measured too before refusing.
+    # per-block checkpointing as users write it, is measured too before refusing. (A
+    # fixed strategy the user named is its own plan: no other is put in its place.)
+    if parse_strategy(strategy)[0] != "optimal":
+        return MeasuredFit(chosen, peak, verdict, least=True)
     full = solve(root, "full", None, held, loss, reserve=0.0, frontier=False)
     if full.decisions == chosen.decisions:
         return MeasuredFit(chosen, peak, verdict, least=True)

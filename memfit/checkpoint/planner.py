@@ -192,8 +192,10 @@ def solve_profile(
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
-    optimal = budget_bytes is not None and parse_strategy(strategy)[0] == "optimal"
-    run = step_run(model, profiled, mem, policy, optimizer) if optimal else None
+    optimal = parse_strategy(strategy)[0] == "optimal"
+    # With a budget, a step to measure decides what the prediction cannot: for any
+    # strategy the plan at the budget's edge, for ``optimal`` also a cheaper one within it.
+    run = step_run(model, profiled, mem, policy, optimizer) if budget_bytes is not None else None
     try:
         # With a step to measure, the solve also finds the plan within the budget itself
         # (its ``edge``), which a measurement may accept in place of the reserve.
@@ -205,29 +207,36 @@ def solve_profile(
             mem.loss_bytes,
             reserve=RESERVE,
             frontier=frontier,
-            edge=run is not None,
+            edge=optimal and run is not None,
         )
     except BudgetError as exc:
         if run is None:
             raise
         # A budget the prediction with its reserve cannot decide is decided by measuring:
-        # the plan predicted within the budget itself, then the least plan.
+        # the plan predicted within the budget itself, then the least plan (a fixed
+        # strategy has one plan: it is measured).
         fit = measured_plan(run, root, strategy, budget_bytes, frontier=frontier)
         if fit is None:
             raise exc from None
         if not fit.verdict.fits:
             measured = fit.measured_peak_bytes
+            which = (
+                "the smallest peak any checkpoint plan reaches, measured: the least plan's"
+                if optimal
+                else f"what strategy {strategy!r} reaches, measured: its"
+            )
             raise BudgetError(
-                f"budget {format_bytes(budget_bytes)} is below the smallest peak any "
-                f"checkpoint plan reaches, measured: the least plan's step peaked at "
+                f"budget {format_bytes(budget_bytes)} is below {which} step peaked at "
                 f"{format_bytes(measured)} ({measured:.0f} bytes; the allocator's count of "
                 "one forward and backward on the example batch). Raise the budget to at "
                 "least that, use a smaller micro-batch (more accumulation steps) or a "
-                f"'*-master' precision. The prediction: {exc}"
+                f"'*-master' precision"
+                + ("" if optimal else ", or let strategy='optimal' choose")
+                + f". The prediction: {exc}"
             ) from None
         solution, measured_fit = fit.solution, fit
     else:
-        if run is not None:
+        if run is not None and optimal:
             # Between the budget less the reserve and the budget may lie a plan that
             # recomputes less: its measured step decides, not the reserve.
             cheaper = measured_within_reserve(run, solution, budget_bytes)
@@ -296,7 +305,8 @@ def result_of_solution(
     plan_ = Plan.from_solution(solution, precision=policy.mode, structure=profiled.structure)
     if measured_fit is not None:
         plan_.measured_peak_bytes = measured_fit.measured_peak_bytes
-        which = "the least plan's" if measured_fit.least else "the plan's"
+        least = measured_fit.least and parse_strategy(strategy)[0] == "optimal"
+        which = "the least plan's" if least else "the plan's"
         plan_.notes.append(
             f"budget {format_bytes(budget_bytes)} is below {which} predicted peak, "
             f"{format_bytes(solution.predicted_peak_bytes)}, with the {RESERVE:.0%} reserve; "

@@ -75,30 +75,35 @@ class RetainedTracker:
 
     def saved_and_held(self, exclude: Collection[Any], ignore: Collection[int] = ()) -> set[Any]:
         """The storages of saved tensors that a Python container besides autograd holds
-        (a list, a dict, a module's attributes), less those in ``exclude`` (the output,
-        the loss). ``ignore``: ids of the caller's own containers.
+        (a list, a tuple, a dict, a module's attributes), less those in ``exclude`` (the
+        output, the loss). ``ignore``: ids of the caller's own containers. A view kept in
+        the saved tensor's place is not seen (it refers to the storage, not the tensor):
+        the verified plan's measurement catches it.
 
         A tensor with more references than autograd's packs is a candidate; references
         from objects the cycle collector does not see (the autograd engine's own) do not
         count, so a candidate is held only where a container that the collector lists
         as referring to it holds it."""
-        candidates: list[tuple[torch.Tensor, Any]] = []
+        found: list[torch.Tensor] = []
+        by_id: dict[int, Any] = {}
         for entry in self.packed.values():
             t = entry.ref()
             if t is None or entry.key in exclude:
                 continue
             # getrefcount counts its argument and the local ``t``; autograd holds one per pack.
             if sys.getrefcount(t) - 2 - entry.packs > 0:
-                candidates.append((t, entry.key))
+                found.append(t)
+                by_id[id(t)] = entry.key
             del t
-        if not candidates:
+        if not found:
             return set()
-        by_id = {id(t): key for t, key in candidates}
+        candidates = tuple(found)  # passed as is: the call's own argument tuple
+        del found
         skip = {id(candidates), id(self.packed), *ignore}
         held: set[Any] = set()
         # One walk of the collector's objects for all candidates together.
-        for holder in gc.get_referrers(*(t for t, _ in candidates)):
-            if id(holder) in skip or not isinstance(holder, (list, dict, set)):
+        for holder in gc.get_referrers(*candidates):
+            if id(holder) in skip or not isinstance(holder, (list, tuple, dict, set)):
                 continue
             values = holder.values() if isinstance(holder, dict) else holder
             held.update(by_id[id(v)] for v in values if id(v) in by_id)
