@@ -274,12 +274,13 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
         if unit.name in seen:
             raise PlanError(f"unit name {unit.name!r} appears twice in the cost tree")
         seen.add(unit.name)
-        for attr in _NUMBERS:
-            value = getattr(unit, attr)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise PlanError(
-                    f"unit {unit.name!r}: {attr} must be a finite number >= 0, got {value!r}"
-                )
+        if not _plain_numbers(_numbers_given(unit)):  # then find the one at fault
+            for attr in _NUMBERS:
+                value = getattr(unit, attr)
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise PlanError(
+                        f"unit {unit.name!r}: {attr} must be a finite number >= 0, got {value!r}"
+                    )
         node = FlatUnit(len(nodes), unit, is_root=parent < 0)
         nodes.append(node)
         if parent >= 0:
@@ -325,6 +326,25 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
                 run_start.append(min(start, j))
             node.run_start = run_start
     return nodes
+
+
+_numbers_given = attrgetter(*_NUMBERS)
+_PLAIN_TYPES = {float, int}
+
+
+def _plain_numbers(values: tuple) -> bool:
+    """Whether ``values`` are all plain floats or ints, finite and >= 0: a check made in
+    a few calls rather than one per number (a tree has tens of thousands of units). False
+    says only that the number-by-number check must look (a subclass, a sum past the
+    largest float): it finds the fault, or passes them all."""
+    try:
+        return (
+            set(map(type, values)) <= _PLAIN_TYPES
+            and min(values) >= 0
+            and math.isfinite(sum(values))  # an inf or a nan makes the sum one
+        )
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _range_max_table(values: list[float]) -> list[list[float]]:

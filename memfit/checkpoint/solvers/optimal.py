@@ -148,18 +148,22 @@ def polish(
     order: dict = {}
     after: list[float] = []
 
-    def survey() -> float:
-        # Each piece's place in forward order, and the highest rebuild after it.
+    def survey(candidate: NodePlan, taken: bool = False) -> PlanCost:
+        # Its cost; when it fits (or is ``taken`` regardless), each piece's place in
+        # forward order and the highest rebuild after it are recorded from the same
+        # evaluation: a trial that fits is not evaluated a second time.
         rebuilds: list = []
-        plan.cost = evaluate_nodes(nodes, plan.decision, plan.segs, rebuilds=rebuilds)
-        order.clear()
-        after[:] = [0.0] * (len(rebuilds) + 1)
-        for pos in range(len(rebuilds) - 1, -1, -1):
-            order[rebuilds[pos][0]] = pos
-            after[pos] = max(after[pos + 1], rebuilds[pos][1])
-        return plan.cost.kept_bytes
+        cost = evaluate_nodes(nodes, candidate.decision, candidate.segs, rebuilds=rebuilds)
+        if taken or cost.peak(loss) <= cap:
+            candidate.cost = cost
+            order.clear()
+            after[:] = [0.0] * (len(rebuilds) + 1)
+            for pos in range(len(rebuilds) - 1, -1, -1):
+                order[rebuilds[pos][0]] = pos
+                after[pos] = max(after[pos + 1], rebuilds[pos][1])
+        return cost
 
-    kept = survey()
+    kept = survey(plan, taken=True).kept_bytes
     kept_pieces = 0
     for _, u, rng in sorted(pieces, key=lambda p: -p[0]):
         if kept_pieces >= most:
@@ -183,9 +187,10 @@ def polish(
             if not segs[u]:
                 del segs[u]
         trial = NodePlan(decision, segs)
-        if trial.peak(nodes, loss) <= cap:
+        cost = survey(trial)
+        if cost.peak(loss) <= cap:
             plan = trial
-            kept = survey()
+            kept = cost.kept_bytes
             kept_pieces += 1
     return plan
 

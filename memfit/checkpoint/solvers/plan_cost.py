@@ -143,20 +143,33 @@ def evaluate_nodes(
         after_piece = False  # the sibling before ended a recomputed piece
         while pos < len(kids):
             c = kids[pos]
+            child = nodes[c]
+            if not child.children and decision[c] == KEEP and pos not in ends:
+                # A kept leaf, the most common unit, without a call: what visit() does for
+                # it (it has nothing saved after children, and recomputes nothing: adding
+                # those zeros would change no sum).
+                if after_piece:  # see below
+                    k += child.input_saved_by_both_bytes
+                    after_piece = False
+                k += child.own_saved_bytes
+                if child.backward_hold_bytes:
+                    high = max(high, k + child.backward_hold_bytes)
+                pos += 1
+                continue
             # A piece whose input the wholly kept sibling before it saves keeps nothing new;
             # a first child receives its parent's input, and the parent's credit with it.
             if pos == 0:
-                credit = min(inherited, nodes[c].input_bytes)
+                credit = min(inherited, child.input_bytes)
                 if shared_inputs:  # or what the kept parent's own ops save of it
-                    credit = max(credit, nodes[c].input_saved_by_previous_bytes)
+                    credit = max(credit, child.input_saved_by_previous_bytes)
             elif shared_inputs and untouched[kids[pos - 1]]:
-                credit = nodes[c].input_saved_by_previous_bytes
+                credit = child.input_saved_by_previous_bytes
             else:
                 credit = 0.0
             if pos in ends:
                 end = ends[pos]
                 piece = k - credit + node.segment_hold_bytes(pos, end)
-                k += nodes[c].input_bytes - credit
+                k += child.input_bytes - credit
                 if rebuilds is not None:
                     rebuilds.append(((u, (pos, end)), piece))
                 high = max(high, piece)
@@ -168,7 +181,7 @@ def evaluate_nodes(
             if after_piece and decision[c] == KEEP:
                 # The piece before is freed after forward, but its output, which this
                 # unit receives and saves, stays: the piece's saved bytes counted it.
-                k += nodes[c].input_saved_by_both_bytes
+                k += child.input_saved_by_both_bytes
             k, h, s, f, after_piece = visit(c, k, credit)
             high, secs, flops = max(high, h), secs + s, flops + f
             pos += 1
