@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from measured_steps import planned_step_peak
 from torch import nn
 from torch.nn import functional as F
 
@@ -156,17 +157,7 @@ def test_a_sparse_gradient_is_sized_by_the_rows_it_holds_not_by_its_table() -> N
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     units = ["embed", *_BLOCKS]
     least = memfit.plan(net, batch, _loss, strategy="full", optimizer=opt, units=units)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        _loss(net, batch).backward()
-        opt.step()
-
-    memfit.apply_plan(net, least)
-    try:
-        measured = allocator_peak(step, live=[*net.parameters(), batch]).peak_bytes
-    finally:
-        memfit.remove_plan(net)
+    measured = planned_step_peak(net, least, batch, _loss, opt)
     assert abs(least.predicted_peak_bytes - measured) <= 0.03 * measured, (
         least.predicted_peak_bytes,
         measured,

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from measured_steps import planned_step_peak
 from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.allocator import allocator_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,17 +106,7 @@ def test_what_the_model_keeps_outside_autograd_is_counted_under_every_plan(
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     plan = memfit.plan(net, batch, _loss, strategy=strategy, optimizer=opt, units=UNITS)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        _loss(net, batch).backward()
-        opt.step()
-
-    memfit.apply_plan(net, plan)
-    try:
-        measured = allocator_peak(step, live=[*net.parameters(), batch]).peak_bytes
-    finally:
-        memfit.remove_plan(net)
+    measured = planned_step_peak(net, plan, batch, _loss, opt)
     # Each block keeps a (256, 256) fp32 tensor on its context or in the list: 1 MiB in all.
     assert abs(plan.predicted_peak_bytes - measured) <= 0.03 * measured, (
         plan.predicted_peak_bytes,
