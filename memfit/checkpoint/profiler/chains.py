@@ -10,7 +10,7 @@ records, per chain, a :class:`ChainState`.
 
 Example::
 
-    watch = ChainWatch(tree, storage_of)
+    watch = ChainWatch(tree)
     watch.enter("blocks.0", (x,), {}); watch.exit("blocks.0", y)
     watch.chains["blocks"].ok
 """
@@ -18,12 +18,13 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from memfit.checkpoint.profiler.storage import storage_of
 from memfit.checkpoint.tree import UnitTree
 
 __all__ = ["ChainState", "ChainWatch"]
@@ -43,8 +44,7 @@ class ChainState:
 class ChainWatch:
     """The chains of ``tree``, followed through one profiled step."""
 
-    def __init__(self, tree: UnitTree, storage_of: Callable[[torch.Tensor], Any]) -> None:
-        self.storage_of = storage_of
+    def __init__(self, tree: UnitTree) -> None:
         self.parent_of: dict[str, tuple[str, int]] = {}
         self.chains: dict[str, ChainState] = {}
         self.children: dict[str, list[str]] = {}
@@ -82,7 +82,7 @@ class ChainWatch:
             state.ok = False
         state.last_out = output if isinstance(output, torch.Tensor) else None
         if isinstance(output, torch.Tensor) and k < state.n - 1:
-            key, _, ref = self.storage_of(output)
+            key, _, ref = storage_of(output)
             self.outputs[key] = (where[0], k)
             # A key is a storage's address: once the storage is freed, another tensor may
             # get it, and would pass for this output used out of turn (which made whether a
@@ -105,7 +105,7 @@ class ChainWatch:
         if not self.outputs:
             return
         for t in items:
-            where = self.outputs.get(self.storage_of(t)[0])
+            where = self.outputs.get(storage_of(t)[0])
             if where is None:
                 continue
             chain, k = where

@@ -24,25 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.checkpoint.profiler.chains import ChainWatch
 from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
 from memfit.checkpoint.profiler.retained import RetainedTracker
+from memfit.checkpoint.profiler.storage import storage_of
 from memfit.checkpoint.recompute import MATMUL_OPS
 from memfit.checkpoint.tree import Unit, UnitTree
 from memfit.nested import tensors
 
 __all__ = ["OpMode", "Recorder", "Stats", "clock", "storage_of"]
-
-
-def storage_of(t: torch.Tensor) -> tuple[Any, int, Any]:
-    """(key, bytes, keep-alive reference) of the memory behind ``t``."""
-    try:
-        st = t.untyped_storage()
-        return st._cdata, int(st.nbytes()), st
-    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-        # Tensors without a plain storage (sparse, some subclasses): count the tensor itself,
-        # a sparse one by what it stores (its indices and values), not its dense shape.
-        if t.layout == torch.sparse_coo:
-            parts = (t._indices(), t._values())
-            return ("tensor", id(t)), sum(p.numel() * p.element_size() for p in parts), t
-        return ("tensor", id(t)), t.numel() * t.element_size(), t
 
 
 def clock(sync: bool) -> float:
@@ -156,7 +143,7 @@ class Recorder:
         self.flop_rate = flop_rate
         self.bandwidth = bandwidth
         self.unit_of: dict[int, str] = {id(u.module): u.name for u in tree}
-        self.chain_watch = ChainWatch(tree, storage_of)
+        self.chain_watch = ChainWatch(tree)
         self.chains = self.chain_watch.chains
         self.stack: list[_Call] = []
         self.phase: str | None = None
@@ -413,7 +400,7 @@ class Recorder:
         if unit is None:
             return
         if phase == "fwd" and self.retained is not None:
-            self.retained.made(unit, outs, storage_of)
+            self.retained.made(unit, outs)
         packet, formula = op.packet, op.formula
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         moved = 0

@@ -19,8 +19,8 @@ forward ops make, and the tensors autograd saves. Once the forward and the loss 
 Example::
 
     tracker = RetainedTracker(resident_keys)
-    tracker.made("blocks.0", [out], storage_of)   # in forward, for each op's outputs
-    tracker.held(exclude=saved_keys)              # {"blocks.0": 65536} after the loss
+    tracker.made("blocks.0", [out])        # in forward, for each op's outputs
+    tracker.held(exclude=saved_keys)       # {"blocks.0": 65536} after the loss
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from memfit.checkpoint.profiler.storage import storage_of
 
 __all__ = ["RetainedTracker"]
 
@@ -73,10 +75,10 @@ class RetainedTracker:
         except TypeError:
             pass  # a tensor that takes no weak reference: not followed
 
-    def saved_and_held(self, exclude: Collection[Any], ignore: Collection[int] = ()) -> set[Any]:
+    def saved_and_held(self, exclude: Collection[Any]) -> set[Any]:
         """The storages of saved tensors that a Python container besides autograd holds
         (a list, a tuple, a dict, a module's attributes), less those in ``exclude`` (the
-        output, the loss). ``ignore``: ids of the caller's own containers. A view kept in
+        output, the loss). A view kept in
         the saved tensor's place is not seen (it refers to the storage, not the tensor):
         the verified plan's measurement catches it.
 
@@ -99,7 +101,7 @@ class RetainedTracker:
             return set()
         candidates = tuple(found)  # passed as is: the call's own argument tuple
         del found
-        skip = {id(candidates), id(self.packed), *ignore}
+        skip = {id(candidates), id(self.packed)}
         held: set[Any] = set()
         # One walk of the collector's objects for all candidates together.
         for holder in gc.get_referrers(*candidates):
@@ -110,9 +112,9 @@ class RetainedTracker:
         del candidates
         return held
 
-    def made(self, unit: str, outs: Iterable[torch.Tensor], storage_of: Any) -> None:
+    def made(self, unit: str, outs: Iterable[torch.Tensor]) -> None:
         """Follow the storages of ``outs``, made by an op of ``unit``'s own forward, until
-        they are freed. ``storage_of(t)`` gives (key, bytes, a reference to the storage)."""
+        they are freed."""
         for t in outs:
             key, nbytes, ref = storage_of(t)
             if key in self.alive or key in self.resident:
