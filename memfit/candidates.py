@@ -12,8 +12,10 @@ FLOPs and the bytes it saves (the estimator's counted times: backward twice the 
 and rescaled from the counted FLOP rate to the one the matmul probe measured for the
 precision's compute dtype on the device (:mod:`memfit.precision.speed`). What the count
 leaves out (the optimizer step, which is the same for every split; each micro-batch's
-fixed overhead; smaller matmuls' lower efficiency) is why times within 5% count as a tie that the larger micro-batch wins, and
-why the tuner then measures the top candidates on real steps.
+fixed overhead; smaller matmuls' lower efficiency) the tuner measures on the model and
+puts back with :func:`retime` (:mod:`memfit.tuning.calibrate`); what is left is why times
+within 5% count as a tie that the larger micro-batch wins, and why the tuner then
+measures the top candidates on real steps.
 
 Example::
 
@@ -24,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ __all__ = [
     "meta_clone",
     "nothing_fits",
     "rank_candidates",
+    "retime",
     "split_choices",
 ]
 
@@ -222,6 +226,32 @@ def rank_candidates(
                 row.plan,
             )
         )
+    out.sort(key=_rank_key)
+    return out
+
+
+def retime(
+    candidates: Sequence[Candidate], step_seconds: Callable[[float, int], float]
+) -> list[Candidate]:
+    """``candidates`` with each predicted step time ``step_seconds(counted, accumulation)``
+    from its counted seconds per micro-batch, ranked again (the tuner's measured terms:
+    :mod:`memfit.tuning.calibrate`).
+
+    Example::
+
+        retime(ranked, lambda counted, acc: acc * (0.01 + 2 * counted) + 0.05)
+    """
+    out = [
+        c
+        if c.predicted_step_seconds is None
+        else dataclasses.replace(
+            c,
+            predicted_step_seconds=step_seconds(
+                c.predicted_step_seconds / c.accumulation_steps, c.accumulation_steps
+            ),
+        )
+        for c in candidates
+    ]
     out.sort(key=_rank_key)
     return out
 

@@ -9,6 +9,7 @@ trials assert what holds on any machine (fits, recorded, within the budget).
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ from memfit.precision.speed import (
     matmul_speed,
     measure_matmul_speed,
 )
+from memfit.tuning.calibrate import StepTimeModel
 from memfit.tuning.hints import initial_loss_scale, loss_scale_advice
 from memfit.tuning.trials import GradStats, time_in_rounds
 from tests.engine_cases import assert_bitwise
@@ -248,7 +250,15 @@ def test_nothing_fits_gives_the_smallest_budget_that_would_and_that_budget_fits(
     assert res.best.predicted_peak_bytes <= int(least)
 
 
-def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end() -> None:
+def _count_alone(monkeypatch) -> None:
+    """Predicted times from the count alone: the model is not timed before the trials, so
+    a test's injected failure reaches the trial it is meant for."""
+    module = sys.modules["memfit.tuning.tune"]  # the package's `tune` is the function
+    monkeypatch.setattr(module, "calibrate", lambda *a, **k: StepTimeModel())
+
+
+def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end(monkeypatch) -> None:
+    _count_alone(monkeypatch)
     model_fn, batch_fn, real_loss = _parts()
     budget = int(0.7 * _plain_peak("fp32", 8))
     calls = {"oom": 0}
@@ -282,6 +292,61 @@ def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end() -> N
     assert engine.settings.accumulation_steps == res.best.accumulation_steps
     assert engine.settings.precision == res.best.precision
     engine.train_step(batch_fn(8), real_loss)
+
+
+def test_the_usual_fixes_are_measured_in_each_precision_and_never_beat_the_choice() -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    budget = int(0.7 * _plain_peak("fp32", 8))
+    with assumed_speed("cpu", FAST_BF16):
+        res = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            global_batch=8,
+            precisions=["fp32", "bf16-mixed"],
+            measure_top=1,
+            steps=2,
+        )
+    peers = [r for r in res.rows if r.peer is not None]
+    for mode in ("fp32", "bf16-mixed"):
+        halving = [r for r in peers if r.precision == mode and r.peer == "halving"]
+        per_block = [r for r in peers if r.precision == mode and r.peer == "per-block"]
+        assert len(halving) >= 1 and len(per_block) == 1
+        assert all(r.checkpoint == "none" for r in halving)
+        assert per_block[0].checkpoint == "full" and per_block[0].micro_batch == 8
+        # A halving that went over the budget moved on to the next halving.
+        over = [r for r in halving if r.error == "over the budget as measured"]
+        fit = [r for r in halving if r.measured_step_seconds is not None]
+        assert len(fit) == 1 and all(r.micro_batch > fit[0].micro_batch for r in over)
+    fitting = [r.measured_step_seconds for r in peers if r.measured_step_seconds is not None]
+    assert res.best.measured_step_seconds <= min(fitting)
+    assert res.best.measured_peak_bytes <= budget
+    assert res.rounds >= 2 and res.verdict and res.tuning_seconds > 0
+    # The model was timed for the step-time terms; the trials give the rank correlation.
+    assert res.step_time.measured and res.step_time.scale > 0
+    assert res.step_time.per_micro_seconds >= 0 and res.step_time.per_step_seconds >= 0
+    assert res.rank_correlation is not None and -1.0 <= res.rank_correlation <= 1.0
+    text = res.summary()
+    assert "halving" in text and "per-block" in text and f"{res.rounds} rounds" in text
+    assert json.loads(res.to_json())["verdict"] == res.verdict
+
+
+def test_max_seconds_bounds_what_is_optional_and_bad_values_are_refused() -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    budget = int(0.6 * _plain_peak("fp32", 8))
+    with assumed_speed("cpu", FAST_BF16):
+        res = memfit.tune(
+            model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, steps=2, max_seconds=1e-9
+        )
+        # The deadline passed before the first trial: that one is measured for its
+        # `steps` rounds, nothing else starts.
+        assert sum(r.measured for r in res.rows) == 1 and res.rounds == 2
+        for bad in (0, -1.0):
+            with pytest.raises(ConfigError, match="max_seconds"):
+                memfit.tune(
+                    model_fn, batch_fn, loss_fn, budget=budget, global_batch=8, max_seconds=bad
+                )
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -330,8 +395,9 @@ def test_trials_are_timed_in_rotated_rounds_and_a_failing_one_drops_out() -> Non
 
 @pytest.mark.parametrize("measure_top", [1, 2])
 def test_a_trial_whose_timed_step_raises_gives_way_and_the_rng_is_left_alone(
-    measure_top: int,
+    measure_top: int, monkeypatch
 ) -> None:
+    _count_alone(monkeypatch)
     _, real_loss, batch_fn = build_model("gpt", data="synthetic", dropout=0.1, **CFG)
 
     def model_fn():
@@ -360,6 +426,7 @@ def test_a_trial_whose_timed_step_raises_gives_way_and_the_rng_is_left_alone(
             global_batch=8,
             measure_top=measure_top,
             steps=2,
+            peers=False,  # only the tuner's own splits: each stands in for another
         )
     assert torch.equal(torch.get_rng_state(), before)  # dropout drew from a fork
     broken = [r for r in res.rows if r.error and "broke while timed" in r.error]

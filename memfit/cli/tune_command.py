@@ -62,7 +62,24 @@ def add_parser(sub: Any) -> None:
         help="candidates measured on real steps (default: 3; 0: by prediction alone)",
     )
     p.add_argument(
-        "--steps", type=int, default=5, help="timed steps per measured trial (default: 5)"
+        "--steps",
+        type=int,
+        default=5,
+        help="timed rounds at least (default: 5); more follow until the fastest trial is "
+        "separated from the rest beyond their noise, or tied",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=300.0,
+        help="bound on the tuning time: past it no further trial starts and no extra round "
+        "is timed (default: 300)",
+    )
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="measure only the tuner's own candidates, not the usual fixes (halving the "
+        "micro-batch, checkpointing every block) beside them",
     )
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and data")
@@ -108,6 +125,8 @@ def compute(args: argparse.Namespace) -> TuneResult:
         data_parallel=args.data_parallel,
         measure_top=args.measure_top,
         steps=args.steps,
+        peers=not args.no_peers,
+        max_seconds=args.max_seconds,
         device=device,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,8 @@ from torch import nn
 
 from memfit.candidates import Candidate
 from memfit.errors import ConfigError
+from memfit.tuning.calibrate import StepTimeModel
+from memfit.tuning.decide import rank_correlation
 from memfit.units import format_bytes
 
 
@@ -33,6 +36,10 @@ class TuneRow:
     error: str | None = None
     """Why a measured trial failed (out of memory, an exception), or why it does not count
     (over the budget as measured)."""
+    peer: str | None = None
+    """``"halving"`` or ``"per-block"`` where this setting is the usual fix the tuner
+    measured beside its own candidates (halving the micro-batch until it fits;
+    checkpointing every block with the whole batch)."""
 
     precision = _of_candidate("precision", "The precision mode.")
     checkpoint = _of_candidate(
@@ -74,6 +81,7 @@ _FIELDS = (
     "measured_peak_bytes",
     "measured_step_seconds",
     "error",
+    "peer",
 )
 
 
@@ -105,6 +113,29 @@ class TuneResult:
     speedups: dict[str, float] = field(default_factory=dict)
     """Each precision's matmul speed relative to fp32 that the ranking used."""
     speed_measured: bool = True
+    rounds: int = 0
+    """How many interleaved rounds the trials were timed in."""
+    verdict: str = ""
+    """Why ``best`` was chosen among the measured trials (separated, or a tie)."""
+    tuning_seconds: float = 0.0
+    """The wall-clock time the tuner took, search and trials."""
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    """The measured terms of the predicted step times (:mod:`memfit.tuning.calibrate`)."""
+
+    @property
+    def rank_correlation(self) -> float | None:
+        """Spearman's rank correlation of predicted and measured step times over the
+        trials measured (None for fewer than three): how well the count ranks settings.
+
+        Example::
+
+            res.rank_correlation   # 0.9: the prediction orders the trials nearly as measured
+        """
+        timed = [r for r in self.rows if r.measured_step_seconds is not None]
+        return rank_correlation(
+            [r.predicted_step_seconds or 0.0 for r in timed],
+            [r.measured_step_seconds or 0.0 for r in timed],
+        )
 
     @property
     def memory_budget(self) -> int | None:
@@ -180,6 +211,11 @@ class TuneResult:
             "advice": list(self.advice),
             "speedups": dict(self.speedups),
             "speed_measured": self.speed_measured,
+            "rounds": self.rounds,
+            "verdict": self.verdict,
+            "tuning_seconds": self.tuning_seconds,
+            "rank_correlation": self.rank_correlation,
+            "step_time": dataclasses.asdict(self.step_time),
         }
 
     def to_json(self) -> str:
@@ -211,7 +247,11 @@ class TuneResult:
                     "yes" if r.fits else "no",
                     _bytes(r.measured_peak_bytes),
                     _ms(r.measured_step_seconds),
-                    ("* best" if r is self.best else "") + (r.error or ""),
+                    "; ".join(
+                        x
+                        for x in ("* best" if r is self.best else "", r.peer or "", r.error or "")
+                        if x
+                    ),
                 ]
             )
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -220,6 +260,7 @@ class TuneResult:
             f"{f' over {self.world_size} ranks ({self.data_parallel})' if self.world_size > 1 else ''}"
             ": "
             f"{len(self.rows)} candidates, {sum(r.measured for r in self.rows)} measured"
+            f" in {self.rounds} rounds; {self.tuning_seconds:.1f} s"
         ]
         lines += [
             "  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]
@@ -227,7 +268,7 @@ class TuneResult:
         b = self.best
         lines.append(
             f"best: {b.precision}, checkpoint {b.checkpoint}, micro-batch {b.micro_batch} x "
-            f"{b.accumulation_steps} accumulation"
+            f"{b.accumulation_steps} accumulation" + (f" ({self.verdict})" if self.verdict else "")
         )
         lines += [f"advice: {a}" for a in self.advice]
         return "\n".join(lines)

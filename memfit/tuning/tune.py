@@ -2,16 +2,24 @@
 
 1. **Search** (:mod:`memfit.candidates`): every precision x strategy x split of the global
    batch estimated on a meta model and fake tensors, ranked by predicted step time;
-   nothing real is allocated, so no candidate runs out of memory there.
-2. **Measure**: ``measure_top`` splits of the global batch, each with its best predicted
-   setting, train a few real steps each (:mod:`memfit.tuning.trials`): the allocator's
-   peak, then the median step time of rounds timed side by side. The splits predicted
-   within 1.5x of the fastest go first, the largest micro-batch first (the count leaves
-   out what makes small micro-batches slow). A trial that runs out of memory, raises, or
-   peaks over the budget is recorded in its row and the split's next setting is measured
-   in its place.
-3. **Choose**: the fastest measured candidate within the budget; with ``measure_top=0``
-   the predicted best.
+   nothing real is allocated, so no candidate runs out of memory there. The predicted
+   times take the terms counting leaves out (each micro-batch's and each step's fixed
+   cost, the model's real speed) from three short steps of the model
+   (:mod:`memfit.tuning.calibrate`).
+2. **Measure** (:mod:`memfit.tuning.trials`): ``measure_top`` splits of the global
+   batch, each with its best predicted setting, and the **peers**, the usual fixes a
+   user reaches without the tuner, in each precision: halving the micro-batch until it
+   fits, and checkpointing every block with the whole batch. Each trains a few real
+   steps: the allocator's peak, then step times in interleaved rounds, as many as it
+   takes to separate the fastest from the rest beyond their noise, or to call a tie
+   (bounded by ``max_seconds``). The splits predicted within 1.5x of the fastest go
+   first, the largest micro-batch first. A trial that runs out of memory, raises, or
+   peaks over the budget is recorded in its row and its split's (or peer's) next
+   setting is measured in its place.
+3. **Choose** (:mod:`memfit.tuning.decide`): the fastest measured setting within the
+   budget when the rounds separate it; in a tie the simplest (least recompute, fewest
+   micro-batches), never one measured slower than a peer; with ``measure_top=0`` the
+   predicted best.
 
 Example::
 
@@ -23,19 +31,30 @@ Example::
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.candidates import DEFAULT_PRECISIONS, nothing_fits, rank_candidates
+from memfit.candidates import (
+    DEFAULT_PRECISIONS,
+    Candidate,
+    nothing_fits,
+    rank_candidates,
+    retime,
+)
 from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
+from memfit.tuning.calibrate import StepTimeModel, calibrate
+from memfit.tuning.decide import Timed, decide
 from memfit.tuning.hints import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import (
@@ -70,6 +89,8 @@ def tune(
     data_parallel: str | None = None,
     measure_top: int = 3,
     steps: int = 5,
+    peers: bool = True,
+    max_seconds: float | None = 300.0,
     device: str | torch.device | None = None,
 ) -> TuneResult:
     """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
@@ -97,7 +118,17 @@ def tune(
             ``"fsdp"`` its measured peak is recorded but the fit is the prediction's.
         measure_top: how many candidates to measure on real steps (0: choose by
             prediction alone).
-        steps: timed steps per trial (after a warm-up and a measured step).
+        steps: timed rounds at least (one step of every trial each, after a warm-up and
+            a measured step); more rounds follow, up to four times as many, until the
+            fastest trial is separated from the others beyond their measured noise or
+            tied with them (:mod:`memfit.tuning.decide`).
+        peers: also measure, in each precision, the two usual fixes a user reaches without
+            the tuner: halving the micro-batch until it fits (no checkpointing) and
+            checkpointing every block with the whole batch. The choice is never one
+            measured slower than a peer that fits; in a tie the simpler setting wins.
+        max_seconds: a bound on the tuning's time: past it no further trial starts (once
+            one has) and no round beyond ``steps`` is timed; None: no bound. The time
+            spent is in ``TuneResult.tuning_seconds``.
         device: where trials run (default: where ``batch_fn``'s tensors are).
 
     Raises:
@@ -115,6 +146,12 @@ def tune(
         raise ConfigError(f"measure_top must be an int >= 0, got {measure_top!r}")
     if int(steps) != steps or steps < 1:
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ConfigError(
+            f"max_seconds must be a number of seconds > 0 or None, got {max_seconds!r}"
+        )
+    began = time.monotonic()
+    deadline = began + (math.inf if max_seconds is None else float(max_seconds))
     loss_fn = loss_fn or default_step_loss
     where = torch.device(device) if device is not None else _device_of(batch_fn)
     limit = parse_bytes(budget, where)
@@ -134,6 +171,10 @@ def tune(
         device=where,
         speed=speed,
     )
+    step_time = StepTimeModel(note="not measured (measure_top=0)")
+    if measure_top:
+        step_time = _calibrate(ranked, modes, model_fn, batch_fn, loss_fn, optimizer_fn, where)
+        ranked = retime(ranked, step_time.seconds)
     # A one-process trial of an FSDP2 rank holds every weight, not its shard: its peak
     # says nothing of the rank's, so only the prediction judges the fit there.
     layout = RankLayout.of(world_size, data_parallel)
@@ -145,11 +186,16 @@ def tune(
     def start(row: TuneRow) -> Trial | None:
         return _start(row, model_fn, batch_fn, loss_fn, optimizer_fn, limit, judged, where)
 
+    usual = peer_slots(rows, modes, global_batch // world_size, limit) if peers else []
     # The trials' timed steps draw from the random generators (dropout): the caller's
     # state is put back when they are done.
     with torch.random.fork_rng(devices=cuda_devices(where), device_type="cuda"):
-        good, grads = _measure(rows, measure_top, steps, start, holds_trials(where))
-    if measure_top and not good:
+        got = (
+            _measure(rows, measure_top, usual, steps, start, holds_trials(where), deadline)
+            if measure_top
+            else _Measured([], {}, {}, 0)
+        )
+    if measure_top and not got.good:
         failed = [r for r in rows if r.error]
         raise BudgetError(
             f"every measured trial failed or peaked over the budget ({len(failed)} tried): "
@@ -158,7 +204,8 @@ def tune(
                 for r in failed[:4]
             )
         )
-    best = min(good, key=lambda r: r.measured_step_seconds or 0.0) if good else rows[0]
+    verdict = decide([_timed(r, got.seconds[r.rank]) for r in got.good]) if got.good else None
+    best = next(r for r in got.good if r.rank == verdict.best.key) if verdict else rows[0]
     result = TuneResult(
         best,
         rows,
@@ -168,13 +215,63 @@ def tune(
         layout.kind,
         speedups={m: speed.speedup(PrecisionPolicy.of(m).compute_dtype) for m in modes},
         speed_measured=speed.measured,
+        rounds=got.rounds,
+        step_time=step_time,
+        verdict=verdict.describe() if verdict else "chosen by prediction (nothing measured)",
     )
     result.advice = [
-        loss_scale_advice(grads.get(best.rank), best.precision),
+        loss_scale_advice(got.grads.get(best.rank), best.precision),
         checkpoint_advice(best, _units(best)),
         split_advice(rows, best, limit),
     ]
+    result.tuning_seconds = time.monotonic() - began
     return result
+
+
+def _calibrate(
+    ranked: list[Candidate],
+    modes: Sequence[str],
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    loss_fn: LossFn,
+    optimizer_fn: Any,
+    device: torch.device,
+) -> StepTimeModel:
+    """The step-time model's measured terms (:mod:`memfit.tuning.calibrate`), timed in fp32
+    where it is compared (else the first mode): ``m1`` the smallest micro-batch of two or
+    more (a batch norm needs two samples), ``m2`` the largest predicted to fit without
+    checkpointing."""
+    mode = "fp32" if "fp32" in modes else modes[0]
+    plain = {
+        c.micro_batch: c
+        for c in ranked
+        if c.precision == mode and c.checkpoint == "none" and c.predicted_step_seconds
+    }
+
+    def counted(m: int) -> float | None:
+        c = plain.get(m)
+        return (
+            c.predicted_step_seconds / c.accumulation_steps
+            if c and c.predicted_step_seconds
+            else None
+        )
+
+    sizes = sorted(plain)
+    m1 = next((m for m in sizes if m >= 2 and 2 * m in plain), None)
+    if m1 is None:
+        return StepTimeModel(note="no micro-batch of two or more with twice its size to time")
+    fitting = [m for m in sizes if m > m1 and plain[m].fits]
+    return calibrate(
+        model_fn,
+        batch_fn,
+        loss_fn,
+        optimizer_fn,
+        precision=mode,
+        counted=counted,
+        m1=m1,
+        m2=fitting[-1] if fitting else None,
+        device=device,
+    )
 
 
 #: Splits whose best predicted time is within this factor of the fastest are measured
@@ -186,6 +283,30 @@ SLACK = 1.5
 ATTEMPTS_PER_SPLIT = 3
 #: Further candidates tried, in the order of prediction, when every split's failed.
 FALLBACK_TRIALS = 8
+#: A peer is measured from the first setting predicted within this factor of the budget:
+#: a prediction a little over the budget must not hide a usual fix that fits.
+PEER_SLACK = 1.1
+#: Peers are measured in the precisions whose fastest fitting prediction is within this
+#: factor of the fastest of all: a mode the matmul probe measured far slower (bf16
+#: emulated on a CPU without it, 0.013x fp32 on one) would only cost tuning time.
+PEER_MODE_SLACK = 3.0
+#: Rounds beyond ``steps`` are timed until the verdict settles, up to this many in all
+#: (times ``steps``).
+MAX_ROUNDS_FACTOR = 4
+
+
+@dataclass
+class _Slot:
+    """One thing the tuner measures: a split's best predicted setting, or a peer (the
+    usual fix in one precision); its settings are tried in order until one starts."""
+
+    queue: list[TuneRow]
+    peer: str | None = None
+    trial: Trial | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.trial is not None and self.trial.error is None
 
 
 def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
@@ -204,72 +325,169 @@ def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
     return [groups[m] for m in order]
 
 
+def halvings(per_rank: int) -> list[int]:
+    """The micro-batches halving the batch passes through, keeping the global batch: from
+    ``per_rank`` down, each the largest divisor of ``per_rank`` at most half the one before.
+
+    Example::
+
+        halvings(12)   # [12, 6, 3, 1]
+    """
+    out = [per_rank]
+    while out[-1] > 1:
+        out.append(max(d for d in range(1, out[-1] // 2 + 1) if per_rank % d == 0))
+    return out
+
+
+def peer_slots(rows: list[TuneRow], modes: Sequence[str], per_rank: int, limit: int) -> list[_Slot]:
+    """In each precision (within :data:`PEER_MODE_SLACK` of the fastest prediction), the
+    two usual fixes as the tuner's rows:
+
+    - ``halving``: no checkpointing, the micro-batch halved (accumulation doubled) until
+      it fits, from the first halving predicted within :data:`PEER_SLACK` of the budget;
+      a measured step over the budget moves on to the next halving;
+    - ``per-block``: every block checkpointed, the whole batch as one micro-batch (none
+      where its prediction is over the slack).
+
+    Example::
+
+        [s.peer for s in peer_slots(rows, ["fp32"], 16, budget)]   # ["halving", "per-block"]
+    """
+    by_setting = {(r.precision, r.checkpoint, r.micro_batch): r for r in rows}
+
+    def near(row: TuneRow | None) -> bool:
+        peak = row.predicted_peak_bytes if row is not None else None
+        return peak is not None and peak <= PEER_SLACK * limit
+
+    fitting = [r.predicted_step_seconds for r in rows if r.fits and r.predicted_step_seconds]
+    slots = []
+    for mode in modes:
+        own = [
+            r.predicted_step_seconds
+            for r in rows
+            if r.precision == mode and r.fits and r.predicted_step_seconds
+        ]
+        if not own or min(own) > PEER_MODE_SLACK * min(fitting):
+            continue  # a precision the prediction rules out (bf16 emulated on a CPU)
+        steps = [by_setting.get((mode, "none", m)) for m in halvings(per_rank)]
+        queue = [r for r in steps if r is not None]
+        first = next((i for i, r in enumerate(queue) if near(r)), None)
+        if first is not None:
+            slots.append(_Slot(queue[first : first + ATTEMPTS_PER_SPLIT], "halving"))
+        whole = by_setting.get((mode, "full", per_rank))
+        if near(whole):
+            slots.append(_Slot([whole], "per-block"))  # type: ignore[list-item]
+    return slots
+
+
+@dataclass
+class _Measured:
+    """What the trials gave: the rows measured within the budget (median step times in
+    them), the gradients each trial read for the advice, each good row's timed steps,
+    and how many rounds were timed."""
+
+    good: list[TuneRow]
+    grads: dict[int, GradStats | None]
+    seconds: dict[int, list[float]]
+    rounds: int
+
+
 def _measure(
     rows: list[TuneRow],
     measure_top: int,
+    peers: list[_Slot],
     steps: int,
     start: Callable[[TuneRow], Trial | None],
     hold: bool,
-) -> tuple[list[TuneRow], dict[int, GradStats | None]]:
-    """Measure up to ``measure_top`` splits, one setting each: the rows measured within
-    the budget, and the gradients each trial read for the advice.
+    deadline: float,
+) -> _Measured:
+    """Measure up to ``measure_top`` splits, one setting each, and every peer slot.
 
-    Each split's settings are tried in the order of prediction (up to
-    :data:`ATTEMPTS_PER_SPLIT`) until one starts; with ``hold``, the started trials are
-    timed side by side in rounds, and a trial whose timed step raises gives way to its
-    split's next setting, which is started and timed with the trials still held (they get
-    more rounds). Without ``hold`` each trial is timed alone and released. A failed trial
-    never ends the search: where every split failed, up to :data:`FALLBACK_TRIALS` more
-    rows are tried in the order of prediction."""
-    groups = _measure_order(rows)
-    tried = {id(r) for g in groups for r in g[:ATTEMPTS_PER_SPLIT]}
-    queues = [list(g[:ATTEMPTS_PER_SPLIT]) for g in groups]
+    Each slot's settings are tried in order (up to :data:`ATTEMPTS_PER_SPLIT`) until one
+    starts; a setting already started for another slot serves both. With ``hold`` the
+    started trials are timed side by side in rounds: ``steps`` rounds, then more until
+    the verdict of :func:`~memfit.tuning.decide.decide` settles, up to
+    :data:`MAX_ROUNDS_FACTOR` x ``steps`` or the ``deadline`` (``time.monotonic()``). A
+    trial whose timed step raises gives way to its slot's next setting (or, for a split,
+    the next split), which joins the rounds. Without ``hold`` each trial is timed alone
+    for ``steps`` steps and released. Past the deadline no optional trial starts (once one
+    has). Where every split failed, up to :data:`FALLBACK_TRIALS` more rows are tried in
+    the order of prediction."""
+    splits = [_Slot(list(g[:ATTEMPTS_PER_SPLIT])) for g in _measure_order(rows)]
+    tried = {id(r) for s in splits for r in s.queue}
     fallback = [r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS]
-    good: list[TuneRow] = []
-    grads: dict[int, GradStats | None] = {}
-    held: dict[int, Trial] = {}  # split index -> its trial, timed so far without error
-    measured: set[int] = set()  # splits with a good row
-    try:
-        while True:
-            for g, queue in enumerate(queues):
-                if len(measured) + len(held) >= measure_top:
-                    break
-                if g in measured or g in held:
-                    continue
-                while queue and g not in held:
-                    trial = start(queue.pop(0))
-                    if trial is None:
-                        continue
-                    if hold:
-                        held[g] = trial
-                        continue
-                    time_in_rounds([trial], steps)
-                    grads[trial.row.rank] = trial.close()
-                    if trial.error is None:
-                        _record_time(trial)
-                        good.append(trial.row)
-                        measured.add(g)
-                        break
-                    trial.row.error = trial.error
-            if not held and not measured and fallback and not any(queues):
-                queues.append(fallback)  # every split failed: further rows, in order
-                fallback = []
-                continue
-            if not held or all(t.seconds for t in held.values()):
-                break  # nothing new to time
-            time_in_rounds(list(held.values()), steps)
-            for g, trial in list(held.items()):
-                if trial.error is not None:  # gives way to its split's next setting
-                    trial.row.error = trial.error
-                    grads[trial.row.rank] = trial.close()
-                    del held[g]
-        for trial in held.values():
+    started: dict[int, Trial] = {}  # id(row) -> its trial
+    out = _Measured([], {}, {}, 0)
+
+    def fill(slot: _Slot) -> None:
+        while slot.queue and not slot.filled:
+            row = slot.queue.pop(0)
+            row.peer = row.peer or slot.peer
+            trial = started.get(id(row))
+            if trial is None and row.error is None:
+                trial = start(row)
+                if trial is not None:
+                    started[id(row)] = trial
+                    if not hold:
+                        time_in_rounds([trial], steps)
+                        finish(trial)
+            if trial is not None and trial.error is None:
+                slot.trial = trial
+
+    def finish(trial: Trial) -> None:
+        if trial.error is not None:
+            trial.row.error = trial.error
+        elif trial.seconds:
             _record_time(trial)
-            good.append(trial.row)
+            out.good.append(trial.row)
+            out.seconds[trial.row.rank] = list(trial.seconds)
+        out.grads[trial.row.rank] = trial.close()
+
+    def fill_all() -> None:
+        for slot in [*splits[:1], *peers, *splits[1:]]:
+            if started and time.monotonic() > deadline:
+                return  # past the deadline: only what has started
+            if slot.peer is None and not slot.filled:
+                if sum(s.filled for s in splits) >= measure_top:
+                    continue
+            fill(slot)
+
+    try:
+        fill_all()
+        if not any(s.filled for s in [*splits, *peers]) and fallback:
+            splits.append(_Slot(fallback))  # every split failed: further rows, in order
+            fill(splits[-1])
+        while hold:
+            live = [t for t in started.values() if t.error is None and not t.row.measured]
+            if not live:
+                break
+            time_in_rounds(live, 1)
+            out.rounds += 1
+            broken = [t for t in live if t.error is not None]
+            for trial in broken:  # gives way to its slot's next setting
+                finish(trial)
+            if broken:
+                fill_all()
+                continue
+            if all(len(t.seconds) >= steps for t in live) and (
+                _settled(live)
+                or out.rounds >= MAX_ROUNDS_FACTOR * steps
+                or time.monotonic() > deadline
+            ):
+                break
     finally:
-        for trial in held.values():
-            grads[trial.row.rank] = trial.close()
-    return good, grads
+        for trial in started.values():
+            if trial.row.rank not in out.grads:
+                finish(trial)
+    return out
+
+
+def _settled(trials: list[Trial]) -> bool:
+    return decide([_timed(t.row, t.seconds) for t in trials]).settled
+
+
+def _timed(row: TuneRow, seconds: list[float]) -> Timed:
+    return Timed(row.rank, seconds, row.recompute_fraction or 0.0, row.accumulation_steps, row.peer)
 
 
 def _start(

@@ -1,0 +1,168 @@
+"""The step-time model's measured terms: what counting FLOPs leaves out.
+
+The tuner's search predicts a step from counted FLOPs and bytes at the matmul probe's
+rate (:mod:`memfit.candidates`). That count misses what makes small micro-batches slow
+and tiny models slower than their FLOPs: each micro-batch's fixed cost (every op's
+dispatch, autograd's bookkeeping, autocast's casts), each step's fixed cost (the
+optimizer step, zeroing gradients), and how far the model's kernels run from the probe's
+rate. So before ranking, the model itself is timed on three small steps of real data,
+in the precision the tuner ranks first (fp32 where it is compared), through the Engine
+the trials use:
+
+- micro-batch ``m1`` as one micro-batch: ``t1 = per_micro + scale x c1 + per_step``;
+- micro-batch ``m2`` (> ``m1``) as one: ``t2 = per_micro + scale x c2 + per_step``;
+- ``2 x m1`` as two micro-batches of ``m1``: ``t3 = 2 (per_micro + scale x c1) + per_step``;
+
+where ``c1``, ``c2`` are the counted seconds of one micro-batch. Three equations give
+the three terms (:func:`fit_step_time`); each is kept at zero or above, and without a
+usable ``m2`` the scale stays 1. A predicted step is then
+``accumulation x (per_micro + scale x counted) + per_step``
+(:meth:`StepTimeModel.seconds`). Each point is the fastest of :data:`TIMED_STEPS` steps
+after a warm-up step: the least disturbed by the rest of a shared machine.
+
+Example::
+
+    model = fit_step_time(TimedPoints(c1=1e-3, c2=4e-3, t1=0.020, t2=0.029, t3=0.031))
+    model.seconds(counted=2e-3, accumulation=4)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine import Engine
+from memfit.errors import MemfitError
+
+#: Timed steps per point, after one warm-up step.
+TIMED_STEPS = 5
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """A step's time from counted seconds: ``accumulation x (per_micro_seconds + scale x
+    counted) + per_step_seconds``. The default is the count alone."""
+
+    scale: float = 1.0
+    """Measured seconds per counted second of a micro-batch's FLOPs and bytes."""
+    per_micro_seconds: float = 0.0
+    """Each micro-batch's fixed cost."""
+    per_step_seconds: float = 0.0
+    """Each step's fixed cost (the optimizer step among it)."""
+    measured: bool = False
+    """Whether the terms were measured on the model (False: the count alone)."""
+    note: str = ""
+    """Why the terms were not measured, where they were not."""
+
+    def seconds(self, counted: float, accumulation: int) -> float:
+        """A step of ``accumulation`` micro-batches of ``counted`` seconds each.
+
+        Example::
+
+            StepTimeModel(2.0, 0.01, 0.05).seconds(0.1, 2)   # 2 x (0.01 + 0.2) + 0.05
+        """
+        return (
+            accumulation * (self.per_micro_seconds + self.scale * counted) + self.per_step_seconds
+        )
+
+
+@dataclass(frozen=True)
+class TimedPoints:
+    """Counted and measured seconds of the three calibration steps (module docstring)."""
+
+    c1: float
+    """Counted seconds of one micro-batch of ``m1``."""
+    c2: float | None
+    """Counted seconds of one micro-batch of ``m2`` (None: no usable ``m2``)."""
+    t1: float
+    """Measured: ``m1`` as one micro-batch."""
+    t2: float | None
+    """Measured: ``m2`` as one micro-batch."""
+    t3: float
+    """Measured: ``2 x m1`` as two micro-batches."""
+
+
+def fit_step_time(p: TimedPoints) -> StepTimeModel:
+    """The three terms from the three points, each at zero or above.
+
+    Example::
+
+        fit_step_time(TimedPoints(c1=1e-3, c2=4e-3, t1=0.020, t2=0.029, t3=0.031)).scale   # 3.0
+    """
+    scale = 1.0
+    if p.c2 is not None and p.t2 is not None and p.c2 > p.c1:
+        slope = (p.t2 - p.t1) / (p.c2 - p.c1)
+        if slope > 0:
+            scale = slope
+    per_micro = max(0.0, p.t3 - p.t1 - scale * p.c1)
+    per_step = max(0.0, p.t1 - per_micro - scale * p.c1)
+    return StepTimeModel(scale, per_micro, per_step, measured=True)
+
+
+def calibrate(
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
+    *,
+    precision: str,
+    counted: Callable[[int], float | None],
+    m1: int,
+    m2: int | None,
+    device: torch.device,
+) -> StepTimeModel:
+    """Time the model on the three points and fit the terms; a model that fails here (out
+    of memory, an error on real data) gives the count alone, with the reason in ``note``
+    (the trials then report the error themselves).
+
+    ``counted(m)``: the counted seconds of one micro-batch of ``m`` in ``precision``
+    without checkpointing (None where the search has none).
+
+    Example::
+
+        calibrate(model_fn, batch_fn, loss_fn, None, precision="fp32",
+                  counted=lambda m: per_micro[m], m1=1, m2=8, device=torch.device("cpu"))
+    """
+    c1 = counted(m1)
+    c2 = counted(m2) if m2 is not None else None
+    if not c1:
+        return StepTimeModel(note=f"no counted time of micro-batch {m1} in {precision}")
+    try:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+
+            def timed(n: int, accumulation: int) -> float:
+                torch.manual_seed(0)  # a fresh model each point: a mode may recast its weights
+                model = model_fn().to(device)
+                optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
+                engine = Engine(
+                    model,
+                    optimizer,
+                    precision=precision,
+                    accumulation_steps=accumulation,
+                    monitor=False,
+                    log_every=10**9,
+                )
+                try:
+                    batch = batch_fn(n)
+                    seconds = []
+                    for _ in range(TIMED_STEPS + 1):
+                        start = time.perf_counter()
+                        engine.train_step(batch, loss_fn)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        seconds.append(time.perf_counter() - start)
+                    return min(seconds[1:])  # the least disturbed of the steps
+                finally:
+                    engine.close()
+
+            t1 = timed(m1, 1)
+            t2 = timed(m2, 1) if m2 is not None and c2 else None
+            t3 = timed(2 * m1, 2)
+    except (MemfitError, RuntimeError, ValueError, TypeError) as exc:
+        return StepTimeModel(note=f"timing the model failed: {type(exc).__name__}: {exc}"[:200])
+    return fit_step_time(TimedPoints(c1, c2, t1, t2, t3))
