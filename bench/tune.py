@@ -1,160 +1,380 @@
-"""The tuner against the two ways people fit a step into memory, measured side by side.
+"""``memfit.tune`` refereed against the usual fixes, over several models and budgets.
 
-On the built-in GPT, the budget is half the peak of the plain configuration (fp32, no
-checkpointing, the whole global batch as one micro-batch; measured by the allocator). Then,
-each in fp32 and in bf16-mixed:
+For each model (the built-in GPT, ResNet and LSTM, and a Hugging Face BERT masked LM built
+from the zoo's config), the budget is a fraction of the plain step's peak (fp32, no
+checkpointing, the whole global batch as one micro-batch, AdamW; the allocator's peak of a
+step after a warm-up). For each budget the bench runs ``memfit.tune`` (which measures its
+own trials and peers), then builds its own settings, independently of the tuner's trials,
+in each precision of ``--precisions``:
 
-(a) halve the micro-batch and double the accumulation until the measured peak fits
-    (what ``find_executable_batch_size`` does, but keeping the global batch);
-(b) checkpoint every block (``checkpoint="full"``), the whole batch as one micro-batch;
+(a) ``halving``: the micro-batch halved and the accumulation doubled until the measured
+    peak fits (no checkpointing; the global batch kept);
+(b) ``per-block``: every block checkpointed (``checkpoint="full"``), the whole batch as one
+    micro-batch (whether it fits is recorded);
 
-and ``memfit.tune`` with that budget and global batch. Every configuration's peak is the
-allocator's (a step after a warm-up); its step time is the median and the fastest over interleaved rounds
-(each round times every configuration once, so a slower moment of a shared machine hits
-all of them alike; the fastest is what a quiet moment gives). Ratios are tuned time over
-each peer's.
+and the tuned choice (``res.engine_kwargs()``). Each is timed in ``--rounds`` interleaved
+rounds, the order rotated each round (a slow moment of a shared machine hits all alike);
+the median is reported, with the tuned median over each peer's and over the fastest peer
+that fits (the goal: at most 1.03; where the tuned choice is that peer's very setting, the
+ratio says how far apart two engines of one setting time: the bench's noise). A budget the
+tuner refuses (``BudgetError``) is printed with its message and skipped. Also printed: the
+tuning time, the tuner's timed rounds, its verdict, and its Spearman rank correlation of
+predicted and measured step times.
 
-Run: ``python bench/tune.py [--n-layer 4 --n-embd 256 --block-size 128 --batch-size 16]``;
-the numbers are in docs/tune.md.
+Run (CPU: bf16 is emulated, hence slow, so the models are tiny)::
+
+    python bench/tune.py [--models gpt,resnet,lstm,bert] [--budgets 0.3,0.5,0.7]
+                         [--precisions fp32,bf16-mixed] [--rounds 7] [--json out.json]
+
+On a small machine shared with other work, pin it to cores that are free (``taskset -c 1
+python bench/tune.py``; torch then starts as many threads as it is given cores): intra-op
+threads that outnumber the free cores wait on one another, and steps take 10-80x longer.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from zoo_models import VOCAB, ZOO, _masked, hf_loss  # bench/zoo_models.py
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.errors import BudgetError
+from memfit.models import build_model
 from memfit.units import format_bytes
 
 from gpt_setup import add_gpt_arguments, build_gpt
 
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+#: The ratio of the tuned median to the fastest fitting peer's that counts as a success.
+GOAL = 1.03
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model to tune: ``model_fn()`` builds it (the caller seeds), ``batch_fn(n)`` gives
+    the same ``n`` samples every call."""
+
+    name: str
+    about: str
+    model_fn: Callable[[], nn.Module]
+    batch_fn: Callable[[int], Any]
+    loss_fn: LossFn
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Callable[[], Workload]]:
+    """The models by name, each built only when selected."""
+
+    def gpt() -> Workload:
+        _, loss_fn, batch_fn = build_gpt(args)
+        about = f"GPT {args.n_layer}x{args.n_embd}, block {args.block_size}"
+        return Workload(
+            "gpt", about, lambda: build_gpt(args)[0], lambda n: batch_fn(n, generator=0), loss_fn
+        )
+
+    def builtin(name: str, about: str, **sizes: Any) -> Workload:
+        _, loss_fn, batch_fn = build_model(name, data="synthetic", **sizes)
+        return Workload(
+            name,
+            about,
+            lambda: build_model(name, data="synthetic", **sizes).model,
+            lambda n: batch_fn(n, generator=0),
+            loss_fn,
+        )
+
+    def bert() -> Workload:
+        spec, seq = ZOO["bert"], 64
+        cfg = spec.config()  # type: ignore[misc]
+        about = f"HF BertForMaskedLM {cfg.num_hidden_layers}x{cfg.hidden_size}, seq {seq}"
+        return Workload(
+            "bert",
+            about,
+            spec.build,
+            lambda n: _masked(n, seq, VOCAB)(torch.Generator().manual_seed(0)),
+            hf_loss,
+        )
+
+    return {
+        "gpt": gpt,
+        "resnet": lambda: builtin(
+            "resnet",
+            "ResNet (8,16,32)x1, 32x32 images",
+            widths=(8, 16, 32),
+            blocks_per_stage=(1, 1, 1),
+            image_size=32,
+        ),
+        "lstm": lambda: builtin(
+            "lstm", "LSTM 2x128, seq 64", n_embd=64, hidden_size=128, n_layer=2, seq_len=64
+        ),
+        "bert": bert,
+    }
+
 
 @dataclass
-class Config:
+class Built:
+    """One setting trained by the bench: its engine, the global batch, the measured peak."""
+
+    engine: memfit.Engine
+    batch: Any
+    peak: int
+
+
+@dataclass
+class Entry:
+    """One setting of one (model, budget) case, with its timed steps."""
+
     name: str
-    kwargs: dict[str, Any]
-    engine: Any = None
-    batch: Any = None
-    peak: int = 0
-    times: list[float] | None = None
+    kind: str  # "tuned", "halving" or "per-block"
+    setting: tuple[Any, ...]  # Bench.key of its Engine arguments
+    built: Built
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def fastest(self) -> float:
+        return min(self.times)
 
 
-def build(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
-    model, loss_fn, batch_fn = build_gpt(args)
-    optimizer = torch.optim.AdamW(model.parameters())
-    engine = memfit.Engine(model, optimizer, monitor=False, log_every=10**9, **kwargs)
-    return engine, loss_fn, batch_fn(args.batch_size, generator=0)
+class Bench:
+    """Builds and caches one workload's settings: a setting that does not depend on the
+    budget is built once and timed again in every case."""
 
+    def __init__(self, w: Workload, global_batch: int) -> None:
+        self.w, self.global_batch = w, global_batch
+        self.cache: dict[tuple[Any, ...], Built] = {}
 
-def measured_peak(engine: Any, batch: Any, loss_fn: Any) -> int:
-    engine.train_step(batch, loss_fn)  # warm-up: planning, the optimizer's state
-    live = [
-        *engine.model.parameters(),
-        *engine.model.buffers(),
-        *optimizer_tensors(engine.optimizer),
-        batch,
-    ]
-    return allocator_peak(lambda: engine.train_step(batch, loss_fn), live).peak_bytes
+    @staticmethod
+    def key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The setting, defaults filled in: the same setting spelled two ways is one."""
+        full = {"checkpoint": "none", "accumulation_steps": 1, **kwargs}
+        return tuple(sorted((k, v) for k, v in full.items() if v is not None))
 
+    def build(self, kwargs: dict[str, Any], cached: bool = True) -> Built:
+        """The setting's engine after a measured step; ``cached=False``: a fresh one."""
+        key = self.key(kwargs)
+        if key in self.cache and cached:
+            return self.cache[key]
+        torch.manual_seed(0)
+        model = self.w.model_fn()
+        optimizer = torch.optim.AdamW(model.parameters())
+        engine = memfit.Engine(model, optimizer, monitor=False, log_every=10**9, **kwargs)
+        batch = self.w.batch_fn(self.global_batch)
+        built = Built(engine, batch, self.measured_peak(engine, batch))
+        if cached:
+            self.cache[key] = built
+        return built
 
-def halving(args: argparse.Namespace, precision: str, budget: int, loss_fn: Any) -> Config:
-    """Peer (a): micro-batch halved, accumulation doubled, until the measured peak fits."""
-    accumulation = 1
-    while True:
-        kwargs = {"precision": precision, "accumulation_steps": accumulation}
-        engine, _, batch = build(args, kwargs)
-        peak = measured_peak(engine, batch, loss_fn)
-        micro = args.batch_size // accumulation
-        if peak <= budget or micro == 1:
-            name = f"(a) halve: {precision}, micro {micro} x {accumulation}"
-            return Config(name, kwargs, engine, batch, peak)
-        accumulation *= 2
+    def measured_peak(self, engine: memfit.Engine, batch: Any) -> int:
+        engine.train_step(batch, self.w.loss_fn)  # warm-up: planning, the optimizer's state
+        live = [
+            *engine.model.parameters(),
+            *engine.model.buffers(),
+            *optimizer_tensors(engine.optimizer),
+            batch,
+        ]
+        step = lambda: engine.train_step(batch, self.w.loss_fn)  # noqa: E731
+        return allocator_peak(step, live).peak_bytes
 
+    def halving(self, precision: str, budget: int) -> Entry:
+        """Peer (a): the micro-batch halved until the measured peak fits (or is 1)."""
+        micro = self.global_batch
+        while True:
+            kwargs = {"precision": precision, "accumulation_steps": self.global_batch // micro}
+            built = self.build(kwargs)
+            smaller = [d for d in range(1, micro // 2 + 1) if self.global_batch % d == 0]
+            if built.peak <= budget or not smaller:
+                name = f"halving {precision} {micro}x{self.global_batch // micro}"
+                return Entry(name, "halving", self.key(kwargs), built)
+            micro = max(smaller)
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_gpt_arguments(parser, n_layer=4, n_embd=256, n_head=4, block_size=128, batch_size=16)
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
-    parser.add_argument("--measure-top", type=int, default=3)
-    args = parser.parse_args()
-
-    plain, loss_fn, batch = build(args, {"precision": "fp32"})
-    plain_peak = measured_peak(plain, batch, loss_fn)
-    budget = plain_peak // 2
-    del plain
-    print(
-        f"GPT {args.n_layer}x{args.n_embd}, block {args.block_size}, global batch "
-        f"{args.batch_size}; plain fp32 peak {format_bytes(plain_peak)}, budget "
-        f"{format_bytes(budget)}; torch threads {torch.get_num_threads()}"
-    )
-
-    started = time.perf_counter()
-    _, _, batch_fn = build_gpt(args)
-    res = memfit.tune(
-        lambda: build_gpt(args)[0],
-        lambda n: batch_fn(n, generator=0),
-        loss_fn,
-        budget=budget,
-        global_batch=args.batch_size,
-        measure_top=args.measure_top,
-    )
-    tune_seconds = time.perf_counter() - started
-    print(res.summary(max_rows=10))
-    print(f"tuning took {tune_seconds:.1f} s")
-
-    configs: list[Config] = []
-    tuned_engine, _, tuned_batch = build(args, res.engine_kwargs())
-    b = res.best
-    configs.append(
-        Config(
-            f"tuned: {b.precision}, {b.checkpoint}, micro {b.micro_batch} x {b.accumulation_steps}",
-            res.engine_kwargs(),
-            tuned_engine,
-            tuned_batch,
-            measured_peak(tuned_engine, tuned_batch, loss_fn),
-        )
-    )
-    for precision in ("fp32", "bf16-mixed"):
-        configs.append(halving(args, precision, budget, loss_fn))
+    def per_block(self, precision: str) -> Entry:
+        """Peer (b): every block checkpointed, the whole batch as one micro-batch."""
         kwargs = {"precision": precision, "checkpoint": "full"}
-        engine, _, batch = build(args, kwargs)
-        peak = measured_peak(engine, batch, loss_fn)
-        configs.append(
-            Config(
-                f"(b) full: {precision}, micro {args.batch_size} x 1", kwargs, engine, batch, peak
-            )
-        )
+        name = f"per-block {precision} {self.global_batch}x1"
+        return Entry(name, "per-block", self.key(kwargs), self.build(kwargs))
 
-    for c in configs:
-        c.times = []
-    for r in range(args.rounds):  # the order rotated each round, as the tuner times trials
-        for c in configs[r % len(configs) :] + configs[: r % len(configs)]:
+
+def time_rounds(entries: list[Entry], rounds: int, loss_fn: LossFn) -> None:
+    """One step of every entry per round, the order rotated by one each round."""
+    for r in range(rounds):
+        for e in entries[r % len(entries) :] + entries[: r % len(entries)]:
             start = time.perf_counter()
-            c.engine.train_step(c.batch, loss_fn)
-            c.times.append(time.perf_counter() - start)
+            e.built.engine.train_step(e.built.batch, loss_fn)
+            e.times.append(time.perf_counter() - start)
 
-    tuned_median = statistics.median(configs[0].times)
-    tuned_fastest = min(configs[0].times)
-    print()
+
+def choice_name(res: Any) -> str:
+    b = res.best
+    return f"{b.precision} {b.checkpoint} {b.micro_batch}x{b.accumulation_steps}"
+
+
+def run_case(
+    bench: Bench, fraction: float, plain_peak: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Tune one budget, then time the tuned choice beside the peers; the case's JSON row."""
+    w, budget = bench.w, int(fraction * plain_peak)
+    row: dict[str, Any] = {"model": w.name, "fraction": fraction, "budget_bytes": budget}
+    print(f"\n### {w.name} at {fraction:g} of the plain peak: {format_bytes(budget)}")
+    started = time.perf_counter()
+    try:
+        res = memfit.tune(
+            w.model_fn,
+            w.batch_fn,
+            w.loss_fn,
+            budget=budget,
+            global_batch=bench.global_batch,
+            precisions=args.precisions,
+        )
+    except BudgetError as exc:
+        print(f"the tuner refused the budget: {exc}")
+        return {**row, "refused": str(exc), "tuning_seconds": time.perf_counter() - started}
+    wall = time.perf_counter() - started
+    print(res.summary(max_rows=12))
+    spearman = res.rank_correlation
     print(
-        "| configuration | peak (allocator) | fits | step, median | step, fastest "
+        f"tuning: {res.tuning_seconds:.1f} s (wall {wall:.1f} s), {res.rounds} rounds; "
+        f"verdict: {res.verdict}; Spearman " + ("-" if spearman is None else f"{spearman:.2f}")
+    )
+
+    # The tuned choice gets an engine of its own even where it is one of the peers.
+    tuned_built = bench.build(res.engine_kwargs(), cached=False)
+    setting = bench.key(res.engine_kwargs())
+    entries = [Entry(f"tuned {choice_name(res)}", "tuned", setting, tuned_built)]
+    for precision in args.precisions:
+        entries += [bench.halving(precision, budget), bench.per_block(precision)]
+    time_rounds(entries, args.rounds, w.loss_fn)
+
+    tuned, peers = entries[0], entries[1:]
+    fitting = [e for e in peers if e.built.peak <= budget]
+    fastest = min(fitting, key=lambda e: e.median) if fitting else None
+    print(
+        "\n| setting | peak (allocator) | fits | step, median | step, fastest "
         "| tuned / this, median | tuned / this, fastest |"
     )
     print("|---|---|---|---|---|---|---|")
-    for c in configs:
-        median, fastest = statistics.median(c.times), min(c.times)
-        fits = "yes" if c.peak <= budget else "**no**"
+    for e in entries:
+        fits = "yes" if e.built.peak <= budget else "**no**"
         print(
-            f"| {c.name} | {format_bytes(c.peak)} | {fits} | {median * 1e3:,.0f} ms | "
-            f"{fastest * 1e3:,.0f} ms | {tuned_median / median:.2f} | "
-            f"{tuned_fastest / fastest:.2f} |"
+            f"| {e.name} | {format_bytes(e.built.peak)} | {fits} | {e.median * 1e3:,.1f} ms "
+            f"| {e.fastest * 1e3:,.1f} ms | {tuned.median / e.median:.3f} "
+            f"| {tuned.fastest / e.fastest:.3f} |"
         )
+    ratio = tuned.median / fastest.median if fastest else None
+    # The tuned choice can be the peer's very setting: then the ratio is the bench's noise.
+    same = fastest is not None and fastest.setting == tuned.setting
+    if fastest is not None and ratio is not None:
+        mark = "goal met" if ratio <= GOAL else f"**over the goal {GOAL}**"
+        note = "; the same setting: the ratio is noise" if same else ""
+        print(f"tuned / fastest fitting peer ({fastest.name}): {ratio:.3f} ({mark}{note})")
+    return {
+        **row,
+        "tuned": choice_name(res),
+        "tuned_kwargs": res.engine_kwargs(),
+        "tuned_peak_bytes": tuned.built.peak,
+        "tuned_median_seconds": tuned.median,
+        "tuned_fastest_seconds": tuned.fastest,
+        "tuner_measured_seconds": res.best.measured_step_seconds,
+        "peers": {
+            e.name: {
+                "kind": e.kind,
+                "peak_bytes": e.built.peak,
+                "median_seconds": e.median,
+                "fastest_seconds": e.fastest,
+            }
+            for e in peers
+        },
+        "fastest_peer": fastest.name if fastest else None,
+        "fastest_peer_median_seconds": fastest.median if fastest else None,
+        "ratio": ratio,
+        "same_setting": same,
+        "tuning_seconds": res.tuning_seconds,
+        "tuner_rounds": res.rounds,
+        "verdict": res.verdict,
+        "spearman": spearman,
+        "step_time": res.to_dict()["step_time"],
+        "tuner_rows": [r.to_dict() for r in res.rows if r.measured],
+    }
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | budget | tuned choice | tuned median | fastest fitting peer | ratio "
+        "| tuning s | Spearman |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        budget = f"{r['fraction']:g} ({format_bytes(r['budget_bytes'])})"
+        if "refused" in r:
+            lines.append(f"| {r['model']} | {budget} | refused | - | - | - | - | - |")
+            continue
+        peer = (
+            f"{r['fastest_peer']}, {r['fastest_peer_median_seconds'] * 1e3:,.1f} ms"
+            if r["fastest_peer"]
+            else "none fits"
+        )
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        ratio += " (same setting)" if r["same_setting"] else ""
+        rho = "-" if r["spearman"] is None else f"{r['spearman']:.2f}"
+        lines.append(
+            f"| {r['model']} | {budget} | {r['tuned']} | {r['tuned_median_seconds'] * 1e3:,.1f} ms"
+            f" | {peer} | {ratio} | {r['tuning_seconds']:.1f} | {rho} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="gpt,resnet,lstm,bert")
+    parser.add_argument("--budgets", default="0.3,0.5,0.7", help="fractions of the plain peak")
+    parser.add_argument("--precisions", default="fp32,bf16-mixed")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--json", default=None, help="write the rows to this path")
+    add_gpt_arguments(parser, n_layer=4, n_embd=128, n_head=4, block_size=64, batch_size=16)
+    args = parser.parse_args()
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    fractions = [float(f) for f in args.budgets.split(",") if f.strip()]
+    makers = workloads(args)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(makers)}")
+
+    began = time.perf_counter()
+    print(
+        f"global batch {args.batch_size}; precisions {', '.join(args.precisions)}; "
+        f"{args.rounds} rounds; torch threads {torch.get_num_threads()}"
+    )
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        w = makers[name]()
+        bench = Bench(w, args.batch_size)
+        plain_peak = bench.build({"precision": "fp32"}).peak
+        print(f"\n## {w.about}: plain fp32 peak {format_bytes(plain_peak)}")
+        for fraction in fractions:
+            row = run_case(bench, fraction, plain_peak, args)
+            rows.append({**row, "about": w.about, "plain_peak_bytes": plain_peak})
+        del bench
+        gc.collect()
+
+    print(f"\n## Summary ({time.perf_counter() - began:.0f} s in all)\n")
+    print(summary_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -430,6 +430,7 @@ def _measure(
                     started[id(row)] = trial
                     if not hold:
                         time_in_rounds([trial], steps)
+                        out.rounds = steps  # each trial its own rounds, one after another
                         finish(trial)
             if trial is not None and trial.error is None:
                 slot.trial = trial
