@@ -17,8 +17,10 @@ where ``c1``, ``c2`` are the counted seconds of one micro-batch. Three equations
 the three terms (:func:`fit_step_time`); each is kept at zero or above, and without a
 usable ``m2`` the scale stays 1. A predicted step is then
 ``accumulation x (per_micro + scale x counted) + per_step``
-(:meth:`StepTimeModel.seconds`). Each point is the fastest of :data:`TIMED_STEPS` steps
-after a warm-up step: the least disturbed by the rest of a shared machine.
+(:meth:`StepTimeModel.seconds`). The three points are timed like the trials
+(:func:`memfit.tuning.trials.calibrate`): after a warm-up step each, 7 interleaved
+rounds (on CUDA one point after another), and each point's fastest step counts: the
+least disturbed by the rest of a shared machine.
 
 Example::
 
@@ -28,19 +30,7 @@ Example::
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
-
-from memfit.engine import Engine
-from memfit.errors import MemfitError
-
-#: Timed steps per point, after one warm-up step.
-TIMED_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -102,67 +92,3 @@ def fit_step_time(p: TimedPoints) -> StepTimeModel:
     per_micro = max(0.0, p.t3 - p.t1 - scale * p.c1)
     per_step = max(0.0, p.t1 - per_micro - scale * p.c1)
     return StepTimeModel(scale, per_micro, per_step, measured=True)
-
-
-def calibrate(
-    model_fn: Callable[[], nn.Module],
-    batch_fn: Callable[[int], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
-    *,
-    precision: str,
-    counted: Callable[[int], float | None],
-    m1: int,
-    m2: int | None,
-    device: torch.device,
-) -> StepTimeModel:
-    """Time the model on the three points and fit the terms; a model that fails here (out
-    of memory, an error on real data) gives the count alone, with the reason in ``note``
-    (the trials then report the error themselves).
-
-    ``counted(m)``: the counted seconds of one micro-batch of ``m`` in ``precision``
-    without checkpointing (None where the search has none).
-
-    Example::
-
-        calibrate(model_fn, batch_fn, loss_fn, None, precision="fp32",
-                  counted=lambda m: per_micro[m], m1=1, m2=8, device=torch.device("cpu"))
-    """
-    c1 = counted(m1)
-    c2 = counted(m2) if m2 is not None else None
-    if not c1:
-        return StepTimeModel(note=f"no counted time of micro-batch {m1} in {precision}")
-    try:
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-
-            def timed(n: int, accumulation: int) -> float:
-                torch.manual_seed(0)  # a fresh model each point: a mode may recast its weights
-                model = model_fn().to(device)
-                optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
-                engine = Engine(
-                    model,
-                    optimizer,
-                    precision=precision,
-                    accumulation_steps=accumulation,
-                    monitor=False,
-                    log_every=10**9,
-                )
-                try:
-                    batch = batch_fn(n)
-                    seconds = []
-                    for _ in range(TIMED_STEPS + 1):
-                        start = time.perf_counter()
-                        engine.train_step(batch, loss_fn)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        seconds.append(time.perf_counter() - start)
-                    return min(seconds[1:])  # the least disturbed of the steps
-                finally:
-                    engine.close()
-
-            t1 = timed(m1, 1)
-            t2 = timed(m2, 1) if m2 is not None and c2 else None
-            t3 = timed(2 * m1, 2)
-    except (MemfitError, RuntimeError, ValueError, TypeError) as exc:
-        return StepTimeModel(note=f"timing the model failed: {type(exc).__name__}: {exc}"[:200])
-    return fit_step_time(TimedPoints(c1, c2, t1, t2, t3))

@@ -13,6 +13,10 @@ device the trials are measured one after another instead: a trial's peak is read
 the device's own allocator, so no other trial's tensors may be there, and a dedicated GPU
 times its steps steadily.
 
+:func:`calibrate` times the model the same way on three small settings before the
+search ranks its candidates: the measured terms of the step-time model
+(:mod:`memfit.tuning.calibrate`).
+
 When it is closed, a trial reads the gradients of one more micro-batch for the
 loss-scale advice. A trial that runs out of memory or raises is caught by the tuner and
 recorded; the caller's random state is left as it was.
@@ -38,6 +42,8 @@ from torch import nn
 
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.engine import Engine, split_batch
+from memfit.errors import MemfitError
+from memfit.tuning.calibrate import StepTimeModel, TimedPoints, fit_step_time
 from memfit.tuning.result import TuneRow
 
 
@@ -223,3 +229,113 @@ def _collect(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+#: Timed steps per calibration point, after one warm-up step.
+TIMED_STEPS = 7
+
+
+def calibrate(
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
+    *,
+    precision: str,
+    counted: Callable[[int], float | None],
+    m1: int,
+    m2: int | None,
+    device: torch.device,
+) -> StepTimeModel:
+    """Time the model on the three points and fit the terms; a model that fails here (out
+    of memory, an error on real data) gives the count alone, with the reason in ``note``
+    (the trials then report the error themselves).
+
+    ``counted(m)``: the counted seconds of one micro-batch of ``m`` in ``precision``
+    without checkpointing (None where the search has none).
+
+    Example::
+
+        calibrate(model_fn, batch_fn, loss_fn, None, precision="fp32",
+                  counted=lambda m: per_micro[m], m1=1, m2=8, device=torch.device("cpu"))
+    """
+    c1 = counted(m1)
+    c2 = counted(m2) if m2 is not None else None
+    if not c1:
+        return StepTimeModel(note=f"no counted time of micro-batch {m1} in {precision}")
+    sizes = [(m1, 1), (2 * m1, 2)] + ([(m2, 1)] if m2 is not None and c2 else [])
+    points: list[_Point] = []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices(device), device_type="cuda"):
+            for n, accumulation in sizes:
+                point = _Point.start(
+                    model_fn, batch_fn, loss_fn, optimizer_fn, precision, n, accumulation, device
+                )
+                points.append(point)
+                if not holds_trials(device):  # CUDA: one at a time, as the trials are
+                    time_in_rounds([point], TIMED_STEPS)
+                    point.engine.close()
+            if holds_trials(device):
+                time_in_rounds(points, TIMED_STEPS)
+    except (MemfitError, RuntimeError, ValueError, TypeError) as exc:
+        return StepTimeModel(note=f"timing the model failed: {type(exc).__name__}: {exc}"[:200])
+    finally:
+        for point in points:
+            point.engine.close()
+    failed = next((p.error for p in points if p.error), None)
+    if failed:
+        return StepTimeModel(note=f"timing the model failed: {failed}")
+    # The fastest of each point's steps: the least disturbed by the rest of the machine.
+    t1, t3, *rest = (min(p.seconds) for p in points)
+    return fit_step_time(TimedPoints(c1, c2, t1, rest[0] if rest else None, t3))
+
+
+@dataclass
+class _Point:
+    """One calibration step's Engine after a warm-up step, timed like a trial."""
+
+    engine: Engine
+    batch: Any
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    device: torch.device
+    seconds: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def start(
+        cls,
+        model_fn: Callable[[], nn.Module],
+        batch_fn: Callable[[int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
+        precision: str,
+        n: int,
+        accumulation: int,
+        device: torch.device,
+    ) -> _Point:
+        torch.manual_seed(0)  # a fresh model each point: a mode may recast its weights
+        model = model_fn().to(device)
+        optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
+        engine = Engine(
+            model,
+            optimizer,
+            precision=precision,
+            accumulation_steps=accumulation,
+            monitor=False,
+            log_every=10**9,
+        )
+        point = cls(engine, batch_fn(n), loss_fn, device)
+        try:
+            engine.train_step(point.batch, loss_fn)  # warm-up: the optimizer's state
+        except BaseException:
+            engine.close()
+            raise
+        return point
+
+    def time_step(self) -> float:
+        start = time.perf_counter()
+        self.engine.train_step(self.batch, self.loss_fn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds.append(time.perf_counter() - start)
+        return self.seconds[-1]

@@ -53,13 +53,14 @@ from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
-from memfit.tuning.calibrate import StepTimeModel, calibrate
+from memfit.tuning.calibrate import StepTimeModel
 from memfit.tuning.decide import Timed, decide
 from memfit.tuning.hints import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import (
     GradStats,
     Trial,
+    calibrate,
     cuda_devices,
     first_line,
     holds_trials,
