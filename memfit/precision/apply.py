@@ -38,6 +38,17 @@ _ORIGINAL = "_memfit_island_forward"
 _INPUT_CAST = "_memfit_input_cast"
 
 
+def is_island(module: nn.Module) -> bool:
+    """Whether :func:`apply_precision` made ``module`` an fp32 island (its forward runs in
+    fp32 without autocast).
+
+    Example::
+
+        is_island(model.rnn)   # True for an LSTM under bf16 on a CPU without its kernel
+    """
+    return _ORIGINAL in module.__dict__
+
+
 def _to_fp32(value: Any) -> Any:
     return map_tensors(value, lambda t: t.float() if t.is_floating_point() else t)
 

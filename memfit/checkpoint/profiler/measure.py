@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RAT
 from memfit.checkpoint.profiler.recorder import Recorder, Stats
 from memfit.checkpoint.profiler.result import Profile
 from memfit.checkpoint.profiler.retained import RetainedTracker
+from memfit.checkpoint.profiler.rnn import lstm_workspaces
 from memfit.checkpoint.profiler.runner import (
     collector_paused,
     default_loss,
@@ -134,7 +136,10 @@ def profile(
             }
             if measured:  # fake tensors hold no memory to be retained
                 rec.retained = RetainedTracker(rec.resident)
-            with collector_paused(not measured):
+            # On fake tensors an LSTM's CPU kernel saves nothing it really keeps: put its
+            # measured workspace back (a real step saves it itself).
+            workspaces = lstm_workspaces(model, device.type) if not measured else nullcontext()
+            with collector_paused(not measured), workspaces:
                 output, bwd_seconds = run_step(
                     model, inputs, loss_fn, policy, device.type, rec, tree
                 )
