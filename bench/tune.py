@@ -12,11 +12,11 @@ in each precision of ``--precisions``:
 (b) ``per-block``: every block checkpointed (``checkpoint="full"``), the whole batch as one
     micro-batch (whether it fits is recorded);
 
-and the tuned choice (``res.engine_kwargs()``). Each is timed in ``--rounds`` interleaved
-rounds, the order rotated each round (a slow moment of a shared machine hits all alike);
-the median is reported, with the tuned median over each peer's and over the fastest peer
-that fits (the goal: at most 1.03; where the tuned choice is that peer's very setting, the
-ratio says how far apart two engines of one setting time: the bench's noise). A budget the
+and the tuned choice (``res.engine_kwargs()``; where it is a peer's very setting, that
+peer's engine stands for it, so the ratio to that peer is 1). Each is timed in
+``--rounds`` interleaved rounds, the order rotated each round (a slow moment of a shared
+machine hits all alike); the median is reported, with the tuned median over each peer's
+and over the fastest peer that fits (the goal: at most 1.03). A budget the
 tuner refuses (``BudgetError``) is printed with its message and skipped. Also printed: the
 tuning time, the tuner's timed rounds, its verdict, and its Spearman rank correlation of
 predicted and measured step times.
@@ -248,15 +248,21 @@ def run_case(
         f"verdict: {res.verdict}; Spearman " + ("-" if spearman is None else f"{spearman:.2f}")
     )
 
-    # The tuned choice gets an engine of its own even where it is one of the peers.
-    tuned_built = bench.build(res.engine_kwargs(), cached=False)
-    setting = bench.key(res.engine_kwargs())
-    entries = [Entry(f"tuned {choice_name(res)}", "tuned", setting, tuned_built)]
+    peers: list[Entry] = []
     for precision in args.precisions:
-        entries += [bench.halving(precision, budget), bench.per_block(precision)]
+        peers += [bench.halving(precision, budget), bench.per_block(precision)]
+    # Where the tuned choice is a peer's very setting, that peer's engine stands for it
+    # (two engines of one setting differ only by this machine's noise); otherwise it gets
+    # an engine of its own.
+    setting = bench.key(res.engine_kwargs())
+    tuned = next((e for e in peers if e.setting == setting), None)
+    entries = list(peers)
+    if tuned is None:
+        built = bench.build(res.engine_kwargs(), cached=False)
+        tuned = Entry(f"tuned {choice_name(res)}", "tuned", setting, built)
+        entries.insert(0, tuned)
     time_rounds(entries, args.rounds, w.loss_fn)
 
-    tuned, peers = entries[0], entries[1:]
     fitting = [e for e in peers if e.built.peak <= budget]
     fastest = min(fitting, key=lambda e: e.median) if fitting else None
     print(
@@ -266,17 +272,17 @@ def run_case(
     print("|---|---|---|---|---|---|---|")
     for e in entries:
         fits = "yes" if e.built.peak <= budget else "**no**"
+        mark = " (the tuned choice)" if e is tuned and e.kind != "tuned" else ""
         print(
-            f"| {e.name} | {format_bytes(e.built.peak)} | {fits} | {e.median * 1e3:,.1f} ms "
+            f"| {e.name}{mark} | {format_bytes(e.built.peak)} | {fits} | {e.median * 1e3:,.1f} ms "
             f"| {e.fastest * 1e3:,.1f} ms | {tuned.median / e.median:.3f} "
             f"| {tuned.fastest / e.fastest:.3f} |"
         )
     ratio = tuned.median / fastest.median if fastest else None
-    # The tuned choice can be the peer's very setting: then the ratio is the bench's noise.
-    same = fastest is not None and fastest.setting == tuned.setting
+    same = fastest is tuned
     if fastest is not None and ratio is not None:
         mark = "goal met" if ratio <= GOAL else f"**over the goal {GOAL}**"
-        note = "; the same setting: the ratio is noise" if same else ""
+        note = "; the tuner chose that peer's setting" if same else ""
         print(f"tuned / fastest fitting peer ({fastest.name}): {ratio:.3f} ({mark}{note})")
     return {
         **row,
@@ -325,7 +331,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             else "none fits"
         )
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        ratio += " (same setting)" if r["same_setting"] else ""
+        ratio += " (its setting)" if r["same_setting"] else ""
         rho = "-" if r["spearman"] is None else f"{r['spearman']:.2f}"
         lines.append(
             f"| {r['model']} | {budget} | {r['tuned']} | {r['tuned_median_seconds'] * 1e3:,.1f} ms"

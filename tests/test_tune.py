@@ -393,6 +393,14 @@ def test_trials_are_timed_in_rotated_rounds_and_a_failing_one_drops_out() -> Non
     assert a.error is None and c.error is None
 
 
+def test_rounds_timed_one_at_a_time_still_rotate() -> None:
+    log: list[str] = []
+    trials = [_Timed("a", log), _Timed("b", log), _Timed("c", log)]
+    for r in range(3):
+        time_in_rounds(trials, 1, first_round=r)
+    assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
 @pytest.mark.parametrize("measure_top", [1, 2])
 def test_a_trial_whose_timed_step_raises_gives_way_and_the_rng_is_left_alone(
     measure_top: int, monkeypatch

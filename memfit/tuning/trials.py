@@ -187,17 +187,19 @@ class Trial:
         _collect(self.device)
 
 
-def time_in_rounds(trials: Sequence[Trial], rounds: int) -> None:
+def time_in_rounds(trials: Sequence[Trial], rounds: int, first_round: int = 0) -> None:
     """Time ``rounds`` steps of every trial, one step of each per round, the order rotated
     by one each round (so no trial always runs right after the same other one). A trial
-    whose step raises keeps the reason in ``error`` and is timed no more.
+    whose step raises keeps the reason in ``error`` and is timed no more. ``first_round``:
+    the rotation's start, for a caller timing one round at a time (the rounds so far).
 
     Example::
 
         time_in_rounds([a, b, c], rounds=5)   # a b c, b c a, c a b, a b c, b c a
+        time_in_rounds([a, b, c], rounds=1, first_round=1)   # b c a
         min(trials, key=lambda t: t.median_seconds)
     """
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for i in range(len(trials)):
             trial = trials[(i + r) % len(trials)]
             if trial.error is not None:

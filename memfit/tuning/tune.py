@@ -463,7 +463,7 @@ def _measure(
             live = [t for t in started.values() if t.error is None and not t.row.measured]
             if not live:
                 break
-            time_in_rounds(live, 1)
+            time_in_rounds(live, 1, first_round=out.rounds)  # rotated as the rounds go
             out.rounds += 1
             broken = [t for t in live if t.error is not None]
             for trial in broken:  # gives way to its slot's next setting
