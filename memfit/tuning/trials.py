@@ -266,7 +266,7 @@ def calibrate(
     if not c1:
         return StepTimeModel(note=f"no counted time of micro-batch {m1} in {precision}")
     sizes = [(m1, 1), (2 * m1, 2)] + ([(m2, 1)] if m2 is not None and c2 else [])
-    points: list[_Point] = []
+    points: list[_Point] = []  # in the order of sizes
     try:
         with torch.random.fork_rng(devices=cuda_devices(device), device_type="cuda"):
             for n, accumulation in sizes:
@@ -276,14 +276,14 @@ def calibrate(
                 points.append(point)
                 if not holds_trials(device):  # CUDA: one at a time, as the trials are
                     time_in_rounds([point], TIMED_STEPS)
-                    point.engine.close()
+                    point.release()
             if holds_trials(device):
                 time_in_rounds(points, TIMED_STEPS)
     except (MemfitError, RuntimeError, ValueError, TypeError) as exc:
         return StepTimeModel(note=f"timing the model failed: {type(exc).__name__}: {exc}"[:200])
     finally:
         for point in points:
-            point.engine.close()
+            point.release()
     failed = next((p.error for p in points if p.error), None)
     if failed:
         return StepTimeModel(note=f"timing the model failed: {failed}")
@@ -296,7 +296,8 @@ def calibrate(
 class _Point:
     """One calibration step's Engine after a warm-up step, timed like a trial."""
 
-    engine: Engine
+    engine: Engine | None
+    """None once released (its timed steps stay)."""
     batch: Any
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
     device: torch.device
@@ -335,9 +336,17 @@ class _Point:
         return point
 
     def time_step(self) -> float:
+        assert self.engine is not None, "a released calibration point is not timed"
         start = time.perf_counter()
         self.engine.train_step(self.batch, self.loss_fn)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds.append(time.perf_counter() - start)
         return self.seconds[-1]
+
+    def release(self) -> None:
+        """Close the Engine and give its memory back, keeping the timed steps."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = self.batch = None
+            _collect(self.device)
