@@ -119,22 +119,20 @@ class Trial:
         engine = None
         try:
             with torch.random.fork_rng(devices=cuda_devices(device), device_type="cuda"):
-                torch.manual_seed(seed)
-                model = model_fn().to(device)
-                optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
-                engine = Engine(
-                    model,
-                    optimizer,
+                engine = fresh_engine(
+                    model_fn,
+                    optimizer_fn,
+                    device,
+                    seed,
                     precision=row.precision,
                     checkpoint=checkpoint,
                     memory_budget=budget if checkpoint == "optimal" else None,
                     accumulation_steps=row.accumulation_steps,
-                    monitor=False,
-                    log_every=10**9,
                 )
                 batch = batch_fn(row.micro_batch * row.accumulation_steps)
                 engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state
                 _sync(device)
+                model, optimizer = engine.model, engine.optimizer
                 live = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer)]
                 peak = allocator_peak(
                     lambda: engine.train_step(batch, loss_fn), [*live, batch], device
@@ -185,6 +183,27 @@ class Trial:
         """Close the Engine and give its memory back, reading nothing more."""
         self.engine.close()
         _collect(self.device)
+
+
+def fresh_engine(
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
+    device: torch.device,
+    seed: int,
+    **settings: Any,
+) -> Engine:
+    """An Engine with ``settings`` on a model built by ``model_fn`` after seeding
+    ``seed`` (the same weights every time) and moved to ``device``, its optimizer
+    ``optimizer_fn`` (default AdamW); no monitor, no log lines.
+
+    Example::
+
+        engine = fresh_engine(model_fn, None, torch.device("cpu"), 0, precision="fp32")
+    """
+    torch.manual_seed(seed)
+    model = model_fn().to(device)
+    optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
+    return Engine(model, optimizer, monitor=False, log_every=10**9, **settings)
 
 
 def time_in_rounds(trials: Sequence[Trial], rounds: int, first_round: int = 0) -> None:
@@ -316,16 +335,9 @@ class _Point:
         accumulation: int,
         device: torch.device,
     ) -> _Point:
-        torch.manual_seed(0)  # a fresh model each point: a mode may recast its weights
-        model = model_fn().to(device)
-        optimizer = (optimizer_fn or torch.optim.AdamW)(model.parameters())
-        engine = Engine(
-            model,
-            optimizer,
-            precision=precision,
-            accumulation_steps=accumulation,
-            monitor=False,
-            log_every=10**9,
+        # A fresh model each point: a mode may recast its weights.
+        engine = fresh_engine(
+            model_fn, optimizer_fn, device, 0, precision=precision, accumulation_steps=accumulation
         )
         point = cls(engine, batch_fn(n), loss_fn, device)
         try:
