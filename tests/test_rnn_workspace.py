@@ -14,6 +14,9 @@ from memfit.checkpoint.profiler.measure import profile
 from memfit.checkpoint.profiler.rnn import lstm_workspaces, workspace_fit
 from memfit.engine import Engine
 from memfit.models import build_model
+from memfit.precision.apply import precision_applied
+from memfit.precision.kernels import assumed_kernels, kernel_device
+from memfit.precision.policy import PrecisionPolicy
 
 CFG = dict(n_embd=64, hidden_size=128, n_layer=2, seq_len=64)
 
@@ -103,3 +106,28 @@ def test_the_tuners_search_predicts_an_lstm_steps_peak() -> None:
     engine.close()
     # Before the workspace was put back: 8.55 MiB predicted, 24.58 MiB measured (-65%).
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_a_meta_lstm_is_the_island_the_cpu_will_train_and_keeps_its_workspace() -> None:
+    """A CPU without a bf16 LSTM kernel trains the LSTM as an fp32 island; a meta model
+    standing for that CPU is planned the same way, workspace included."""
+    meta = meta_clone(_Recurrent(nn.LSTM))
+    policy = PrecisionPolicy("bf16-mixed")
+    if torch.cuda.is_available():
+        pytest.skip("a meta model stands for the GPU here")
+    with assumed_kernels("cpu", torch.bfloat16, missing=("LSTM",)):
+        assert policy.is_island(meta.first) and kernel_device(meta) == torch.device("cpu")
+        with precision_applied(meta, policy):  # as the estimator profiles it
+            prof = profile(
+                meta,
+                torch.empty(16, 64, 32, device="meta"),
+                loss_fn=lambda out: out.float().pow(2).mean(),
+                precision=policy,
+                units=["first", "second"],
+                fake_device="cpu",
+            )
+    fit = workspace_fit(nn.LSTM(32, 64, batch_first=True))  # the fp32 kernel's workspace
+    assert fit is not None
+    assert prof["first"].total_saved_bytes() >= fit.bytes(16 * 64)
+    with assumed_kernels("cpu", torch.bfloat16):  # a CPU with the kernel: no island
+        assert not policy.is_island(meta.first)

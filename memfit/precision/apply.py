@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from memfit.nested import map_tensors, tensors
-from memfit.precision.kernels import module_device, warn_missing
+from memfit.precision.kernels import kernel_device, warn_missing
 from memfit.precision.policy import PrecisionPolicy
 
 _ORIGINAL = "_memfit_island_forward"
@@ -142,7 +142,7 @@ def note_kernel_islands(model: nn.Module, policy: PrecisionPolicy) -> tuple[str,
         engine.settings.kernel_islands = note_kernel_islands(model, policy)
     """
     names = tuple(kernel_islands(model, policy))
-    warn_missing(names, module_device(model), policy.compute_dtype, policy.mode)
+    warn_missing(names, kernel_device(model), policy.compute_dtype, policy.mode)
     return names
 
 

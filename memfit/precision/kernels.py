@@ -46,6 +46,7 @@ __all__ = [
     "assumed_kernels",
     "kernel_support",
     "missing_kernel_types",
+    "kernel_device",
     "module_device",
     "warn_missing",
 ]
@@ -176,6 +177,22 @@ def module_device(module: nn.Module) -> torch.device:
     for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def kernel_device(module: nn.Module) -> torch.device:
+    """The device whose kernels ``module`` runs: its own, or for a module on the meta
+    device the one its fake steps stand in for (CUDA where there is one, else the CPU),
+    so an estimate of a bf16 LSTM on an AVX2-only CPU runs it as the fp32 island that
+    training will.
+
+    Example::
+
+        kernel_device(meta_model)   # device(type='cpu') on a machine without CUDA
+    """
+    device = module_device(module)
+    if device.type == "meta":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

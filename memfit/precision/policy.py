@@ -34,7 +34,7 @@ from torch import nn
 
 from memfit.deprecations import REMOVED_IN
 from memfit.errors import ConfigError
-from memfit.precision.kernels import missing_kernel_types, module_device
+from memfit.precision.kernels import kernel_device, missing_kernel_types
 
 Mode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -228,7 +228,7 @@ class PrecisionPolicy:
             return True
         if not self.mixed:
             return False
-        no_kernel = missing_kernel_types(module_device(module), self.compute_dtype)
+        no_kernel = missing_kernel_types(kernel_device(module), self.compute_dtype)
         return bool(no_kernel) and isinstance(module, no_kernel)
 
     def is_declared_island(self, module: nn.Module) -> bool:
