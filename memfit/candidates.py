@@ -77,6 +77,8 @@ class Candidate:
     fits: bool
     plan: Plan | None = None
     note: str = ""
+    recompute_step_seconds: float = 0.0
+    """The part of ``predicted_step_seconds`` that is the plan's recompute."""
 
     def describe(self) -> str:
         """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2``."""
@@ -216,14 +218,16 @@ def rank_candidates(
         # Counted seconds (FLOPs and bytes at counted_times' nominal speed) rescaled to the
         # FLOP rate the probe measured for this precision.
         counted = accumulation * (cell.counted_seconds + row.plan.recompute_seconds)
+        to_rate = COUNTED_FLOP_RATE / _rate(speed, precision)
         out.append(
             Candidate(
                 *setting,
                 row.peak_bytes,
-                counted * COUNTED_FLOP_RATE / _rate(speed, precision),
+                counted * to_rate,
                 row.recompute_fraction,
                 bool(row.fits),
                 row.plan,
+                recompute_step_seconds=accumulation * row.plan.recompute_seconds * to_rate,
             )
         )
     out.sort(key=_rank_key)
@@ -231,27 +235,33 @@ def rank_candidates(
 
 
 def retime(
-    candidates: Sequence[Candidate], step_seconds: Callable[[float, int], float]
+    candidates: Sequence[Candidate], step_seconds: Callable[[float, float, int], float]
 ) -> list[Candidate]:
-    """``candidates`` with each predicted step time ``step_seconds(counted, accumulation)``
-    from its counted seconds per micro-batch, ranked again (the tuner's measured terms:
+    """``candidates`` with each predicted step time ``step_seconds(counted, recompute,
+    accumulation)`` from its counted seconds per micro-batch, forward and backward apart
+    from the plan's recompute, ranked again (the tuner's measured terms:
     :mod:`memfit.tuning.calibrate`).
 
     Example::
 
-        retime(ranked, lambda counted, acc: acc * (0.01 + 2 * counted) + 0.05)
+        retime(ranked, lambda counted, recompute, acc: acc * (0.01 + 2 * counted + 3 * recompute))
     """
-    out = [
-        c
-        if c.predicted_step_seconds is None
-        else dataclasses.replace(
+
+    def timed(c: Candidate) -> Candidate:
+        if c.predicted_step_seconds is None:
+            return c
+        acc = c.accumulation_steps
+        recompute = c.recompute_step_seconds / acc
+        counted = c.predicted_step_seconds / acc - recompute
+        seconds = step_seconds(counted, recompute, acc)
+        return dataclasses.replace(
             c,
-            predicted_step_seconds=step_seconds(
-                c.predicted_step_seconds / c.accumulation_steps, c.accumulation_steps
-            ),
+            predicted_step_seconds=seconds,
+            recompute_step_seconds=step_seconds(counted, recompute, acc)
+            - step_seconds(counted, 0.0, acc),
         )
-        for c in candidates
-    ]
+
+    out = [timed(c) for c in candidates]
     out.sort(key=_rank_key)
     return out
 

@@ -96,7 +96,8 @@ def test_the_step_time_terms_solve_the_three_points_exactly() -> None:
     assert m.scale == pytest.approx(3.0)
     assert m.per_micro_seconds == pytest.approx(0.008)
     assert m.per_step_seconds == pytest.approx(0.009)
-    assert m.seconds(2e-3, 4) == pytest.approx(4 * (0.008 + 0.006) + 0.009)
+    assert m.seconds(2e-3, 0.0, 4) == pytest.approx(4 * (0.008 + 0.006) + 0.009)
+    assert m.recompute_scale == m.scale  # no checkpointed point: recompute as the rest
     # No second size: the count's scale stays; noise never makes a term negative.
     m = fit_step_time(TimedPoints(c1=1e-3, c2=None, t1=0.020, t2=None, t3=0.019))
     assert (
@@ -104,15 +105,36 @@ def test_the_step_time_terms_solve_the_three_points_exactly() -> None:
     )
     m = fit_step_time(TimedPoints(c1=1e-3, c2=4e-3, t1=0.020, t2=0.018, t3=0.031))
     assert m.scale == 1.0  # a slope below zero is noise: the count's own scale
-    assert StepTimeModel().seconds(0.5, 2) == 1.0  # the default is the count alone
+    assert StepTimeModel().seconds(0.5, 0.25, 2) == 1.5  # the default is the count alone
+    # Every block checkpointed at m2 took 12 ms more for 2 ms of counted recompute: 6x.
+    m = fit_step_time(TimedPoints(1e-3, 4e-3, 0.020, 0.029, 0.031, r2=2e-3, t4=0.041))
+    assert m.recompute_scale == pytest.approx(6.0) and m.scale == pytest.approx(3.0)
+    assert m.seconds(2e-3, 1e-3, 1) == pytest.approx(0.008 + 0.006 + 0.006 + 0.009)
 
 
 def test_retime_ranks_again_with_the_fixed_costs() -> None:
-    def cand(micro: int, acc: int, seconds: float) -> Candidate:
-        return Candidate("fp32", "none", micro, acc, 1.0, seconds, 0.0, True)
+    def cand(micro: int, acc: int, seconds: float, recompute: float = 0.0) -> Candidate:
+        checkpoint = "full" if recompute else "none"
+        return Candidate(
+            "fp32",
+            checkpoint,
+            micro,
+            acc,
+            1.0,
+            seconds,
+            0.0,
+            True,
+            recompute_step_seconds=recompute,
+        )
 
     # By the count alone the split of 8 micro-batches ties the single one.
     counted = [cand(1, 8, 1.0), cand(8, 1, 1.0)]
     ranked = retime(counted, StepTimeModel(1.0, 0.05, 0.0).seconds)
     assert [c.accumulation_steps for c in ranked] == [1, 8]
     assert ranked[1].predicted_step_seconds == pytest.approx(8 * (0.05 + 1.0 / 8))
+    # Recompute measured at 3x its count: the checkpointed single micro-batch loses.
+    model = StepTimeModel(1.0, 0.0, 0.0, recompute_scale=3.0)
+    ranked = retime([cand(8, 1, 1.0, recompute=0.3), cand(4, 2, 1.1)], model.seconds)
+    assert [c.checkpoint for c in ranked] == ["none", "full"]
+    assert ranked[1].predicted_step_seconds == pytest.approx(0.7 + 0.9)
+    assert ranked[1].recompute_step_seconds == pytest.approx(0.9)

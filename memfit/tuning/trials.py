@@ -264,33 +264,49 @@ def calibrate(
     *,
     precision: str,
     counted: Callable[[int], float | None],
+    recomputed: Callable[[int], float | None],
     m1: int,
     m2: int | None,
     device: torch.device,
 ) -> StepTimeModel:
-    """Time the model on the three points and fit the terms; a model that fails here (out
-    of memory, an error on real data) gives the count alone, with the reason in ``note``
-    (the trials then report the error themselves).
+    """Time the model on the points of :mod:`memfit.tuning.calibrate` and fit the terms;
+    a model that fails here (out of memory, an error on real data) gives the count alone,
+    with the reason in ``note`` (the trials then report the error themselves).
 
     ``counted(m)``: the counted seconds of one micro-batch of ``m`` in ``precision``
-    without checkpointing (None where the search has none).
+    without checkpointing; ``recomputed(m)``: what checkpointing every block recomputes
+    in it, counted (None where the search has none).
 
     Example::
 
         calibrate(model_fn, batch_fn, loss_fn, None, precision="fp32",
-                  counted=lambda m: per_micro[m], m1=1, m2=8, device=torch.device("cpu"))
+                  counted=lambda m: per_micro[m], recomputed=lambda m: None, m1=2, m2=8,
+                  device=torch.device("cpu"))
     """
     c1 = counted(m1)
     c2 = counted(m2) if m2 is not None else None
+    r2 = recomputed(m2) if m2 is not None and c2 else None
     if not c1:
         return StepTimeModel(note=f"no counted time of micro-batch {m1} in {precision}")
-    sizes = [(m1, 1), (2 * m1, 2)] + ([(m2, 1)] if m2 is not None and c2 else [])
+    sizes: list[tuple[int, int, str]] = [(m1, 1, "none"), (2 * m1, 2, "none")]
+    if m2 is not None and c2:
+        sizes.append((m2, 1, "none"))
+        if r2:
+            sizes.append((m2, 1, "full"))
     points: list[_Point] = []  # in the order of sizes
     try:
         with torch.random.fork_rng(devices=cuda_devices(device), device_type="cuda"):
-            for n, accumulation in sizes:
+            for n, accumulation, checkpoint in sizes:
                 point = _Point.start(
-                    model_fn, batch_fn, loss_fn, optimizer_fn, precision, n, accumulation, device
+                    model_fn,
+                    batch_fn,
+                    loss_fn,
+                    optimizer_fn,
+                    device,
+                    n,
+                    precision=precision,
+                    accumulation_steps=accumulation,
+                    checkpoint=checkpoint,
                 )
                 points.append(point)
                 if not holds_trials(device):  # CUDA: one at a time, as the trials are
@@ -308,7 +324,8 @@ def calibrate(
         return StepTimeModel(note=f"timing the model failed: {failed}")
     # The fastest of each point's steps: the least disturbed by the rest of the machine.
     t1, t3, *rest = (min(p.seconds) for p in points)
-    return fit_step_time(TimedPoints(c1, c2, t1, rest[0] if rest else None, t3))
+    t2, t4 = (rest + [None, None])[:2]
+    return fit_step_time(TimedPoints(c1, c2, t1, t2, t3, r2, t4))
 
 
 @dataclass
@@ -330,15 +347,12 @@ class _Point:
         batch_fn: Callable[[int], Any],
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None,
-        precision: str,
-        n: int,
-        accumulation: int,
         device: torch.device,
+        n: int,
+        **settings: Any,
     ) -> _Point:
         # A fresh model each point: a mode may recast its weights.
-        engine = fresh_engine(
-            model_fn, optimizer_fn, device, 0, precision=precision, accumulation_steps=accumulation
-        )
+        engine = fresh_engine(model_fn, optimizer_fn, device, 0, **settings)
         point = cls(engine, batch_fn(n), loss_fn, device)
         try:
             engine.train_step(point.batch, loss_fn)  # warm-up: the optimizer's state

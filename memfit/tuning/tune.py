@@ -241,13 +241,14 @@ def _calibrate(
     """The step-time model's measured terms (:mod:`memfit.tuning.calibrate`), timed in fp32
     where it is compared (else the first mode): ``m1`` the smallest micro-batch of two or
     more (a batch norm needs two samples), ``m2`` the largest predicted to fit without
-    checkpointing."""
+    checkpointing (and with every block checkpointed, for recompute's cost)."""
     mode = "fp32" if "fp32" in modes else modes[0]
     plain = {
         c.micro_batch: c
         for c in ranked
         if c.precision == mode and c.checkpoint == "none" and c.predicted_step_seconds
     }
+    full = {c.micro_batch: c for c in ranked if c.precision == mode and c.checkpoint == "full"}
 
     def counted(m: int) -> float | None:
         c = plain.get(m)
@@ -256,6 +257,10 @@ def _calibrate(
             if c and c.predicted_step_seconds
             else None
         )
+
+    def recomputed(m: int) -> float | None:
+        c = full.get(m)
+        return c.recompute_step_seconds / c.accumulation_steps if c else None
 
     sizes = sorted(plain)
     m1 = next((m for m in sizes if m >= 2 and 2 * m in plain), None)
@@ -269,6 +274,7 @@ def _calibrate(
         optimizer_fn,
         precision=mode,
         counted=counted,
+        recomputed=recomputed,
         m1=m1,
         m2=fitting[-1] if fitting else None,
         device=device,
