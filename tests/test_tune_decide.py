@@ -36,11 +36,14 @@ def test_a_tie_goes_to_the_simplest_and_never_to_one_slower_than_a_peer() -> Non
     v = decide([peer, mine])
     assert v.leader is mine and not v.gaps["halving"].separated
     assert v.best is peer  # less recompute wins the tie
+    assert v.describe().endswith(
+        "the simplest of them chosen (less recompute, fewer micro-batches)"
+    )
     # A simpler setting of the tuner's, tied but measured slower than the peer, is not chosen.
     slower = _t("bf16", [x * 1.01 for x in peer.seconds[:3]] + [1.0, 1.0], accumulation=1)
     v = decide([peer, slower])
-    assert v.leader is peer and v.best is peer
-    assert "simplest" not in v.describe() or v.best is not v.leader
+    assert v.leader is peer and v.best is peer and slower in v.tied and v.settled
+    assert v.describe().endswith("with the fastest; the fastest chosen")
 
 
 def test_fewer_micro_batches_break_a_tie_in_recompute() -> None:

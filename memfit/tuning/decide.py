@@ -136,11 +136,12 @@ class Verdict:
                 f"{_percent(nearest.ratio - 1)} {_noise(nearest)})"
             )
         how = "tied" if self.settled else "not separated after the rounds allowed"
-        simplest = "the simplest setting" if self.best is not self.leader else "the fastest"
-        return (
-            f"{len(self.tied)} trials {how} within their noise with the fastest; "
-            f"{simplest} of them chosen (less recompute, fewer micro-batches)"
+        chosen = (
+            "the fastest chosen"
+            if self.best is self.leader
+            else "the simplest of them chosen (less recompute, fewer micro-batches)"
         )
+        return f"{len(self.tied)} trials {how} within their noise with the fastest; {chosen}"
 
 
 def decide(trials: Sequence[Timed]) -> Verdict:
