@@ -257,8 +257,7 @@ def retime(
         return dataclasses.replace(
             c,
             predicted_step_seconds=seconds,
-            recompute_step_seconds=step_seconds(counted, recompute, acc)
-            - step_seconds(counted, 0.0, acc),
+            recompute_step_seconds=seconds - step_seconds(counted, 0.0, acc),
         )
 
     out = [timed(c) for c in candidates]

@@ -146,10 +146,7 @@ class Trial:
 
     def time_step(self) -> float:
         """Time one training step; the seconds are also kept in :attr:`seconds`."""
-        start = time.perf_counter()
-        self.engine.train_step(self.batch, self.loss_fn)
-        _sync(self.device)
-        self.seconds.append(time.perf_counter() - start)
+        self.seconds.append(timed_step(self.engine, self.batch, self.loss_fn, self.device))
         return self.seconds[-1]
 
     @property
@@ -183,6 +180,25 @@ class Trial:
         """Close the Engine and give its memory back, reading nothing more."""
         self.engine.close()
         _collect(self.device)
+
+
+def timed_step(
+    engine: Engine,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device,
+) -> float:
+    """The seconds of one ``engine.train_step`` (the device synchronized before the clock
+    stops: a CUDA step's kernels run after the call returns).
+
+    Example::
+
+        seconds = timed_step(engine, batch, loss_fn, torch.device("cpu"))
+    """
+    start = time.perf_counter()
+    engine.train_step(batch, loss_fn)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def fresh_engine(
@@ -363,11 +379,7 @@ class _Point:
 
     def time_step(self) -> float:
         assert self.engine is not None, "a released calibration point is not timed"
-        start = time.perf_counter()
-        self.engine.train_step(self.batch, self.loss_fn)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds.append(time.perf_counter() - start)
+        self.seconds.append(timed_step(self.engine, self.batch, self.loss_fn, self.device))
         return self.seconds[-1]
 
     def release(self) -> None:
