@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.profiler.runner import is_fake
 from memfit.precision.apply import is_island
 
 #: The two sizes (batch, steps) a configuration is measured at.
@@ -76,7 +77,7 @@ def _saved_bytes(module: nn.LSTM, x: torch.Tensor) -> int:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        seen[id(storage) if t.device.type == "meta" or _fake(t) else storage.data_ptr()] = (
+        seen[id(storage) if t.device.type == "meta" or is_fake(t) else storage.data_ptr()] = (
             storage.nbytes()
         )
         return t
@@ -84,12 +85,6 @@ def _saved_bytes(module: nn.LSTM, x: torch.Tensor) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)
     return sum(seen.values())
-
-
-def _fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _measure(key: tuple[Any, ...]) -> WorkspaceFit | None:
@@ -157,7 +152,7 @@ class _Keep(torch.autograd.Function):
 
 def _hook(module: nn.LSTM, args: tuple[Any, ...], output: Any) -> Any:
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or not _fake(x) or not torch.is_grad_enabled():
+    if not isinstance(x, torch.Tensor) or not is_fake(x) or not torch.is_grad_enabled():
         return output  # a packed sequence, a real step, or no backward to keep it for
     fit = workspace_fit(module)
     if fit is None:
