@@ -13,7 +13,9 @@ in each precision of ``--precisions``:
     micro-batch (whether it fits is recorded);
 
 and the tuned choice (``res.engine_kwargs()``; where it is a peer's very setting, that
-peer's engine stands for it, so the ratio to that peer is 1). Each is timed in
+peer's engine stands for it, so the ratio to that peer is 1), and the Engine's own
+``micro_batch="auto"`` at the budget (``precision="auto"`` where several precisions are
+compared), its choice made on its first batch by its own timed trials. Each is timed in
 ``--rounds`` interleaved rounds, the order rotated each round (a slow moment of a shared
 machine hits all alike); the median is reported, with the tuned median over each peer's
 and over the fastest peer that fits (the goal: at most 1.03). A budget the
@@ -261,6 +263,9 @@ def run_case(
         built = bench.build(res.engine_kwargs(), cached=False)
         tuned = Entry(f"tuned {choice_name(res)}", "tuned", setting, built)
         entries.insert(0, tuned)
+    engine = engine_auto(bench, budget, args) if args.engine else None
+    if engine is not None:
+        entries.append(engine)
     time_rounds(entries, args.rounds, w.loss_fn)
 
     fitting = [e for e in peers if e.built.peak <= budget]
@@ -279,6 +284,15 @@ def run_case(
             f"| {tuned.fastest / e.fastest:.3f} |"
         )
     ratio = tuned.median / fastest.median if fastest else None
+    engine_ratio = engine.median / fastest.median if engine and fastest else None
+    if engine is not None and engine_ratio is not None:
+        mark = "goal met" if engine_ratio <= GOAL else f"**over the goal {GOAL}**"
+        print(f"Engine micro_batch='auto' / fastest fitting peer: {engine_ratio:.3f} ({mark})")
+        print(
+            engine.built.engine.auto.split_timed.describe()
+            if engine.built.engine.auto.split_timed
+            else "Engine: chosen by prediction"
+        )
     same = fastest is tuned
     if fastest is not None and ratio is not None:
         mark = "goal met" if ratio <= GOAL else f"**over the goal {GOAL}**"
@@ -304,6 +318,15 @@ def run_case(
         "fastest_peer": fastest.name if fastest else None,
         "fastest_peer_median_seconds": fastest.median if fastest else None,
         "ratio": ratio,
+        "engine_auto": engine.name if engine else None,
+        "engine_auto_peak_bytes": engine.built.peak if engine else None,
+        "engine_auto_median_seconds": engine.median if engine else None,
+        "engine_auto_ratio": engine_ratio,
+        "engine_auto_choice_seconds": (
+            engine.built.engine.auto.split_timed.seconds
+            if engine and engine.built.engine.auto.split_timed
+            else None
+        ),
         "same_setting": same,
         "tuning_seconds": res.tuning_seconds,
         "tuner_rounds": res.rounds,
@@ -314,16 +337,38 @@ def run_case(
     }
 
 
+def engine_auto(bench: Bench, budget: int, args: argparse.Namespace) -> Entry | None:
+    """The Engine's own ``micro_batch="auto"`` (and ``precision="auto"`` where more than one
+    precision is compared) at the budget: its choice made on its first batch, timed beside
+    the peers; None (printed) when it refuses the budget."""
+    precision = "auto" if len(args.precisions) > 1 else args.precisions[0]
+    kwargs = {"precision": precision, "micro_batch": "auto", "memory_budget": budget}
+    try:
+        built = bench.build(kwargs, cached=False)
+    except BudgetError as exc:
+        print(f"the Engine's micro_batch='auto' refused the budget: {exc}")
+        return None
+    e = built.engine
+    what = (
+        "none" if e.plan is None else f"{e.plan.strategy} {e.plan.recompute_flops / 1e6:.0f} MFLOP"
+    )
+    name = (
+        f"engine-auto {e.settings.precision} {bench.global_batch // e.settings.accumulation_steps}"
+        f"x{e.settings.accumulation_steps} ({what})"
+    )
+    return Entry(name, "engine", bench.key(kwargs), built)
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | budget | tuned choice | tuned median | fastest fitting peer | ratio "
-        "| tuning s | Spearman |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tuning s | Spearman | Engine auto | Engine ratio | Engine choice s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         budget = f"{r['fraction']:g} ({format_bytes(r['budget_bytes'])})"
         if "refused" in r:
-            lines.append(f"| {r['model']} | {budget} | refused | - | - | - | - | - |")
+            lines.append(f"| {r['model']} | {budget} | refused | - | - | - | - | - | - | - | - |")
             continue
         peer = (
             f"{r['fastest_peer']}, {r['fastest_peer_median_seconds'] * 1e3:,.1f} ms"
@@ -333,9 +378,13 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         ratio += " (its setting)" if r["same_setting"] else ""
         rho = "-" if r["spearman"] is None else f"{r['spearman']:.2f}"
+        eng = r.get("engine_auto") or "-"
+        eng_ratio = "-" if r.get("engine_auto_ratio") is None else f"{r['engine_auto_ratio']:.3f}"
+        eng_s = r.get("engine_auto_choice_seconds")
         lines.append(
             f"| {r['model']} | {budget} | {r['tuned']} | {r['tuned_median_seconds'] * 1e3:,.1f} ms"
-            f" | {peer} | {ratio} | {r['tuning_seconds']:.1f} | {rho} |"
+            f" | {peer} | {ratio} | {r['tuning_seconds']:.1f} | {rho} | {eng} | {eng_ratio}"
+            f" | {'-' if eng_s is None else f'{eng_s:.1f}'} |"
         )
     return "\n".join(lines)
 
@@ -349,6 +398,12 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16-mixed")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--json", default=None, help="write the rows to this path")
+    parser.add_argument(
+        "--no-engine",
+        dest="engine",
+        action="store_false",
+        help="leave out the Engine's own micro_batch='auto' choice",
+    )
     add_gpt_arguments(parser, n_layer=4, n_embd=128, n_head=4, block_size=64, batch_size=16)
     args = parser.parse_args()
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]

@@ -1,4 +1,4 @@
-"""The tuner's decision among measured trials (memfit.tuning.decide), its peers' settings and
+"""The tuner's decision among measured trials (memfit.trials.decide), its peers' settings and
 its step-time terms (memfit.tuning.calibrate): exact, on given step times, no clock involved."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 
 from memfit.candidates import Candidate, retime
+from memfit.trials.decide import TIE_MARGIN, Timed, decide, gap, rank_correlation
+from memfit.trials.slots import halvings
 from memfit.tuning.calibrate import StepTimeModel, TimedPoints, fit_step_time
-from memfit.tuning.decide import TIE_MARGIN, Timed, decide, gap, rank_correlation
-from memfit.tuning.tune import halvings
 
 
 def _t(key, seconds, recompute=0.0, accumulation=1, peer=None) -> Timed:

@@ -49,6 +49,7 @@ from memfit.precision.policy import AUTO, PrecisionPolicy, is_auto
 
 if TYPE_CHECKING:
     from memfit.candidates import Candidate
+    from memfit.engine.split_trials import TimedSplits
     from memfit.precision.speed import PrecisionChoice
 
 
@@ -63,6 +64,11 @@ class AutoRequest:
     choice is ``fp16-mixed``)."""
     precision_choice: PrecisionChoice | None = None
     split_choice: Candidate | None = None
+    split_timed: TimedSplits | None = None
+    """The trials ``micro_batch="auto"`` timed (None: the prediction chose)."""
+    split_plan: Any = None
+    """The plan the timed trials made for the chosen split (an EnginePlan), which the
+    Engine trains with instead of planning again; None: the Engine plans."""
 
     @property
     def pending(self) -> bool:
@@ -97,6 +103,8 @@ class FirstBatch:
     """Whether the Engine trains under DDP/FSDP2: rank 0's choices are every rank's."""
     ranges: Any = None
     """The monitor's activation ranges, which must not record the timing's passes."""
+    units: list[str] | None = None
+    """The Engine's candidate units for its plans (None: those ``find_units`` finds)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,9 @@ class SplitChoice:
     """The budget they were ranked under."""
     precision: PrecisionChoice | None = None
     """With ``precision="auto"`` too: the mode chosen with the split."""
+    timed: TimedSplits | None = None
+    """The trials that chose it (None: chosen by prediction); the chosen trial's plan is
+    the one the Engine trains with."""
 
     def fitting(self) -> Candidate:
         """The split; the BudgetError naming the least peak of all when none fits."""
@@ -213,27 +224,33 @@ def choose_split(
     first: FirstBatch, batch: Batch, loss_fn: Any, with_precision: bool
 ) -> SplitChoice:
     """How ``train_step`` splits a ``micro_batch="auto"`` Engine's batches, chosen on its
-    first batch (the global batch). ``with_precision`` (``precision="auto"`` too): the
-    split the probe's mode would get gives the micro-batch the model is timed on; a mode
-    the timing changes is split anew, and the choice holds the mode.
+    first batch (the global batch): the best predicted splits and the peers timed on the
+    model (:mod:`memfit.engine.split_trials`); with ``precision="auto"`` too
+    (``with_precision``), in each candidate mode the probe leaves open, and the choice
+    holds the mode. Under DDP/FSDP2, or where nothing is left to time, the prediction
+    chooses (with the model timed in each mode on the micro-batch it splits to).
 
     Example::
 
         choice = choose_split(first, batch, loss_fn, with_precision=True)
         choice.precision.mode, choice.fitting().accumulation_steps
     """
+    if not first.data_parallel:
+        timed = _split_by_trials(first, batch, loss_fn, with_precision)
+        if timed is not None:
+            return timed
     precision: PrecisionChoice | None = None
     if with_precision:
         probe = probe_choice(first.device, first.data_parallel)
-        ranked = _ranked_splits(first, batch, loss_fn, probe.mode)
+        ranked = _ranked_splits(first, batch, loss_fn, [probe.mode])
         precision = probe
         if ranked and ranked[0].fits:
             micro = split_batch(batch, min(batch_size(batch), ranked[0].accumulation_steps))[0]
             precision = timed_choice(first, probe, micro, loss_fn)
         if precision.mode != probe.mode:
-            ranked = _ranked_splits(first, batch, loss_fn, precision.mode)
+            ranked = _ranked_splits(first, batch, loss_fn, [precision.mode])
     else:
-        ranked = _ranked_splits(first, batch, loss_fn, first.policy.mode)
+        ranked = _ranked_splits(first, batch, loss_fn, [first.policy.mode])
     best = ranked[0] if ranked and ranked[0].fits else None
     if first.data_parallel:
         # Each rank ranked with its own measured speed, and near ties may fall either way:
@@ -244,12 +261,71 @@ def choose_split(
     return SplitChoice(best, ranked, _budget(first), precision)
 
 
+def _split_by_trials(
+    first: FirstBatch, batch: Batch, loss_fn: Any, with_precision: bool
+) -> SplitChoice | None:
+    """The split (and mode) the timed trials choose; None where the prediction's way
+    decides instead: a mode the model is to be timed in alone (injected model seconds,
+    lazy modules), or more than one mode and nothing to time."""
+    from dataclasses import replace
+
+    from memfit.engine.split_trials import TrialSettings, time_splits
+    from memfit.precision.speed import model_seconds_assumed, probe_settles
+
+    modes = [first.policy.mode]
+    probe = probe_choice(first.device, False) if with_precision else None
+    why = ""
+    if probe is not None:
+        why = probe_settles(probe, first.device)
+        lazy = any(nn.parameter.is_lazy(p) for p in first.model.parameters())
+        if not why and (lazy or model_seconds_assumed(first.device) is not None):
+            return None
+        modes = [probe.mode] if why else list(probe.speedups)
+    ranked = _ranked_splits(first, batch, loss_fn, modes)
+    request = first.checkpoint_request
+    strategy = None if request == "none" else "optimal" if request == AUTO else request
+    settings = TrialSettings(
+        device=first.device,
+        budget=_budget(first),
+        strategy=strategy,
+        peers=request == AUTO,
+        modes=modes,
+        fp32_islands=first.policy.fp32_islands,
+        units=first.units,
+    )
+    ranges = first.ranges
+    with ranges.unrecorded() if ranges is not None else contextlib.nullcontext():
+        timed = time_splits(first.model, first.optimizer, batch, loss_fn, ranked, settings)
+    precision = None
+    if timed is None:
+        if len(modes) > 1:
+            return None
+        best = ranked[0] if ranked and ranked[0].fits else None
+        if probe is not None:
+            precision = replace(probe, note=why)
+        return SplitChoice(best, ranked, _budget(first), precision)
+    if probe is not None:
+        seconds = timed.mode_seconds() if len(modes) > 1 else {}
+        precision = replace(
+            probe,
+            mode=timed.best.policy.mode,
+            model_seconds=seconds if len(seconds) > 1 else {},
+            timing_seconds=timed.seconds,
+            model_timing="the fastest timed split of the first batch, forward+backward",
+            note=why or "",
+        )
+    return SplitChoice(timed.best.candidate, ranked, _budget(first), precision, timed)
+
+
 def _budget(first: FirstBatch) -> int:
     return first.memory_budget or default_memory_budget(first.device)
 
 
-def _ranked_splits(first: FirstBatch, batch: Batch, loss_fn: Any, mode: str) -> list[Candidate]:
-    """Every split of ``batch`` under ``mode`` and the checkpoint request, best first."""
+def _ranked_splits(
+    first: FirstBatch, batch: Batch, loss_fn: Any, modes: list[str]
+) -> list[Candidate]:
+    """Every split of ``batch`` under each of ``modes`` and the checkpoint request, best
+    first."""
     from memfit.candidates import meta_clone, rank_candidates
     from memfit.estimator import STRATEGIES
 
@@ -275,7 +351,7 @@ def _ranked_splits(first: FirstBatch, batch: Batch, loss_fn: Any, mode: str) -> 
         loss_fn,
         budget=_budget(first),
         global_batch=rows,
-        precisions=[mode],
+        precisions=modes,
         strategies=strategies,
         optimizer_fn=lambda params: type(optimizer)(params, **_plain_defaults(optimizer)),
         device=first.device,

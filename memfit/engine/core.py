@@ -509,6 +509,8 @@ class Engine:
             chosen = split.fitting()  # BudgetError when nothing fits
             self.settings.accumulation_steps = chosen.accumulation_steps
             auto.split_choice = chosen
+            auto.split_timed = split.timed
+            auto.split_plan = split.timed.best.plan if split.timed else None
             auto.micro_batch = False
         if global_batch:
             return  # the rest is for the first micro-batch of the split
@@ -527,6 +529,7 @@ class Engine:
             memory_budget=self.settings.memory_budget,
             data_parallel=self.parallel is not None,
             ranges=self.monitor.ranges,
+            units=self.units,
         )
 
     def _use_precision(self, choice: PrecisionChoice) -> None:
@@ -565,7 +568,7 @@ class Engine:
             budget = self.settings.memory_budget
             if budget is None and strategy == "optimal":
                 budget = default_memory_budget(self.device)
-            planned = make_engine_plan(
+            planned = self.auto.split_plan or make_engine_plan(
                 self.model,
                 batch,
                 loss_fn,
@@ -576,6 +579,7 @@ class Engine:
                 self.settings.accumulation_steps,
                 self.units,
             )
+            self.auto.split_plan = None
             self._plan_to_check = planned
             request = planned.result.plan
             # Planning ran backward passes; in the *-master modes their gradients went

@@ -50,10 +50,32 @@ def make_engine_plan(
         planned = make_engine_plan(model, micro, loss_fn, policy, opt, "optimal", 2**28, 1)
         apply_plan(model, planned.result.plan)
     """
-    from memfit.checkpoint.planner import solve_profile
     from memfit.checkpoint.profile_stage import profile_step
 
     profiled = profile_step(model, batch, loss_fn, policy, units)
+    return plan_from_profile(
+        model, profiled, policy, optimizer, strategy, budget, accumulation_steps
+    )
+
+
+def plan_from_profile(
+    model: nn.Module,
+    profiled: Any,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer,
+    strategy: str,
+    budget: int | None,
+    accumulation_steps: int,
+) -> EnginePlan:
+    """:func:`make_engine_plan` from a profile already made (``profile_step`` of the
+    micro-batch under ``policy``): the timed splits plan several strategies on one.
+
+    Example::
+
+        planned = plan_from_profile(model, profiled, policy, opt, "full", None, 1)
+    """
+    from memfit.checkpoint.planner import solve_profile
+
     # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
     try:
         result = solve_profile(

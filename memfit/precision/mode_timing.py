@@ -44,7 +44,14 @@ from memfit.precision.speed import (
     probe_settles,
 )
 
-__all__ = ["ModeTimes", "TIMING_BUDGET_S", "TIMING_ROUNDS", "auto_choice", "time_modes"]
+__all__ = [
+    "ModeTimes",
+    "TIMING_BUDGET_S",
+    "TIMING_ROUNDS",
+    "auto_choice",
+    "restored_training",
+    "time_modes",
+]
 
 #: Timed rounds after the warm-up (each mode runs once per round).
 TIMING_ROUNDS = 3
@@ -86,7 +93,7 @@ def time_modes(
     start = time.perf_counter()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = {p.mode: float("inf") for p in policies}
-    with _restored(model, device) as restart:
+    with restored_training(model, device) as restart:
 
         def run(policy: PrecisionPolicy) -> float:
             restart()  # every run draws what the first step will draw
@@ -115,7 +122,7 @@ def time_modes(
 
 
 @contextlib.contextmanager
-def _restored(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
+def restored_training(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
     """Inside the block, ``restart()`` puts the random generators and the gradients back
     as they were on entry; on leaving, everything the runs touched is as it was."""
     cuda = [device.index or 0] if device.type == "cuda" else []

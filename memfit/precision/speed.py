@@ -257,6 +257,8 @@ class PrecisionChoice:
     """False when the model's seconds were injected (:func:`assumed_model_seconds`)."""
     timing_seconds: float = 0.0
     """Wall seconds the model's timing added to the first step (warm-ups included)."""
+    model_timing: str = "forward+backward of the first micro-batch"
+    """What ``model_seconds`` timed."""
     note: str = ""
     """Why the model was not timed, where it was not (the choice is then the probe's)."""
 
@@ -285,7 +287,7 @@ class PrecisionChoice:
             times = ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in self.model_seconds.items())
             model_source = "measured" if self.model_measured else "assumed"
             return (
-                f"precision auto: {self.mode} (forward+backward of the first micro-batch, "
+                f"precision auto: {self.mode} ({self.model_timing}, "
                 f"{model_source}: {times} = {self.model_speedup:.2f}x, timing added "
                 f"{self.timing_seconds:.2f} s; matmul probe, {source}: {probe})"
             )

@@ -11,8 +11,8 @@ from torch import nn
 
 from memfit.candidates import Candidate
 from memfit.errors import ConfigError
+from memfit.trials.decide import rank_correlation
 from memfit.tuning.calibrate import StepTimeModel
-from memfit.tuning.decide import rank_correlation
 from memfit.units import format_bytes
 
 

@@ -16,7 +16,7 @@
    first, the largest micro-batch first. A trial that runs out of memory, raises, or
    peaks over the budget is recorded in its row and its split's (or peer's) next
    setting is measured in its place.
-3. **Choose** (:mod:`memfit.tuning.decide`): the fastest measured setting within the
+3. **Choose** (:mod:`memfit.trials.decide`): the fastest measured setting within the
    budget when the rounds separate it; in a tie the simplest (least recompute, fewest
    micro-batches), never one measured slower than a peer; with ``measure_top=0`` the
    predicted best.
@@ -53,8 +53,9 @@ from memfit.errors import BudgetError, ConfigError
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
+from memfit.trials.decide import Timed, decide
+from memfit.trials.slots import MAX_ROUNDS_FACTOR, Slot, peer_queues, split_queues
 from memfit.tuning.calibrate import StepTimeModel
-from memfit.tuning.decide import Timed, decide
 from memfit.tuning.hints import checkpoint_advice, loss_scale_advice, split_advice
 from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import (
@@ -122,7 +123,7 @@ def tune(
         steps: timed rounds at least (one step of every trial each, after a warm-up and
             a measured step); more rounds follow, up to four times as many, until the
             fastest trial is separated from the others beyond their measured noise or
-            tied with them (:mod:`memfit.tuning.decide`).
+            tied with them (:mod:`memfit.trials.decide`).
         peers: also measure, in each precision, the two usual fixes a user reaches without
             the tuner: halving the micro-batch until it fits (no checkpointing) and
             checkpointing every block with the whole batch. The choice is never one
@@ -187,7 +188,7 @@ def tune(
     def start(row: TuneRow) -> Trial | None:
         return _start(row, model_fn, batch_fn, loss_fn, optimizer_fn, limit, judged, where)
 
-    usual = peer_slots(rows, modes, global_batch // world_size, limit) if peers else []
+    usual = peer_queues(rows, modes, global_batch // world_size, limit) if peers else []
     # The trials' timed steps draw from the random generators (dropout): the caller's
     # state is put back when they are done.
     with torch.random.fork_rng(devices=cuda_devices(where), device_type="cuda"):
@@ -281,110 +282,8 @@ def _calibrate(
     )
 
 
-#: Splits whose best predicted time is within this factor of the fastest are measured
-#: first, the largest micro-batch first: the count leaves out each micro-batch's fixed
-#: cost and small matmuls' lower efficiency, so a larger micro-batch is faster than
-#: counted (a full recompute costs at most a third more, well inside the factor).
-SLACK = 1.5
-#: Candidates of one split tried in turn when the one before failed or went over the budget.
-ATTEMPTS_PER_SPLIT = 3
 #: Further candidates tried, in the order of prediction, when every split's failed.
 FALLBACK_TRIALS = 8
-#: A peer is measured from the first setting predicted within this factor of the budget:
-#: a prediction a little over the budget must not hide a usual fix that fits.
-PEER_SLACK = 1.1
-#: Peers are measured in the precisions whose fastest fitting prediction is within this
-#: factor of the fastest of all: a mode the matmul probe measured far slower (bf16
-#: emulated on a CPU without it, 0.013x fp32 on one) would only cost tuning time.
-PEER_MODE_SLACK = 3.0
-#: Rounds beyond ``steps`` are timed until the verdict settles, up to this many in all
-#: (times ``steps``).
-MAX_ROUNDS_FACTOR = 4
-
-
-@dataclass
-class _Slot:
-    """One thing the tuner measures: a split's best predicted setting, or a peer (the
-    usual fix in one precision); its settings are tried in order until one starts."""
-
-    queue: list[TuneRow]
-    peer: str | None = None
-    trial: Trial | None = None
-
-    @property
-    def filled(self) -> bool:
-        return self.trial is not None and self.trial.error is None
-
-
-def _measure_order(rows: list[TuneRow]) -> list[list[TuneRow]]:
-    """The fitting rows grouped by split, each group in the order of prediction, the groups
-    in the order to measure: those within :data:`SLACK` of the fastest prediction by
-    micro-batch, largest first, then the rest by their best rank. One success per group
-    counts; the next row of a group stands in for one that failed."""
-    groups: dict[int, list[TuneRow]] = {}
-    for r in rows:
-        if r.fits:
-            groups.setdefault(r.micro_batch, []).append(r)
-    fastest = min(g[0].predicted_step_seconds or 0.0 for g in groups.values())
-    near = [m for m, g in groups.items() if (g[0].predicted_step_seconds or 0.0) <= SLACK * fastest]
-    rest = [m for m in groups if m not in near]
-    order = sorted(near, reverse=True) + sorted(rest, key=lambda m: groups[m][0].rank)
-    return [groups[m] for m in order]
-
-
-def halvings(per_rank: int) -> list[int]:
-    """The micro-batches halving the batch passes through, keeping the global batch: from
-    ``per_rank`` down, each the largest divisor of ``per_rank`` at most half the one before.
-
-    Example::
-
-        halvings(12)   # [12, 6, 3, 1]
-    """
-    out = [per_rank]
-    while out[-1] > 1:
-        out.append(max(d for d in range(1, out[-1] // 2 + 1) if per_rank % d == 0))
-    return out
-
-
-def peer_slots(rows: list[TuneRow], modes: Sequence[str], per_rank: int, limit: int) -> list[_Slot]:
-    """In each precision (within :data:`PEER_MODE_SLACK` of the fastest prediction), the
-    two usual fixes as the tuner's rows:
-
-    - ``halving``: no checkpointing, the micro-batch halved (accumulation doubled) until
-      it fits, from the first halving predicted within :data:`PEER_SLACK` of the budget;
-      a measured step over the budget moves on to the next halving;
-    - ``per-block``: every block checkpointed, the whole batch as one micro-batch (none
-      where its prediction is over the slack).
-
-    Example::
-
-        [s.peer for s in peer_slots(rows, ["fp32"], 16, budget)]   # ["halving", "per-block"]
-    """
-    by_setting = {(r.precision, r.checkpoint, r.micro_batch): r for r in rows}
-
-    def near(row: TuneRow | None) -> bool:
-        peak = row.predicted_peak_bytes if row is not None else None
-        return peak is not None and peak <= PEER_SLACK * limit
-
-    fitting = [r.predicted_step_seconds for r in rows if r.fits and r.predicted_step_seconds]
-    slots = []
-    for mode in modes:
-        own = [
-            r.predicted_step_seconds
-            for r in rows
-            if r.precision == mode and r.fits and r.predicted_step_seconds
-        ]
-        if not own or min(own) > PEER_MODE_SLACK * min(fitting):
-            continue  # a precision the prediction rules out (bf16 emulated on a CPU)
-        steps = [by_setting.get((mode, "none", m)) for m in halvings(per_rank)]
-        queue = [r for r in steps if r is not None]
-        first = next((i for i, r in enumerate(queue) if near(r)), None)
-        if first is not None:
-            slots.append(_Slot(queue[first : first + ATTEMPTS_PER_SPLIT], "halving"))
-        whole = by_setting.get((mode, "full", per_rank))
-        if near(whole):
-            slots.append(_Slot([whole], "per-block"))  # type: ignore[list-item]
-    return slots
 
 
 @dataclass
@@ -402,7 +301,7 @@ class _Measured:
 def _measure(
     rows: list[TuneRow],
     measure_top: int,
-    peers: list[_Slot],
+    peers: list[Slot],
     steps: int,
     start: Callable[[TuneRow], Trial | None],
     hold: bool,
@@ -410,23 +309,24 @@ def _measure(
 ) -> _Measured:
     """Measure up to ``measure_top`` splits, one setting each, and every peer slot.
 
-    Each slot's settings are tried in order (up to :data:`ATTEMPTS_PER_SPLIT`) until one
-    starts; a setting already started for another slot serves both. With ``hold`` the
-    started trials are timed side by side in rounds: ``steps`` rounds, then more until
-    the verdict of :func:`~memfit.tuning.decide.decide` settles, up to
-    :data:`MAX_ROUNDS_FACTOR` x ``steps`` or the ``deadline`` (``time.monotonic()``). A
-    trial whose timed step raises gives way to its slot's next setting (or, for a split,
+    Each slot's settings are tried in order (up to
+    :data:`~memfit.trials.slots.ATTEMPTS_PER_SPLIT`) until one starts; a setting already
+    started for another slot serves both. With ``hold`` the started trials are timed side
+    by side in rounds: ``steps`` rounds, then more until the verdict of
+    :func:`~memfit.trials.decide.decide` settles, up to
+    :data:`~memfit.trials.slots.MAX_ROUNDS_FACTOR` x ``steps`` or the ``deadline``
+    (``time.monotonic()``). A trial whose timed step raises gives way to its slot's next setting (or, for a split,
     the next split), which joins the rounds. Without ``hold`` each trial is timed alone
     for ``steps`` steps and released. Past the deadline no optional trial starts (once one
     has). Where every split failed, up to :data:`FALLBACK_TRIALS` more rows are tried in
     the order of prediction."""
-    splits = [_Slot(list(g[:ATTEMPTS_PER_SPLIT])) for g in _measure_order(rows)]
+    splits = split_queues(rows)
     tried = {id(r) for s in splits for r in s.queue}
     fallback = [r for r in rows if r.fits and id(r) not in tried][:FALLBACK_TRIALS]
     started: dict[int, Trial] = {}  # id(row) -> its trial
     out = _Measured([], {}, {}, 0)
 
-    def fill(slot: _Slot) -> None:
+    def fill(slot: Slot) -> None:
         while slot.queue and not slot.filled:
             row = slot.queue.pop(0)
             row.peer = row.peer or slot.peer
@@ -463,7 +363,7 @@ def _measure(
     try:
         fill_all()
         if not any(s.filled for s in [*splits, *peers]) and fallback:
-            splits.append(_Slot(fallback))  # every split failed: further rows, in order
+            splits.append(Slot(fallback))  # every split failed: further rows, in order
             fill(splits[-1])
         while hold:
             live = [t for t in started.values() if t.error is None and not t.row.measured]

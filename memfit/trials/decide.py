@@ -1,7 +1,8 @@
 """Which measured trial the tuner chooses: the leader when the rounds separate it from
 every other trial beyond their noise, and in a tie the simplest setting.
 
-The trials are timed in interleaved rounds (:func:`memfit.tuning.trials.time_in_rounds`),
+The trials are timed in interleaved rounds (the tuner's
+:func:`memfit.tuning.trials.time_in_rounds`, the Engine's :mod:`memfit.engine.split_trials`),
 so the i-th timed step of two trials ran moments apart: their ratio cancels most of what
 a busy moment of a shared machine did to both. For a trial against the leader (the
 lowest median) the evidence is the paired ratios of their last common rounds:
