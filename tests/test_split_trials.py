@@ -193,3 +193,19 @@ def test_a_strategy_given_is_the_only_one_timed(monkeypatch) -> None:
     assert all(t.peer is None for t in seen)  # no peer overrides the user's strategy
     for t in seen:
         assert t.plan is None or t.plan.result.strategy == "full"
+
+
+def test_one_setting_left_standing_is_chosen_from_its_warm_up(monkeypatch) -> None:
+    engine, loss_fn, batch = _engine(_budget(0.6))
+    first: list[int] = []
+
+    def seconds(t, n):  # every setting but the first to run fails at once
+        if not first:
+            first.append(id(t))
+        return 1.0 if id(t) == first[0] else "RuntimeError: simulated"
+
+    _inject(monkeypatch, seconds)
+    engine.train_step(batch, loss_fn)
+    timed = engine.auto.split_timed
+    assert id(timed.best) == first[0]
+    assert timed.best.seconds == [1.0] and timed.rounds == 0

@@ -105,6 +105,8 @@ class SplitTrial:
     recompute_fraction: float
     """Recomputed share of a forward under ``plan`` (0.0 without one)."""
     seconds: list[float] = field(default_factory=list)
+    """The timed runs, one per round (the warm-up's left out)."""
+    warmup_seconds: float = 0.0
     error: str | None = None
 
     @property
@@ -202,7 +204,9 @@ def time_splits(
         for slot in slots:
             _fill(slot, maker, trials, restart)
         live = [t for t in trials if t.error is None]
-        if len({id(t) for t in live}) < 2:
+        if len(live) < 2:  # one setting ran: its warm-up is all there is to go by
+            for t in live:
+                t.seconds = [t.warmup_seconds]
             return choose_timed(trials, rounds, began) if live else None
         while True:
             for i in range(len(live)):
@@ -310,7 +314,8 @@ def _fill(
             trials.append(trial)
             # The warm-up: kernel choice, lazy caches, the allocator's first blocks.
             _time(trial, maker.model, maker.batch, maker.loss_fn, maker.settings.device, restart)
-            trial.seconds.clear()
+            if trial.seconds:
+                trial.warmup_seconds = trial.seconds.pop()
         slot.trial = trial
 
 
