@@ -136,7 +136,43 @@ def check_first_step(
             "or a '*-master' precision."
         )
     check = follow_verdict(planned.result, verdict, model, optimizer)
+    check = _measured_before_use(planned, check, measured_peak_bytes, model, optimizer)
     if check.replanned:
         remove_plan(model)
         apply_plan(model, check.plan)
     return check
+
+
+def _measured_before_use(
+    planned: EnginePlan,
+    check: Any,
+    measured_peak_bytes: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> Any:
+    """A plan re-made to recompute less than one whose step was measured within the
+    budget, itself measured (a forward and backward on the profiled batch, the allocator
+    counting) before it replaces that plan: a miss measured on one plan is not the same on
+    another, and the re-made plan's first step could go over the budget the measured one
+    met. Over it, the measured plan is kept, with a note."""
+    from memfit.checkpoint.closed_loop import PlanCheck
+    from memfit.checkpoint.planner import step_run
+
+    result, budget = planned.result, planned.result.budget
+    if not check.replanned or budget is None or measured_peak_bytes > int(budget):
+        return check
+    if check.plan.recompute_flops >= result.plan.recompute_flops:
+        return check  # recomputes as much or more: it frees at least as much
+    run = step_run(model, result.profile, result.memory, result.policy, optimizer)
+    if run is None:
+        return check
+    peak = run.peak_bytes(check.plan)
+    if peak <= int(budget):
+        check.plan.measured_peak_bytes = peak
+        return check
+    result.plan.notes.append(
+        f"the plan re-made from the first step's measurement (to recompute less) measured "
+        f"{format_bytes(peak)}, over the budget {format_bytes(int(budget))}: the plan whose "
+        f"step measured {format_bytes(measured_peak_bytes)} is kept"
+    )
+    return PlanCheck(check.predicted_peak_bytes, check.measured_peak_bytes, 0.0, False, result.plan)
