@@ -209,3 +209,36 @@ def test_one_setting_left_standing_is_chosen_from_its_warm_up(monkeypatch) -> No
     timed = engine.auto.split_timed
     assert id(timed.best) == first[0]
     assert timed.best.seconds == [1.0] and timed.rounds == 0
+
+
+@pytest.mark.parametrize(("bf16", "expected"), [(0.97, "fp32"), (0.7, "bf16-mixed")])
+def test_with_precision_auto_the_modes_are_timed_with_the_splits(
+    monkeypatch, bf16: float, expected: str
+) -> None:
+    """Where the probe leaves the mode open (forced here: on this machine's CPU it may
+    settle it), every mode's splits and peers are timed, and a 16-bit mode wins only when
+    1.1x faster than fp32's best."""
+    from memfit.precision import speed
+
+    monkeypatch.setattr(speed, "probe_settles", lambda probe, device: "")
+    monkeypatch.setattr(speed, "model_seconds_assumed", lambda device: None)
+    budget = _budget(0.6)
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
+    with speed.assumed_speed("cpu", {torch.bfloat16: 2.7}):
+        engine = memfit.Engine(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            precision="auto",
+            micro_batch="auto",
+            memory_budget=budget,
+            monitor=False,
+        )
+        seen = _inject(monkeypatch, lambda t, n: bf16 if t.policy.mode != "fp32" else 1.0)
+        engine.train_step(batch_fn(GLOBAL, generator=0), loss_fn)
+    assert {t.policy.mode for t in seen} == {"fp32", "bf16-mixed"}
+    assert {t.peer for t in seen if t.policy.mode == "bf16-mixed"} >= {"halving"}
+    assert engine.settings.precision == expected
+    assert engine.auto.split_timed.best.policy.mode == expected
+    choice = engine.auto.precision_choice
+    assert choice.mode == expected and "timed split" in choice.describe()

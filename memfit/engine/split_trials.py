@@ -7,7 +7,7 @@ percent apart, nor count each micro-batch's fixed cost. So the Engine times, on 
 batch:
 
 - the best predicted splits (:func:`~memfit.trials.slots.split_queues`, up to
-  :data:`SPLITS_TIMED`), each under the plan the Engine would train it with (its
+  :data:`SPLITS_TIMED` in each mode), each under the plan the Engine would train it with (its
   ``checkpoint=`` strategy at the budget, planned on the model itself);
 - the **peers** (:func:`~memfit.trials.slots.peer_queues`), where the Engine plans the
   checkpointing itself (``checkpoint="auto"``): halving the micro-batch until it fits
@@ -45,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -65,7 +66,7 @@ from memfit.precision.speed import AUTO_MARGIN
 from memfit.trials.decide import Timed, decide
 from memfit.trials.slots import MAX_ROUNDS_FACTOR, Slot, peer_queues, split_queues
 
-#: The best predicted splits timed (each with its best predicted setting).
+#: The best predicted splits timed in each mode (each with its best predicted setting).
 SPLITS_TIMED = 3
 #: Timed rounds at least (after one warm-up run of each trial), time allowing.
 ROUNDS = 3
@@ -188,12 +189,14 @@ def time_splits(
         chosen = timed.best.candidate if timed else ranked[0]
     """
     began = time.monotonic()
-    slots = [
-        s for s in split_queues([r for r in ranked if r.precision in settings.modes]) if s.queue
-    ][:SPLITS_TIMED]
+    slots: list[Slot] = []
+    for mode in settings.modes:  # each mode's own best splits: fp32 is always timed
+        slots += split_queues([r for r in ranked if r.precision == mode])[:SPLITS_TIMED]
     if settings.peers:
         rows = batch_size(batch)
-        slots += peer_queues(ranked, settings.modes, rows, settings.budget, slack=1.0)
+        slots += peer_queues(
+            ranked, settings.modes, rows, settings.budget, slack=1.0, mode_slack=math.inf
+        )
     if len(slots) < 2:
         return None
     device = settings.device

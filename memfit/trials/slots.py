@@ -109,6 +109,7 @@ def peer_queues(
     per_rank: int,
     limit: int,
     slack: float = PEER_SLACK,
+    mode_slack: float = PEER_MODE_SLACK,
 ) -> list[Slot]:
     """In each precision (within :data:`PEER_MODE_SLACK` of the fastest prediction), the
     two usual fixes as slots of ``rows``:
@@ -120,7 +121,7 @@ def peer_queues(
       where its prediction is over ``slack`` x ``limit``).
 
     ``slack=1.0`` keeps only settings predicted to fit (for a caller that cannot measure
-    a peak before timing).
+    a peak before timing); ``mode_slack=math.inf`` times the peers of every mode.
 
     Example::
 
@@ -140,7 +141,7 @@ def peer_queues(
             for r in rows
             if r.precision == mode and r.fits and r.predicted_step_seconds
         ]
-        if not own or min(own) > PEER_MODE_SLACK * min(fitting):
+        if not own or min(own) > mode_slack * min(fitting):
             continue  # a precision the prediction rules out (bf16 emulated on a CPU)
         steps = [by_setting.get((mode, "none", m)) for m in halvings(per_rank)]
         queue = [r for r in steps if r is not None]
