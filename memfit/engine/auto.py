@@ -64,6 +64,11 @@ class AutoRequest:
     choice is ``fp16-mixed``)."""
     precision_choice: PrecisionChoice | None = None
     split_choice: Candidate | None = None
+    split_ranked: list[Candidate] | None = None
+    """Every split ``micro_batch="auto"`` ranked, for a smaller micro-batch when the chosen
+    one's least plan measures over the budget (:func:`next_split`)."""
+    split_request: Any = None
+    """The checkpoint request the split was chosen under (planned again for another)."""
     split_timed: TimedSplits | None = None
     """The trials ``micro_batch="auto"`` timed (None: the prediction chose)."""
     split_plan: Any = None
@@ -315,6 +320,24 @@ def _split_by_trials(
             note=why or "",
         )
     return SplitChoice(timed.best.candidate, ranked, _budget(first), precision, timed)
+
+
+def next_split(ranked: list[Candidate], accumulation_steps: int, mode: str) -> Candidate | None:
+    """The split ``micro_batch="auto"`` moves to when the chosen one's first step measured
+    over the budget under its least plan: the fewest micro-batches above
+    ``accumulation_steps`` among those predicted to fit in ``mode`` (the usual fix, a
+    smaller micro-batch, made for the user); None when there is none.
+
+    Example::
+
+        next_split(ranked, 1, "fp32").accumulation_steps   # 2
+    """
+    more = [
+        c
+        for c in ranked
+        if c.fits and c.precision == mode and c.accumulation_steps > accumulation_steps
+    ]
+    return min(more, key=lambda c: c.accumulation_steps) if more else None
 
 
 def _budget(first: FirstBatch) -> int:

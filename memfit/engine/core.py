@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from memfit.engine.auto import FirstBatch, auto_policy, choose_precision, choose_split
+from memfit.engine.auto import (
+    FirstBatch,
+    auto_policy,
+    choose_precision,
+    choose_split,
+    next_split,
+)
 from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
 from memfit.engine.data_parallel import EngineParallel
 from memfit.engine.diagnose import check_skips, named_trained_params
@@ -57,7 +64,7 @@ from memfit.engine.state import (
     save_state,
 )
 from memfit.engine.step_log import LogWindow, log_step_metrics
-from memfit.errors import ConfigError, NonFiniteError
+from memfit.errors import BudgetError, ConfigError, NonFiniteError
 from memfit.monitor.health import HealthCheck
 from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
@@ -66,7 +73,7 @@ from memfit.precision.apply import apply_precision, note_kernel_islands
 from memfit.precision.kernels import module_device
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
-from memfit.units import parse_bytes
+from memfit.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from memfit.precision.speed import PrecisionChoice
@@ -411,11 +418,47 @@ class Engine:
         """What a measured step tells: the closed loop's verdict on the first planned step
         (:mod:`memfit.engine.plan_stage`), and the monitor's memory step."""
         if window.check is not None:
-            check = check_first_step(window.check, window.peak_bytes, self.model, self.optimizer)
+            try:
+                check = check_first_step(
+                    window.check, window.peak_bytes, self.model, self.optimizer
+                )
+            except BudgetError:
+                if not self._split_smaller(window.peak_bytes):
+                    raise
+                return
             self.plan = check.plan
             self.plan_check = check
         if window.keep_report and window.report is not None:
             self._keep_memory_report(window.report)
+
+    def _split_smaller(self, measured_peak_bytes: int) -> bool:
+        """``micro_batch="auto"`` whose first step under its least plan measured over the
+        budget (applied: nothing is lost): the batch is split into more micro-batches from
+        the next step (:func:`~memfit.engine.auto.next_split`), planned again, and its
+        first step measured again. False where there is no such split, or under DDP/FSDP2
+        (the ranks' measurements differ; every rank raises)."""
+        auto = self.auto
+        if auto.split_ranked is None or self.parallel is not None:
+            return False
+        now = self.settings.accumulation_steps
+        nxt = next_split(auto.split_ranked, now, self.policy.mode)
+        if nxt is None:
+            return False
+        warnings.warn(
+            f"micro_batch='auto': the step split into {now} micro-batch(es) peaked at "
+            f"{format_bytes(measured_peak_bytes)} under its least plan, over the budget "
+            f"{format_bytes(self.settings.memory_budget or 0)}; from the next step the batch "
+            f"is split into {nxt.accumulation_steps} (micro-batch {nxt.micro_batch})",
+            stacklevel=4,
+        )
+        from memfit.checkpoint.apply import remove_plan
+
+        remove_plan(self.model)
+        self.plan = self.plan_check = None
+        self.settings.accumulation_steps = nxt.accumulation_steps
+        auto.split_choice = nxt
+        self._checkpoint_request = auto.split_request  # planned for the new micro-batch
+        return True
 
     def _keep_memory_report(self, report: Any) -> None:
         """The measured step's memory, for the monitor's memory metrics and the report."""
@@ -510,6 +553,7 @@ class Engine:
             self.settings.accumulation_steps = chosen.accumulation_steps
             auto.split_choice = chosen
             auto.split_timed = split.timed
+            auto.split_ranked, auto.split_request = split.ranked, self._checkpoint_request
             auto.split_plan = split.timed.best.plan if split.timed else None
             auto.micro_batch = False
         if global_batch:
