@@ -1,6 +1,6 @@
 """The CLI's modules: main imports the subcommands, the subcommands import only common
-(and train its start-up helpers, start, which imports only common); every ``--factory``
-takes one form, a memfit.Workload."""
+(and train its loop and start-up helpers: train_loop, start and run_dir, which import
+nothing above them); every ``--factory`` takes one form, a memfit.Workload."""
 
 from __future__ import annotations
 
@@ -42,8 +42,15 @@ def test_subcommands_import_only_common_and_main_imports_them() -> None:
     modules = {f"{name}_command" for name in SUBCOMMANDS}
     for module in modules - {"train_command"}:
         assert _cli_imports(package / f"{module}.py") <= {"common"}, module
-    assert _cli_imports(package / "train_command.py") == {"common", "start"}
-    assert _cli_imports(package / "start.py") == {"common"}
+    assert _cli_imports(package / "train_command.py") == {
+        "common",
+        "run_dir",
+        "start",
+        "train_loop",
+    }
+    assert _cli_imports(package / "train_loop.py") == {"run_dir"}
+    assert _cli_imports(package / "start.py") == {"common", "run_dir"}
+    assert _cli_imports(package / "run_dir.py") == set()
     assert _cli_imports(package / "common.py") == set()
     assert _cli_imports(package / "main.py") == modules | {"common"}
 

@@ -176,9 +176,15 @@ def test_a_good_start_after_a_failed_one_uses_the_same_out(
     assert not (tmp_path / "run").exists()
     assert main(["train", *TINY, "--out", "run"]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
-    # A directory that holds a run is still refused for a new one.
-    assert main(["train", *TINY, "--out", "run"]) == 2
-    assert "already holds a run; pass --resume run" in capsys.readouterr().err
+    capsys.readouterr()
+    # The same command again continues the run in it (here: finished, so nothing to do);
+    # another setting is refused with the saved one, never a new run over the old.
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    assert "the run in run is finished (step 2 of --steps 2); nothing to train" in (
+        capsys.readouterr().out
+    )
+    assert main(["train", *TINY, "--out", "run", "--lr", "0.5"]) == 2
+    assert "--lr 0.5 (saved: 0.001)" in capsys.readouterr().err
 
 
 def test_resume_with_conflicting_flags_names_each_and_changes_nothing(
@@ -198,9 +204,9 @@ def test_resume_with_conflicting_flags_names_each_and_changes_nothing(
     assert main([*resume, "--out", str(finished_run.parent / "elsewhere")]) == 2
     assert "continues the run in its own directory" in capsys.readouterr().err
     assert main([*resume, "--steps", "1"]) == 2
-    assert "already at step 2 of --steps 1; pass --steps N with N > 2" in capsys.readouterr().err
-    assert main(resume) == 2  # a finished run: its summary and report are kept
-    assert "already at step 2 of --steps 2" in capsys.readouterr().err
+    assert "already at step 2, past --steps 1: a run cannot go back" in capsys.readouterr().err
+    assert main(resume) == 0  # a finished run: exit 0, its summary and report kept as they are
+    assert "is finished (step 2 of --steps 2); nothing to train\n" in capsys.readouterr().out
     assert snapshot(finished_run) == before
 
 
@@ -260,16 +266,15 @@ def test_resume_that_trains_longer_keeps_the_learning_rate_schedule(tmp_path: Pa
     assert [lrs[k] for k in (4, 5, 6)] == pytest.approx([1e-4] * 3, rel=1e-6)
 
 
-def test_resume_without_a_checkpoint_says_what_to_do(
+def test_resume_without_a_config_says_what_to_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"model": "gpt"}))
-    assert main(["train", "--resume", str(run_dir)]) == 2
-    assert "no checkpoint.pt there" in capsys.readouterr().err
+    # (A config.json without a state file restarts at step 0: tests/test_preemption.py.)
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "no config.json there" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_pick_device_refuses_devices_this_machine_lacks() -> None:

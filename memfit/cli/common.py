@@ -342,10 +342,15 @@ def builtin_model(
     name: str, overrides: dict[str, Any], *, data: str | None, device: torch.device, seed: int
 ) -> BuiltModel:
     """``(model, loss_fn, batch_fn)`` of the built-in model ``name``, its weights drawn
-    after ``torch.manual_seed(seed)``."""
+    after ``torch.manual_seed(seed)``. Python's ``random`` is seeded too, so every random
+    generator of a run starts from its seed (and a run saved and resumed equals an
+    uninterrupted one in all of them)."""
+    import random
+
     import torch
 
     from memfit.models import build_model
 
+    random.seed(seed)
     torch.manual_seed(seed)
     return build_model(name, data=data, device=device, **overrides)

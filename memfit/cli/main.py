@@ -1,6 +1,9 @@
 """The ``memfit`` command: one subcommand per file in this package.
 
-Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage.
+Exit codes: 0 success, 1 a memfit error while running (message on stderr), 2 bad usage,
+75 ``memfit train`` stopped on SIGTERM or SIGINT after saving its state (EX_TEMPFAIL: run
+the same command again to continue; :mod:`memfit.engine.preemption`), 130 interrupted by
+Ctrl-C before training began.
 
 This module imports the subcommands (``train_command`` for ``memfit train``, and so on); what
 they share is in :mod:`memfit.cli.common`. Those modules import torch and memfit's API inside the

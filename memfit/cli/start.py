@@ -6,13 +6,16 @@ Engine (resumed from its checkpoint) and the checkpoint plan in memory first, wi
 Engine's sinks not yet open (:class:`RunSinks`); only then does
 :func:`undone_on_failure` create the directory and write ``config.json``.
 
-On ``--resume`` a flag may change only what :data:`RESUMABLE` lists (those are applied
-and reported); any other flag that differs from the saved value is an error naming each
-one (:func:`resume_settings`).
+One command starts and restarts a run (:func:`start_run`): ``--out DIR`` (or ``--resume
+DIR``) on a directory that holds a run's ``config.json`` continues that run from its newest
+state file that loads, or from step 0 when it stopped before its first save
+(:mod:`memfit.cli.run_dir`). A flag may then change only what :data:`RESUMABLE` lists
+(those are applied and reported); any other flag that differs from the saved value is an
+error naming each one with its saved value (:func:`resume_settings`).
 
 Example::
 
-    start = new_run(given, TRAIN_DEFAULTS, out=None)        # nothing on disk yet
+    start = start_run(given, TRAIN_DEFAULTS, out=None, resume=None, device=device)
     sinks = RunSinks(start.run_dir)
     engine = memfit.Engine(model, optimizer, sinks=[sinks])  # ... everything in memory
     with undone_on_failure(start.run_dir):
@@ -24,9 +27,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,13 +36,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import UsageError, model_config_cls, parse_overrides
+from memfit.cli.run_dir import CONFIG, state_files, write_json
 
 if TYPE_CHECKING:
     import torch
 
-CONFIG = "config.json"
-CHECKPOINT = "checkpoint.pt"
-PREVIOUS = "checkpoint.prev.pt"
+__all__ = [
+    "CONFIG",
+    "RESUMABLE",
+    "RunSinks",
+    "RunStart",
+    "flag",
+    "new_run",
+    "resume_settings",
+    "start_run",
+    "undone_on_failure",
+    "write_json",
+]
 
 #: Settings a resumed run may change, and why that is meaningful. Every other setting
 #: shapes the run's past (its model, data, precision, batches, schedule or plan), so
@@ -53,6 +64,8 @@ RESUMABLE: dict[str, str] = {
     "eval_every": "validate more or less often",
     "eval_batches": "validate on more or fewer batches",
     "save_every": "save more or less often",
+    "save_every_minutes": "save more or less often",
+    "keep": "keep more or fewer state files",
 }
 
 
@@ -69,8 +82,11 @@ class RunStart:
     run_dir: Path
     settings: dict[str, Any]
     resuming: bool = False
+    """Whether the directory holds a run (its ``config.json``) that this start continues."""
     applied: list[str] = field(default_factory=list)
     """On resume, the flags applied over the saved settings, as ``--steps 800 (was 300)``."""
+    state_files: list[Path] = field(default_factory=list)
+    """On resume, the run's state files, newest first (none: it restarts at step 0)."""
 
     @property
     def config_changed(self) -> bool:
@@ -83,10 +99,34 @@ def flag(key: str) -> str:
     return "--set" if key == "overrides" else "--" + key.replace("_", "-")
 
 
+def start_run(
+    given: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    out: str | None,
+    resume: str | None,
+    device: torch.device,
+) -> RunStart:
+    """Where the command goes and what it does, for a start and a restart alike: ``--resume
+    DIR``, or ``--out DIR`` where DIR holds a run's ``config.json``, continues that run
+    (:func:`resume_settings`); else a new run (:func:`new_run`). Writes nothing.
+
+    Example::
+
+        start = start_run({"steps": 50}, TRAIN_DEFAULTS, out="runs/a", resume=None, device=cpu)
+        start.resuming   # True when runs/a holds a run
+    """
+    if resume is None and out is not None and (Path(out) / CONFIG).is_file():
+        return resume_settings(out, given, defaults, None, device)
+    if resume is not None:
+        return resume_settings(resume, given, defaults, out, device)
+    return new_run(given, defaults, out)
+
+
 def new_run(given: Mapping[str, Any], defaults: Mapping[str, Any], out: str | None) -> RunStart:
     """A new run's settings (``defaults`` updated by the ``given`` flags) and directory
     (``out``, or ``runs/<model>-<precision>-<time>``); refuses a directory that already
-    holds a run or is a file. Writes nothing.
+    holds a run (:func:`start_run` continues one), state files without a ``config.json``,
+    or a file. Writes nothing.
 
     Example::
 
@@ -99,10 +139,16 @@ def new_run(given: Mapping[str, Any], defaults: Mapping[str, Any], out: str | No
     run_dir = Path(name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file; give a directory")
-    if (run_dir / CHECKPOINT).exists() or (run_dir / CONFIG).exists():
+    if (run_dir / CONFIG).exists():
         raise UsageError(
             f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
             "or --out to start a new one"
+        )
+    found = state_files(run_dir)
+    if found:
+        raise UsageError(
+            f"{run_dir} holds state files ({found[0].name}) but no {CONFIG}, so its settings "
+            f"are unknown; restore {run_dir / CONFIG}, or start a new run with --out NEW_DIR"
         )
     return RunStart(run_dir, settings)
 
@@ -114,11 +160,13 @@ def resume_settings(
     out: str | None,
     device: torch.device,
 ) -> RunStart:
-    """A resumed run's directory and settings: those in its ``config.json``, with the
-    given flags of :data:`RESUMABLE` applied. Any other given flag whose value differs
-    from the saved one is a usage error naming each flag, the saved and the given value.
-    Writes nothing. (The Engine's own settings come back from its state file with
-    :func:`memfit.engine.state.read_resume_point`, inside ``Engine.resume``.)
+    """A resumed run's directory, settings and state files: the settings in its
+    ``config.json``, with the given flags of :data:`RESUMABLE` applied. Any other given
+    flag whose value differs from the saved one is a usage error naming each flag, the
+    saved and the given value. A run without a state file yet (it stopped before its first
+    save) resumes at step 0. Writes nothing. (The Engine's own settings come back from its
+    state file with :func:`memfit.engine.state.read_resume_point`, inside
+    ``Engine.resume``.)
 
     Example::
 
@@ -136,21 +184,15 @@ def resume_settings(
             f"--resume {resume} continues the run in its own directory; drop --out {out}, "
             f"or drop --resume to start a new run in {out}"
         )
-    if not (run_dir / CHECKPOINT).is_file():
-        previous = run_dir / PREVIOUS
-        hint = (
-            f"copy {previous} to {run_dir / CHECKPOINT} to resume from the one before, or "
-            if previous.is_file()
-            else ""
-        )
-        raise UsageError(
-            f"--resume {resume}: no {CHECKPOINT} there (the run stopped before its first "
-            f"save); {hint}start a new run with --out NEW_DIR"
-        )
     try:
         saved = json.loads(config_path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"expected a JSON object, got {type(saved).__name__}")
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--resume {resume}: cannot read {config_path} ({exc})") from None
+        raise UsageError(
+            f"{run_dir}: cannot read {config_path} ({exc}); restore it, or start a new run "
+            "with --out NEW_DIR"
+        ) from None
     settings = {**defaults, **saved}
     applied, conflicts = [], []
     for key, value in given.items():
@@ -164,12 +206,14 @@ def resume_settings(
     if conflicts:
         may = ", ".join(flag(k) for k in RESUMABLE)
         raise UsageError(
-            f"--resume {resume}: these flags differ from the run's saved settings "
-            f"({config_path}): {'; '.join(conflicts)}. A resumed run keeps its settings: drop "
-            f"these flags, or start a new run with --out NEW_DIR. On resume only {may} and "
+            f"{run_dir} holds a run whose saved settings ({config_path}) these flags differ "
+            f"from: {'; '.join(conflicts)}. A resumed run keeps its settings: drop these "
+            f"flags, or start a new run with --out NEW_DIR. On resume only {may} and "
             "--device may change."
         )
-    return RunStart(run_dir, settings, resuming=True, applied=applied)
+    return RunStart(
+        run_dir, settings, resuming=True, applied=applied, state_files=state_files(run_dir)
+    )
 
 
 def _same(key: str, given: Any, saved: Any, settings: Mapping[str, Any], device: Any) -> bool:
@@ -278,23 +322,4 @@ def undone_on_failure(run_dir: Path) -> Iterator[None]:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a temp file and a rename, so a crash
-    never leaves half a file.
-
-    Example::
-
-        write_json(Path("runs/a/summary.json"), {"steps": 300})
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
         raise

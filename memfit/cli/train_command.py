@@ -5,9 +5,20 @@ precision for the machine (``--precision auto``: bf16-mixed where a bf16 matmul 
 faster than fp32, else fp32). ``--tune`` (with ``--budget``) lets :func:`memfit.tune`
 choose the precision, the checkpoint plan and the split of ``--batch-size`` into
 micro-batches; the choice is saved in ``config.json`` and kept on resume.
-A run directory holds ``config.json`` (what was asked), ``checkpoint.pt`` (the latest state,
-written atomically; the one before it is kept as ``checkpoint.prev.pt``), ``metrics.jsonl``
-and ``summary.json``. ``--resume DIR`` continues a run exactly where it stopped.
+A run directory holds ``config.json`` (what was asked), ``checkpoint-<step>.pt`` (the saved
+state, each written atomically; the ``--keep`` newest are kept), ``metrics.jsonl`` and
+``summary.json`` (:mod:`memfit.cli.run_dir`).
+
+**Start and restart are one command.** Run the same ``memfit train --out DIR ...`` (or
+``--resume DIR``) again after a kill, and the run continues exactly (bitwise) from its last
+good state file, whatever the kill left: no state file yet (it starts at step 0 with the
+saved settings), a save cut short (its temp file is removed; the state before it is used),
+or a finished run (exit 0, and what was missing, such as ``summary.json``, is written).
+The built-in data is a function of the step, so the batches after a resume are the ones
+the uninterrupted run trained on. SIGTERM or SIGINT saves at the end of the current step
+and exits with code 75 (:data:`memfit.engine.preemption.PREEMPTED_EXIT_CODE`; a second
+signal exits at once). ``--save-every N`` steps and ``--save-every-minutes M`` save on
+schedule, whichever comes first.
 
 A start that fails (a bad value, an unknown ``--set`` key, a budget or checkpoint spec
 that does not parse, more micro-batches than samples, a device this machine lacks, a
@@ -15,18 +26,19 @@ checkpoint that does not fit) leaves the disk as it was: the model, the Engine a
 checkpoint plan are built in memory first, and the run directory and ``config.json`` are
 made only after that (:mod:`memfit.cli.start`).
 
-On ``--resume`` the saved settings are kept. ``--steps`` (train longer), ``--log-every``,
-``--eval-every``, ``--eval-batches`` and ``--save-every`` may change: each change is
-applied, said in one line and written to ``config.json``. ``--device`` is not a saved
-setting: a resumed run runs where ``--device`` (or the default) says. Any other flag given
-with a value that differs from the saved one is an error naming the flag, the saved and
-the given value; the same value (or an alias of it, e.g. ``--precision bf16`` for
-``bf16-mixed``) is accepted. Resuming a run that has reached its ``--steps`` is refused, so
-its summary and report are kept.
+On resume the saved settings are kept. ``--steps`` (train longer), ``--log-every``,
+``--eval-every``, ``--eval-batches``, ``--save-every``, ``--save-every-minutes`` and
+``--keep`` may change: each change is applied, said in one line and written to
+``config.json``. ``--device`` is not a saved setting: a resumed run runs where ``--device``
+(or the default) says. Any other flag given with a value that differs from the saved one is
+an error naming the flag, the saved and the given value; the same value (or an alias of it,
+e.g. ``--precision bf16`` for ``bf16-mixed``) is accepted. ``--steps`` below the step a run
+has reached is refused (a run cannot go back).
 
 ``--nproc N`` (or ``torchrun --nproc-per-node N -m memfit train ...``) trains on N processes
 with DDP (gloo on CPU, nccl on GPU): ``--batch-size`` is the global batch (a multiple of N;
 each rank trains its slice of it), and rank 0 alone writes the run directory and prints.
+Every rank stops at the same step on a signal (the launcher forwards it to each).
 """
 
 from __future__ import annotations
@@ -34,8 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,18 +59,28 @@ from memfit.cli.common import (
     parse_overrides,
     pick_device,
 )
-from memfit.cli.start import (
-    CHECKPOINT,
+from memfit.cli.run_dir import (
     CONFIG,
-    PREVIOUS,
+    remove_partial_files,
+    trim_metrics,
+    write_json,
+)
+from memfit.cli.start import (
     RESUMABLE,
     RunSinks,
     RunStart,
     flag,
-    new_run,
-    resume_settings,
+    start_run,
     undone_on_failure,
-    write_json,
+)
+from memfit.cli.train_loop import (
+    Job,
+    Outcome,
+    batch_at,
+    finish,
+    step_seed,
+    train_loop,
+    validation_loss,
 )
 from memfit.errors import StateFileError
 
@@ -68,14 +89,8 @@ from memfit.errors import StateFileError
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
 
     from memfit.engine import Engine
-    from memfit.precision.scaler import ScalerStats
-
-EVAL_SEED = 1_000_003
-
 
 #: Every setting of a run (what ``config.json`` holds) and its default. The flags are parsed
 #: without defaults, so a flag given on the command line can be told from one left out.
@@ -95,6 +110,8 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "eval_every": 100,
     "eval_batches": 8,
     "save_every": 100,
+    "save_every_minutes": None,  # no time-based saving
+    "keep": 2,
     "log_every": 10,
     "seed": 0,
 }
@@ -136,16 +153,26 @@ def add_parser(sub: Any) -> None:
     setting("--eval-every", "validation loss every N steps", type=_positive_int)
     setting("--eval-batches", "validation batches", type=_positive_int)
     setting("--save-every", "save the training state every N steps", type=_positive_int)
+    setting(
+        "--save-every-minutes",
+        "also save when M minutes passed since the last save",
+        type=_positive_float,
+        metavar="M",
+    )
+    setting("--keep", "keep the N newest state files", type=_positive_int, metavar="N")
     setting("--log-every", "read metrics every N steps", type=_positive_int)
     setting("--seed", "random seed", type=int)
     p.add_argument(
-        "--out", default=None, help="run directory (default: runs/<model>-<precision>-<time>)"
+        "--out",
+        default=None,
+        help="run directory (default: runs/<model>-<precision>-<time>); a directory that "
+        "holds a run continues it, so the same command restarts a killed run",
     )
     p.add_argument(
         "--resume",
         default=None,
         metavar="DIR",
-        help="continue the run in DIR with its saved settings; only "
+        help="continue the run in DIR from its last good state with its saved settings; only "
         + ", ".join(flag(k) for k in RESUMABLE)
         + " and --device may change",
     )
@@ -194,27 +221,6 @@ def _lr_lambda(warmup: int, total: int) -> Any:
     return factor
 
 
-def _batch(batch_fn: Any, size: int, seed: int, split: str = "train") -> Any:
-    return batch_fn(size, generator=seed, split=split)
-
-
-def validation_loss(
-    engine: Any, loss_fn: Any, batch_fn: Any, batch_size: int, batches: int
-) -> float:
-    """:func:`memfit.evaluate` on the run's validation batches: ``batches`` of them drawn
-    from the ``val`` split with fixed seeds, so every evaluation of a run (resumed or not)
-    sees the same ones.
-
-    Example::
-
-        val = validation_loss(engine, loss_fn, batch_fn, batch_size=16, batches=8)
-    """
-    from memfit.engine import evaluate
-
-    fixed = (_batch(batch_fn, batch_size, EVAL_SEED + i, split="val") for i in range(batches))
-    return evaluate(engine, fixed, loss_fn)
-
-
 def __getattr__(name: str) -> Any:
     # This module's evaluate() drew the validation batches: renamed for that difference
     # from memfit.evaluate, the old name works for one release.
@@ -231,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from memfit.distributed import init_from_env
+    from memfit.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args.nproc, args.argv)
@@ -238,8 +245,17 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=False, quiet=world.rank > 0)
     try:
         job = _build(args, console)
-        outcome = _train_loop(job, console)
-        _finish(job, outcome, console)
+        if job.finished:
+            finish(job, None, console)  # what a kill after the last step kept from being written
+            return 0
+        try:
+            outcome = train_loop(job, console)
+        except Preempted as stop:
+            job.engine.close()
+            rank = f"rank {world.rank}: " if world.distributed else ""
+            print(f"memfit train: {rank}{stop}", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
+        finish(job, outcome, console)
     finally:
         if world.distributed:
             torch.distributed.destroy_process_group()
@@ -251,6 +267,8 @@ def _launch(nproc: int, given: list[str]) -> int:
     torchrun's launcher."""
     from torch.distributed import run as torchrun
 
+    from memfit.engine.preemption import PREEMPTED_EXIT_CODE, signal_name
+
     argv, skip = [], False
     for arg in given:
         if skip or arg == "--nproc" or arg.startswith("--nproc="):
@@ -261,35 +279,28 @@ def _launch(nproc: int, given: list[str]) -> int:
     try:
         torchrun.main(command)
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
+        signum = getattr(exc, "sigval", None)
+        if signum is not None:  # SignalException: torchrun forwarded the signal to each rank
+            print(
+                f"memfit train --nproc {nproc}: {signal_name(signum)}; each rank was asked to "
+                "save at the end of its step and stop; run the same command again to continue"
+            )
+            return PREEMPTED_EXIT_CODE
         codes = [f.exitcode for f in getattr(exc, "failures", {}).values()]
+        # A rank that stopped saved with every rank (the save is collective); torchrun then
+        # ends the others, which are exiting too, with a signal (a negative code).
+        if PREEMPTED_EXIT_CODE in codes and all(c == PREEMPTED_EXIT_CODE or c < 0 for c in codes):
+            print(
+                f"memfit train --nproc {nproc}: the ranks saved and stopped on a signal; run "
+                "the same command again to continue"
+            )
+            return PREEMPTED_EXIT_CODE
         print(f"memfit train --nproc {nproc}: a rank failed (exit codes {codes})")
         return max((c for c in codes if c > 0), default=1)  # a usage error stays 2
     return 0
 
 
-@dataclass
-class _Job:
-    """A run ready to train: its settings, directory, Engine and data."""
-
-    settings: dict[str, Any]
-    run_dir: Path
-    engine: Engine
-    loss_fn: Any
-    batch_fn: Any
-    tokens_per_sample: int | None
-
-
-@dataclass
-class _Outcome:
-    """What the training loop leaves for the summary."""
-
-    train_loss: float
-    val_loss: float
-    samples_done: int
-    elapsed: float
-
-
-def _build(args: argparse.Namespace, console: Console) -> _Job:
+def _build(args: argparse.Namespace, console: Console) -> Job:
     """Settings, model, Engine (new or resumed) and checkpoint plan, all in memory; then
     the run directory and its files. A failure before the directory is made leaves
     nothing; one while making it removes what it made. Prints the run's header."""
@@ -306,10 +317,7 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     if world.distributed and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     given = given_settings(args)
-    if args.resume:
-        start = resume_settings(args.resume, given, TRAIN_DEFAULTS, args.out, device)
-    else:
-        start = new_run(given, TRAIN_DEFAULTS, args.out)
+    start = start_run(given, TRAIN_DEFAULTS, args.out, args.resume, device)
     s, run_dir = start.settings, start.run_dir
     if world.distributed:
         # A default name holds the time, and a measured speed may differ: rank 0's for all.
@@ -354,17 +362,24 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     )
     if world.distributed:  # the islands, then DDP; the optimizer is built after it
         model = memfit.parallelize(model, data_parallel="ddp", precision=s["precision"])
-    engine = _engine(start, model, monitoring)
-    if start.resuming and engine.steps >= s["steps"]:
-        # Nothing to train: the summary and report of the finished run are kept as they are.
+    engine, resumed_from, unreadable = _engine(start, model, monitoring)
+    job = Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
+    job.unreadable = [path for path, _ in unreadable]
+    if resumed_from is not None:
+        job.before = Outcome.from_saved(engine.extra)
+    if engine.steps > s["steps"]:
         raise UsageError(
-            f"the run in {run_dir} is already at step {engine.steps} of --steps {s['steps']}; "
-            f"pass --steps N with N > {engine.steps} to train longer"
+            f"the run in {run_dir} is already at step {engine.steps}, past --steps "
+            f"{s['steps']}: a run cannot go back. Pass --steps N with N > {engine.steps} to "
+            "train longer, or no --steps for the run as it is"
         )
+    if resumed_from is not None and engine.steps == s["steps"]:
+        job.finished = True  # nothing to train; finish() writes what is missing
+        return job
     # Planned now, on the first step's first micro-batch (what train_step would plan on),
     # so a budget no plan meets fails before the run directory exists; precision "auto"
     # is chosen here too.
-    first = _batch(batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
+    first = batch_at(batch_fn, s["batch_size"], step_seed(s["seed"], engine.steps))
     engine.prepare(split_batch(shard_batch(first), s["accumulation"])[0], loss_fn)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
@@ -376,20 +391,32 @@ def _build(args: argparse.Namespace, console: Console) -> _Job:
     if tuned is not None:
         console.print(tuned.summary(max_rows=8), markup=False, soft_wrap=True)
     if world.rank > 0:  # rank 0 alone writes the run directory
-        return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
+        return job
 
     with undone_on_failure(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
+        partial = remove_partial_files(run_dir)
+        if start.resuming:  # rows a killed attempt logged past the step resumed from
+            trim_metrics(run_dir, engine.steps)
         sinks.open()
         if start.config_changed:
             write_json(run_dir / CONFIG, s)
         if tuned is not None:
             (run_dir / "tune.json").write_text(tuned.to_json())
-    if start.resuming:
-        console.print(f"resumed {run_dir} at step {engine.steps}")
+    for path in partial:
+        console.print(f"removed {path.name}: a save cut short by a kill (never read)")
+    for path, why in unreadable:
+        console.print(f"passed over {path.name}: it does not load ({why})", markup=False)
+    if resumed_from is not None:
+        console.print(f"resumed {run_dir} at step {engine.steps} from {resumed_from.name}")
+    elif start.resuming:
+        console.print(
+            f"restarted {run_dir} at step 0 with its saved settings (it stopped before its "
+            "first save)"
+        )
     if start.applied:
         console.print(f"applied on resume: {', '.join(start.applied)}")
-    return _Job(s, run_dir, engine, loss_fn, batch_fn, tokens_per_sample)
+    return job
 
 
 def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: Any) -> None:
@@ -439,7 +466,7 @@ def _tune(
     precisions = None if s["precision"] == "auto" else [s["precision"]]
     result = memfit.tune(
         lambda: build_model(s["model"], data="synthetic", **overrides).model,
-        lambda n: _batch(batch_fn, n, s["seed"]),
+        lambda n: batch_at(batch_fn, n, s["seed"]),
         loss_fn,
         budget=s["budget"],
         global_batch=s["batch_size"],
@@ -457,9 +484,13 @@ def _tune(
     return result
 
 
-def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
-    """The optimizer, its schedule and the Engine: a new one, or the one saved in the run
-    directory (with the run's ``log_every``, which may have changed on resume)."""
+def _engine(
+    start: RunStart, model: Any, monitoring: dict[str, Any]
+) -> tuple[Engine, Path | None, list[tuple[Path, str]]]:
+    """The optimizer, its schedule and the Engine: resumed from the run's newest state file
+    that loads (with the run's ``log_every``, which may have changed on resume), or a new
+    one. Returns it, the state file it resumed from (None: new) and those that did not
+    load, each with why."""
     import torch
 
     import memfit
@@ -472,10 +503,10 @@ def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
     # continues at the floor, exactly where the saved run's schedule was.
     horizon = s.setdefault("lr_schedule_steps", s["steps"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], horizon))
-    if start.resuming:
+    if start.state_files:
         monitoring = {**monitoring, "log_every": s["log_every"]}
-        return _resume(start.run_dir, model, optimizer, scheduler, monitoring)
-    return memfit.Engine(
+        return _resume(start, model, optimizer, scheduler, monitoring)
+    engine = memfit.Engine(
         model,
         optimizer,
         precision=s["precision"],
@@ -487,205 +518,30 @@ def _engine(start: RunStart, model: Any, monitoring: dict[str, Any]) -> Engine:
         log_every=s["log_every"],
         **monitoring,
     )
+    return engine, None, []
 
 
 def _resume(
-    run_dir: Path, model: Any, optimizer: Any, scheduler: Any, monitoring: dict[str, Any]
-) -> Engine:
-    """The Engine saved in ``run_dir``; a broken state file's error names the previous one."""
+    start: RunStart, model: Any, optimizer: Any, scheduler: Any, monitoring: dict[str, Any]
+) -> tuple[Engine, Path, list[tuple[Path, str]]]:
+    """The Engine saved in the newest of the run's state files that loads. A state file
+    that does not (StateFileError: truncated, changed) is passed over before anything is
+    built from it; when none loads, a StateFileError names each and what to do."""
     import memfit
 
-    path = run_dir / CHECKPOINT
-    try:
-        return memfit.Engine.resume(path, model, optimizer, lr_scheduler=scheduler, **monitoring)
-    except StateFileError as exc:
-        previous = run_dir / PREVIOUS
-        hint = (
-            f" The previous state file {previous} may still load: copy it over {path} "
-            "to resume from it."
-            if previous.exists()
-            else ""
-        )
-        raise StateFileError(f"{exc}{hint}") from None
-
-
-def _progress(console: Console) -> Progress:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("step {task.completed:>5}/{task.total}"),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[speed]}"),
-        TextColumn("scale {task.fields[scale]}"),
-        TextColumn("mem {task.fields[mem]}"),
-        TimeElapsedColumn(),
-        console=console,
+    unreadable: list[tuple[Path, str]] = []
+    for path in start.state_files:
+        try:
+            engine = memfit.Engine.resume(
+                path, model, optimizer, lr_scheduler=scheduler, **monitoring
+            )
+        except StateFileError as exc:
+            unreadable.append((path, str(exc)))
+            continue
+        return engine, path, unreadable
+    raise StateFileError(
+        f"no state file of the run in {start.run_dir} loads: "
+        + "; ".join(f"{p.name}: {why}" for p, why in unreadable)
+        + f". Move them out of {start.run_dir} to start the run again at step 0 with its "
+        "saved settings, or restore a good one"
     )
-
-
-def _progress_fields(metrics: dict[str, float], tokens_per_sample: int | None) -> dict[str, str]:
-    """The progress bar's loss, speed, scale and memory from a log step's metrics."""
-    from memfit.units import format_bytes
-
-    sps = metrics["throughput/samples_per_second"]
-    speed = (
-        f"{sps * tokens_per_sample:,.0f} tok/s" if tokens_per_sample else f"{sps:,.1f} samples/s"
-    )
-    peak = metrics.get("memory/peak_bytes")
-    return {
-        "loss": f"{metrics['loss']:.4f}",
-        "speed": speed,
-        "scale": f"{metrics['amp/scale']:g}",
-        "mem": format_bytes(peak) if peak else "-",
-    }
-
-
-def _train_loop(job: _Job, console: Console) -> _Outcome:
-    """Train to ``steps`` with a progress bar, validating and saving on schedule."""
-    from memfit.distributed import shard_batch
-
-    s, engine = job.settings, job.engine
-    val_loss = math.nan
-    train_loss = math.nan
-    started = time.perf_counter()
-    samples_done = 0
-    progress = _progress(console)
-    with progress:
-        task = progress.add_task(
-            "train",
-            total=s["steps"],
-            completed=engine.steps,
-            loss="-",
-            speed="-",
-            scale="-",
-            mem="-",
-        )
-        while engine.steps < s["steps"]:
-            batch = _batch(job.batch_fn, s["batch_size"], s["seed"] * 1_000_003 + engine.steps)
-            engine.train_step(shard_batch(batch), job.loss_fn)
-            samples_done += s["batch_size"]
-            step = engine.steps
-            if step % s["log_every"] == 0:
-                train_loss = engine.metrics["loss"]
-                progress.update(task, **_progress_fields(engine.metrics, job.tokens_per_sample))
-            if step % s["eval_every"] == 0 or step == s["steps"]:
-                val_loss = validation_loss(
-                    engine, job.loss_fn, job.batch_fn, s["batch_size"], s["eval_batches"]
-                )
-                engine.log_metrics({"val/loss": val_loss})
-                progress.console.print(f"step {step}: validation loss {val_loss:.4f}")
-            if step % s["save_every"] == 0 or step == s["steps"]:
-                _save(engine, job.run_dir)
-            progress.update(task, completed=step)
-    elapsed = time.perf_counter() - started
-    if engine.steps % s["log_every"] != 0 and samples_done:
-        train_loss = engine.read_metrics()["loss"]
-    return _Outcome(train_loss, val_loss, samples_done, elapsed)
-
-
-def _finish(job: _Job, outcome: _Outcome, console: Console) -> None:
-    """Write summary.json, health.json and plan.json, close the Engine, print the summary
-    and health tables and write the report."""
-    from memfit.distributed import current_world
-    from memfit.monitor import health_to_dict, make_report, render_health
-
-    engine, run_dir = job.engine, job.run_dir
-    stats = engine.scaler.stats
-    if current_world().rank > 0:
-        engine.close()
-        return
-    summary = _summary(job, outcome, stats)
-    write_json(run_dir / "summary.json", summary)
-    checks = engine.health()
-    write_json(run_dir / "health.json", health_to_dict(checks))
-    if engine.plan is not None and hasattr(engine.plan, "to_json"):
-        (run_dir / "plan.json").write_text(engine.plan.to_json())
-    engine.close()
-    console.print(_summary_table(job, outcome, summary, stats))
-    console.print(render_health(checks))
-    try:
-        _print_advice(run_dir, console)
-    except Exception as exc:  # the run itself succeeded; advice is not worth failing it
-        console.print(f"[yellow]no advice: {exc}[/]")
-    try:
-        report = make_report(run_dir)
-        console.print(f"report: {report}")
-    except Exception as exc:  # the run itself succeeded; a report problem is not fatal
-        console.print(f"[yellow]report not written: {exc}[/]")
-
-
-def _print_advice(run_dir: Path, console: Console) -> None:
-    """The advice block: from the run directory's records, so that a resumed run's advice
-    covers the whole run (``memfit report RUN_DIR`` prints the same)."""
-    from memfit.monitor import render_advice
-    from memfit.tuning import run_advice
-
-    console.print("[bold]advice[/] (memfit tune measures the choice; these read the run)")
-    console.print(render_advice(run_advice(run_dir)), markup=False, soft_wrap=True)
-
-
-def _summary(job: _Job, outcome: _Outcome, stats: ScalerStats) -> dict[str, Any]:
-    """What summary.json holds."""
-    engine, elapsed, samples = job.engine, outcome.elapsed, outcome.samples_done
-    return {
-        "steps": engine.steps,
-        "applied_steps": engine.applied_steps,
-        "skipped_steps": stats.skipped,
-        "final_train_loss": outcome.train_loss,
-        "final_val_loss": outcome.val_loss,
-        "peak_memory_bytes": engine.metrics.get("memory/peak_bytes"),
-        "samples_per_second": samples / elapsed if elapsed > 0 else 0.0,
-        "tokens_per_second": samples * job.tokens_per_sample / elapsed
-        if job.tokens_per_sample and elapsed > 0
-        else None,
-        "wall_seconds": elapsed,
-        "precision": engine.policy.mode,
-        "loss_scale": stats.scale,
-        # What the advice needs beyond the metrics (memfit.tuning.run_advice on the run directory).
-        "budget_bytes": engine.settings.memory_budget,
-        "accumulation_steps": engine.settings.accumulation_steps,
-        "init_scale": engine.scaler.init_scale,
-        "growth_interval": engine.scaler.growth_interval,
-    }
-
-
-def _summary_table(
-    job: _Job, outcome: _Outcome, summary: dict[str, Any], stats: ScalerStats
-) -> Table:
-    from rich.table import Table
-
-    from memfit.units import format_bytes
-
-    engine = job.engine
-    peak_bytes = summary["peak_memory_bytes"]
-    table = Table(title="summary", show_header=False)
-    table.add_row(
-        "steps (applied / skipped)", f"{engine.steps} ({engine.applied_steps} / {stats.skipped})"
-    )
-    table.add_row("final train loss", f"{outcome.train_loss:.4f}")
-    table.add_row("final validation loss", f"{outcome.val_loss:.4f}")
-    table.add_row(
-        "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
-    )
-    if job.tokens_per_sample:
-        table.add_row("throughput", f"{summary['tokens_per_second']:,.0f} tokens/s")
-    else:
-        table.add_row("throughput", f"{summary['samples_per_second']:,.1f} samples/s")
-    table.add_row("precision / loss scale", f"{engine.policy.mode} / {stats.scale:g}")
-    table.add_row("wall time", f"{outcome.elapsed:.1f} s")
-    table.add_row("run directory", str(job.run_dir))
-    return table
-
-
-def _save(engine: Any, run_dir: Path) -> None:
-    from memfit.distributed import current_world
-
-    # The new state file is complete on disk before the last good one is moved aside.
-    path = run_dir / CHECKPOINT
-    fresh = engine.save(run_dir / (CHECKPOINT + ".new"))  # every rank: rank 0 writes
-    if current_world().rank > 0:
-        return
-    if path.exists():
-        os.replace(path, run_dir / PREVIOUS)
-    os.replace(fresh, path)

@@ -1,4 +1,9 @@
-"""Built-in data: a byte-level corpus of the Python standard library's sources, synthetic data.
+"""Built-in data: a byte-level corpus of the Python standard library's sources, synthetic data;
+and :class:`ResumableLoader`, a DataLoader whose place in its epochs resumes exactly.
+
+The built-in data of ``memfit train`` is a function of the step: the batch of step ``k`` is
+drawn with the seed ``seed * 1_000_003 + k``, so a resumed run trains on exactly the batches
+the uninterrupted one did, with no state to save.
 
 Example::
 
@@ -9,11 +14,13 @@ Example::
     images, labels = image_batch(32, generator=0)                            # synthetic CIFAR-sized
 """
 
+from memfit.data.loader import ResumableLoader
 from memfit.data.synthetic import class_patterns, image_batch, markov_successors, token_batch
 from memfit.data.text import DEFAULT_MAX_BYTES, TextCorpus, default_cache_dir, list_source_files
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "ResumableLoader",
     "TextCorpus",
     "class_patterns",
     "default_cache_dir",

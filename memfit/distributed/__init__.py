@@ -15,7 +15,7 @@ Example::
     engine.train_step(memfit.distributed.shard_batch(global_batch), loss_fn)
 """
 
-from memfit.distributed.collectives import from_rank0
+from memfit.distributed.collectives import any_rank, from_rank0
 from memfit.distributed.parallel import (
     data_parallel_kind,
     gradient_sync,
@@ -33,6 +33,7 @@ from memfit.distributed.world import (
 
 __all__ = [
     "World",
+    "any_rank",
     "check_global_batch",
     "current_world",
     "data_parallel_kind",

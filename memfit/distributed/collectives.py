@@ -5,6 +5,9 @@ skips the same steps, also where only one rank's gradient shard overflowed), the
 loss is averaged over the ranks (the global mean), and with clipping the gradient norm is
 that of the whole model (DTensor shards reduced). None of them reads a value on the host.
 
+:func:`any_rank` ORs a few flags over the ranks on the CPU, for decisions every rank must
+make alike (stopping on a signal, saving on a timer: :mod:`memfit.engine.preemption`).
+
 When a rank fails (a bad batch, a loss_fn that raises), it writes what failed to the process
 group's store before it re-raises; the other ranks, whose next collective then fails or
 times out, read it and raise :class:`~memfit.errors.DistributedError` naming that rank.
@@ -38,6 +41,40 @@ def all_reduce_max(flag: torch.Tensor) -> None:
         scaler.register_found_inf_hook(all_reduce_max)
     """
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
+_CPU_GROUPS: dict[int, Any] = {}
+
+
+def _cpu_group() -> Any:
+    """A process group whose collectives run on CPU tensors: the default group under gloo,
+    else a gloo group beside it (made once, on the first call, which every rank makes at
+    the same point), so an agreement never syncs a GPU stream."""
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS.clear()  # a new default group: the old side group belongs to the old one
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over the ranks (one all-reduce MAX of a few integers on the CPU; the
+    flags as given on one process): a decision every rank must make the same, such as
+    stopping or saving at this step, taken where any rank asks for it. Every rank calls it
+    at the same point.
+
+    Example::
+
+        stop, save = any_rank(signal_received, save_due)
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tuple(bool(f) for f in flags)
+    votes = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return tuple(bool(v) for v in votes.tolist())
 
 
 def from_rank0(value: Any) -> Any:

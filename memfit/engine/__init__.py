@@ -14,6 +14,8 @@ itself. No part imports the core.
 - :mod:`~memfit.engine.auto`: ``precision="auto"`` and ``micro_batch="auto"``, chosen on the
   first batch (:mod:`~memfit.precision.mode_timing`: the model timed in each mode);
 - :mod:`~memfit.engine.state`: its saved state and loading it back (``resume``, ``load``);
+- :mod:`~memfit.engine.preemption`: SIGTERM/SIGINT saving at the next step boundary
+  (``stop_on_signal``), exit code 75;
 - :mod:`~memfit.engine.step_log`: what a log step reports (the rates, the recompute overhead);
 - :mod:`~memfit.engine.evaluation`: evaluating under the training precision;
 - :mod:`~memfit.engine.export`: the trained weights (fp32 masters) as a plain state dict;
@@ -26,6 +28,16 @@ itself. No part imports the core.
 from memfit.engine.batches import batch_size, split_batch
 from memfit.engine.core import Engine
 from memfit.engine.evaluation import evaluate
+from memfit.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalStop
 from memfit.engine.settings import EngineSettings
 
-__all__ = ["Engine", "EngineSettings", "batch_size", "evaluate", "split_batch"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Engine",
+    "EngineSettings",
+    "Preempted",
+    "SignalStop",
+    "batch_size",
+    "evaluate",
+    "split_batch",
+]

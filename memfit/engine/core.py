@@ -382,6 +382,8 @@ class Engine:
             raise error
         if log_now:
             self._read_metrics(grad_metrics)
+        if self._signal_stop is not None:  # stop_on_signal(): save and stop at this boundary
+            self._signal_stop.at_step_boundary(self.steps)
         assert self._last_loss is not None
         return self._last_loss
 
@@ -776,3 +778,38 @@ class Engine:
         objects = engine._training_objects()
         engine._take_loaded(load_engine_state(objects, engine.settings, point.state, path))
         return engine
+
+    # ------------------------------------------------------------------ preemption
+
+    _signal_stop: Any = None  # the SignalStop of stop_on_signal(), asked at each step's end
+
+    def stop_on_signal(
+        self,
+        path: str | Path,
+        extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+        signals: Sequence[int] | None = None,
+    ) -> Any:
+        """Save to ``path`` and stop at the end of the step during which SIGTERM or SIGINT
+        came (:mod:`memfit.engine.preemption`): :meth:`step` then saves (``extra``, or what
+        ``extra()`` returns then, e.g. a data loader's position) and raises
+        :class:`~memfit.engine.preemption.Preempted`, a ``SystemExit`` with exit code 75.
+        A second signal ends the process at once. Under torch.distributed every rank
+        stops at the same step. Returns the installed
+        :class:`~memfit.engine.preemption.SignalStop`; leaving it as a ``with`` block (or
+        ``.uninstall()``) restores the previous handlers. Call it from the main thread.
+
+        Example::
+
+            with engine.stop_on_signal("run/last.pt", extra=lambda: {"data": loader.state_dict()}):
+                for batch in loader:
+                    engine.train_step(batch, loss_fn)
+        """
+        from memfit.engine.preemption import STOP_SIGNALS, SignalStop
+
+        def save() -> Path:
+            return self.save(path, extra=extra() if callable(extra) else extra)
+
+        if self._signal_stop is not None:
+            self._signal_stop.uninstall()
+        self._signal_stop = SignalStop(save, STOP_SIGNALS if signals is None else signals)
+        return self._signal_stop.install()
