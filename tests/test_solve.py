@@ -23,6 +23,7 @@ from memfit.checkpoint.solvers.fixed import family_plan
 from memfit.checkpoint.solvers.nodes import find_chains, flatten
 from memfit.checkpoint.solvers.optimal import polish
 from memfit.checkpoint.solvers.plan_cost import NodePlan
+from memfit.checkpoint.solvers.search import Pass
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.units import format_bytes
 
@@ -264,6 +265,74 @@ def test_approximate_passes_give_plans_that_fit(root: UnitCost, where: float) ->
     assert approx.recompute_seconds >= best[1]
     check = plan_cost(root, approx.decisions, approx.segments)
     assert check.peak_bytes == approx.predicted_peak_bytes
+
+
+def _solved_both_ways(root: UnitCost, budget: float, thin: int) -> tuple[list, list]:
+    """``root`` solved (plan and re-plan, with the edge) with every walk approximate and
+    unmetered from its first point, with and without ``Pass.past_pieces``'s shortcut."""
+    names = ("EXACT_WORK", "REFINE_WORK", "THIN_POINTS", "SEGMENT_POINTS")
+    saved = [getattr(limits, n) for n in names]
+    shortcut = Pass.past_pieces
+    runs: list[list] = []
+    try:
+        for name, value in zip(names, (-1, 0, thin, 2)):
+            setattr(limits, name, value)
+        for skip in (shortcut, lambda *args: None):
+            Pass.past_pieces = skip  # type: ignore[method-assign]
+            sols = []
+            for kwargs in ({}, {"frontier": False}):
+                try:
+                    sol = solve(root, "optimal", budget, 1.0, reserve=0.02, edge=True, **kwargs)
+                except BudgetError as exc:
+                    sols.append(str(exc))
+                    continue
+                sols.append(
+                    [
+                        (s.decisions, s.segments, s.predicted_peak_bytes, s.recompute_seconds)
+                        for s in (sol, sol.edge or sol)
+                    ]
+                    + [_points(sol)]
+                )
+            runs.append(sols)
+    finally:
+        Pass.past_pieces = shortcut  # type: ignore[method-assign]
+        for name, value in zip(names, saved):
+            setattr(limits, name, value)
+    return runs[0], runs[1]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_trees(max_units=20), st.floats(0.05, 0.95), st.sampled_from([2, 4, 16]))
+def test_leaving_out_pieces_the_kept_points_beat_changes_no_plan(
+    root: UnitCost, where: float, thin: int
+) -> None:
+    brute = _brute_points(root, 0.0)
+    lowest = min(p[0] for p in brute)
+    highest = max(p[0] for p in brute)
+    budget = 1.0 + max(0.5, lowest + where * (highest - lowest))  # 1.0: the static bytes
+    with_shortcut, without = _solved_both_ways(root, budget, thin)
+    assert with_shortcut == without
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_leaving_out_pieces_changes_no_plan_of_a_gpt(sequential: bool) -> None:
+    root = gpt_like(12, sequential)
+    none_peak = solve(root, "none", None).predicted_peak_bytes
+    calls = []
+    shortcut = Pass.past_pieces
+
+    def counted(self: Pass, *args: object) -> list | None:
+        found = shortcut(self, *args)  # type: ignore[arg-type]
+        calls.append(found is not None)
+        return found
+
+    Pass.past_pieces = counted  # type: ignore[method-assign]
+    try:
+        with_shortcut, _ = _solved_both_ways(root, 0.4 * none_peak, 16)
+    finally:
+        Pass.past_pieces = shortcut  # type: ignore[method-assign]
+    assert sum(calls) > 100  # the projections and norms of every block
+    assert with_shortcut == _solved_both_ways(root, 0.4 * none_peak, 16)[1]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -55,6 +55,7 @@ def least_kept(nodes: list[FlatUnit]) -> Bounds:
 # A point's kept bytes: frontiers are sorted by them, so a cap on them cuts a frontier at
 # one place, found by bisection.
 _KEPT_OF = itemgetter(KEPT)
+_SECONDS_OF = itemgetter(SECONDS)
 
 
 class TooLarge(Exception):
@@ -211,14 +212,7 @@ class Pass:
         # ops may run between children, whose rebuilds would then not see them), but for
         # those saved after its last child, which backward frees before reaching any child.
         tail = node.own_saved_after_children_bytes
-        own = node.own_saved_bytes - tail
-        top = limit - self.keep_low[u]
-        source = frontier if keep_in is None else keep_in
-        cut = bisect_right(source, top, key=_KEPT_OF)
-        if own:
-            kept = [(k + own, s, f, h, r) for k, s, f, h, r in islice(source, cut)]
-        else:  # k + 0.0 is k: the points themselves
-            kept = source[:cut]
+        kept = self.kept_own(node, frontier if keep_in is None else keep_in, limit)
         inner_ended: list = []
         if kept and node.children:
             if node.is_chain():
@@ -241,6 +235,15 @@ class Pass:
             pieces = self.prune(pieces + inner_ended) if pieces else inner_ended
         return pieces, kept
 
+    def kept_own(self, node: FlatUnit, source: list, limit: float) -> list:
+        """``source`` with ``node`` kept: its own saved bytes added (but for those saved
+        after its last child), the points that cannot finish within ``limit`` dropped."""
+        own = node.own_saved_bytes - node.own_saved_after_children_bytes
+        cut = bisect_right(source, limit - self.keep_low[node.index], key=_KEPT_OF)
+        if own:
+            return [(k + own, s, f, h, r) for k, s, f, h, r in islice(source, cut)]
+        return source[:cut]  # k + 0.0 is k: the points themselves
+
     def held_through(self, frontier: list, hold: float) -> list:
         """``frontier`` after a kept unit whose own backward holds ``hold`` bytes above
         what is kept through it: points over the cap dropped, the highest rebuild raised."""
@@ -262,6 +265,94 @@ class Pass:
         moved = [(k + shared, s, f, h, r) for k, s, f, h, r in ended]
         return merged, self.prune(moved + kept) if kept else moved
 
+    def unmetered(self) -> bool:
+        """Whether the walk's count of points no longer matters: an approximate walk for
+        time, once past ``REFINE_WORK`` points (it raises no ``TooLarge``, and the only
+        reading of its count, whether to walk again, is decided). Only then may
+        :meth:`past_pieces` leave pieces out uncounted."""
+        return (
+            self.thin
+            and not self.least_peak
+            and limits.EXACT_WORK - self.work >= limits.REFINE_WORK
+        )
+
+    def past_pieces(self, u: int, frontier: list, after: float, nxt: int) -> list | None:
+        """The frontier before sibling ``nxt`` when leaf ``u`` (walked from ``frontier``)
+        can only be kept: what ``visit`` and ``boundary`` make, without making the pieces;
+        or None when that is not shown (``visit`` then walks the leaf).
+
+        A piece made from a point is behind the kept point made from the same one when it
+        keeps at least as much and takes at least as long, and more of one of the two: in
+        a GPT block the projections and norms save their input and nothing else (8 of 19
+        units), so recomputing one keeps as much and takes longer, and recomputing it
+        selectively keeps its input and its outputs. Such a piece never outranks a point
+        in a prune (one as good comes first, or ties it and wins by time), and prunes
+        measure their slices on the points that stay: merged with the kept points, the
+        pieces drop out, and the boundary's merge is the kept points, pruned when any piece
+        would have reached it (as they are, as ``boundary`` leaves them, when none would).
+        Shifted by what ``nxt`` holds of them, they lie further behind still. Every piece
+        is behind when, for each option: the points it is made from are among the kept
+        ones (the cuts by kept bytes and a kept leaf's backward hold leave them in), it
+        adds no less than the keep does and no negative time, and either its bytes beyond
+        the keep's or its time exceed what rounding a sum can take back (an ulp). Prunes
+        count pieces (``prune``); see :meth:`unmetered` for why these may go uncounted."""
+        node = self.nodes[u]
+        if node.children or self.nodes[nxt].input_saved_by_both_bytes < 0.0:
+            return None
+        options = []  # (bytes kept, seconds, FLOPs) of each piece
+        if node.can_recompute:
+            options.append((node.input_bytes, node.rebuild_seconds, node.rebuild_flops))
+        if node.offers_selective:
+            options.append(
+                (
+                    node.input_bytes + node.matmul_saved_bytes,
+                    node.selective_seconds,
+                    node.selective_flops,
+                )
+            )
+        if not options:
+            return None
+        own = node.own_saved_bytes - node.own_saved_after_children_bytes
+        limit = self.limit - after
+        kept = self.kept_own(node, frontier, limit)
+        if node.backward_hold_bytes:
+            kept = self.held_through(kept, node.backward_hold_bytes)
+        reached = False  # whether any piece would have been made
+        for add, secs, flops in options:
+            if not (add >= own and 0.0 <= secs < math.inf and flops >= 0.0):
+                return None
+            # The points the piece is made from, as ``rebuilt`` cuts them.
+            cut = bisect_right(
+                frontier, min(self.cap - node.rebuild_hold_bytes, limit - add), key=_KEPT_OF
+            )
+            if not cut:
+                continue
+            if cut > len(kept):
+                return None
+            # The largest sum k + add or k + own is at most ``most``: each rounds by at most
+            # half its ulp, and add - own by as much.
+            most = max(abs(frontier[0][KEPT]), abs(frontier[cut - 1][KEPT])) + max(
+                abs(add), abs(own)
+            )
+            times = None
+            if not (most < math.inf and add - own > 2 * math.ulp(most)):
+                times = list(map(_SECONDS_OF, islice(frontier, cut)))
+                widest = max(max(times), -min(times))
+                # Not more bytes for sure: more time for sure (s + secs > s for every s).
+                if not (widest < math.inf and math.ulp(widest) <= secs):
+                    return None
+            if not reached:
+                slowest = self.seconds - secs  # as ``rebuilt`` drops the slower points
+                if slowest == math.inf:
+                    reached = True
+                else:
+                    if times is None:
+                        times = list(map(_SECONDS_OF, islice(frontier, cut)))
+                    reached = min(times) <= slowest
+        if not reached:  # no piece: ``boundary`` merges nothing
+            return self.boundary([], kept, nxt)[0]
+        return self.prune(kept)
+
     def sequence(self, node: FlatUnit, frontier: list, after: float) -> tuple[list, list]:
         """Children of a unit that are not a chain memfit iterates: one after another.
         Returns the frontiers after the last child: ended with a piece, and the others."""
@@ -269,17 +360,22 @@ class Pass:
         kids = node.children
         rest = sum(low[c] for c in kids)
         current, keep_in = frontier, frontier
-        ended: list = []
-        kept: list = frontier
-        for pos, c in enumerate(kids):
+        last = len(kids) - 1
+        for pos in range(last):
+            c, nxt = kids[pos], kids[pos + 1]
             rest -= low[c]
-            ended, kept = self.visit(c, current, after + rest, keep_in)
-            nxt = kids[pos + 1] if pos + 1 < len(kids) else None
-            if nxt is not None:
+            merged = None
+            if keep_in is current and self.unmetered():
+                merged = self.past_pieces(c, current, after + rest, nxt)
+            if merged is not None:
+                current = keep_in = merged
+            else:
+                ended, kept = self.visit(c, current, after + rest, keep_in)
                 current, keep_in = self.boundary(ended, kept, nxt)
-                if not current:
-                    return [], []
-        return ended, kept
+            if not current:
+                return [], []
+        rest -= low[kids[last]]
+        return self.visit(kids[last], current, after + rest, keep_in)
 
     def chain(self, node: FlatUnit, frontier: list, after: float) -> tuple[list, list]:
         """Children of a sequential unit, each on its own or in segments of two or more."""
