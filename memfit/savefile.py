@@ -128,6 +128,16 @@ def atomic_save(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return atomic_write(record, path)
 
 
+def _first_sentence(exc: BaseException, limit: int = 160) -> str:
+    """``exc``'s type and the first sentence of its message, at most ``limit`` characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    head, dot, _ = text.partition(". ")
+    text = head + ("." if dot else "")
+    if len(text) > limit:
+        text = text[: limit - 3].rstrip() + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
     """Load a file written by :func:`atomic_save`, checking its format and digest."""
     path = Path(path)
@@ -136,9 +146,12 @@ def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[s
     try:
         record = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
+        # memfit's reading first; torch's own text (for random bytes, a long note about
+        # weights_only that asks to file an issue with PyTorch) cut to its first sentence
+        # after it, and kept whole on the chained exception.
         raise StateFileError(
-            f"state file {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
-            "or not a memfit state file. Resume from an earlier state file."
+            f"state file {path} cannot be read: it is truncated or not a memfit state file. "
+            f"Resume from an earlier state file. (torch.load: {_first_sentence(exc)})"
         ) from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise StateFileError(f"{path} is not a memfit state file (no '{FORMAT}' header)")

@@ -88,6 +88,27 @@ def parse_bytes(value: str | int | float, device: torch.device | str | None = No
     raise ConfigError(f"memory size must be a str, int or float, got {type(value).__name__}")
 
 
+def check_size_text(text: str) -> str:
+    """``text`` unchanged when it reads as a positive memory size (``"2GiB"``, ``"512MB"``,
+    ``"1.5e9"``, or a fraction such as ``"0.5"``), else a ConfigError; checked without
+    torch and without resolving a fraction against a device, so a command line can be
+    checked as it is parsed (:func:`parse_bytes` gives the bytes later).
+
+    >>> check_size_text("2GiB")
+    '2GiB'
+    """
+    match = _PATTERN.match(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {text!r}")
+    literal, unit = match.group(1), match.group(2).lower()
+    number = float(literal)
+    if not 0 < number < float("inf"):
+        raise ConfigError(f"memory size must be positive, got {text!r}")
+    if unit == "" and any(c in literal for c in ".eE") and number > 1 and not number.is_integer():
+        raise ConfigError(f"memory size {text!r}: a fraction of device memory is in (0, 1]")
+    return text
+
+
 def _at_least_one_byte(n: int, value: object) -> int:
     if n < 1:
         raise ConfigError(f"memory size {value!r} is less than one byte; give a larger size")

@@ -84,14 +84,14 @@ def test_a_scale_that_starts_too_high_is_advised_the_settled_one(
 
 
 def test_an_engine_log_dir_gives_the_live_records_advice(too_high: memfit.Engine) -> None:
-    """The JSONL a monitor wrote reads back to the same numbers; without config.json the
-    precision is told by the logged scale, and the scaler's start is unknown."""
+    """The JSONL a monitor wrote, with the config.json and summary.json the Engine wrote
+    beside it, reads back to the same numbers, the scaler's start included."""
     live = by_topic(memfit.tuning.run_advice(too_high))["loss scale"].numbers
     saved = by_topic(memfit.tuning.run_advice(too_high.log_dir))["loss scale"].numbers
-    assert saved == {k: v for k, v in live.items() if k != "init_scale"}
-    # A loop of its own asks its monitor, with the facts it knows.
+    assert saved == live
+    # A loop of its own asks its monitor, with the facts it knows (not the scaler's start).
     own = by_topic(too_high.monitor.advice(RunFacts(precision="fp16-mixed")))["loss scale"]
-    assert own.numbers == saved
+    assert own.numbers == {k: v for k, v in saved.items() if k != "init_scale"}
     assert too_high.monitor.advice(engine_facts(too_high)) == memfit.tuning.run_advice(too_high)
 
 

@@ -17,7 +17,13 @@ from torch import nn
 
 from memfit.checkpoint.apply import applied_plan, is_applied
 from memfit.errors import BudgetError, ConfigError
-from memfit.integrations.common import RunMetrics, ScaleWatcher, example_batch, require
+from memfit.integrations.common import (
+    DEFAULT_KEYS,
+    RunMetrics,
+    ScaleWatcher,
+    example_batch,
+    require,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -122,11 +128,14 @@ def test_hf_plan_applied_and_metrics_logged(tmp_path: Path) -> None:
     for line in logs:
         assert torch.isfinite(torch.tensor(line["loss"]))
         assert line["memfit/plan/predicted_peak_bytes"] == callback.plan.predicted_peak_bytes
-        assert line["memfit/plan/recomputed_units"] == 2.0
         assert line["memfit/recompute/overhead"] > 0
         assert line["memfit/plan/measured_peak_bytes"] > 0
-        assert line["memfit/memory/kind/activations"] > 0
         assert line["memfit/health/warnings"] == 0.0
+        # By default a handful of keys, the ones a user acts on; verbose=True logs all.
+        ours = {k.removeprefix("memfit/") for k in line if k.startswith("memfit/")}
+        assert ours <= set(DEFAULT_KEYS)
+        assert "memfit/plan/recomputed_units" not in line
+        assert "memfit/memory/kind/activations" not in line
     # the training summary line gets them too, and fp32 has no loss scaler
     assert "memfit/plan/predicted_peak_bytes" in trainer.state.log_history[-1]
     assert not any(k.startswith("memfit/amp/") for k in logs[0])
@@ -283,9 +292,24 @@ def test_run_metrics_report_the_scaler(tmp_path: Path) -> None:
     out = metrics.log_metrics(loss=1.0)
     assert out["memfit/amp/skipped"] == 1.0
     assert out["memfit/amp/overflow_rate"] == 0.5
-    assert out["memfit/amp/scale"] == 4.0
+    assert "memfit/amp/scale" not in out  # every metric with verbose=True only
     # an fp32 plan: the scaler's checks do not apply, so no warning comes from the rate
     assert out["memfit/health/warnings"] == 0.0
+    verbose = RunMetrics(callback.run, scaler, verbose=True)
+    verbose.observe_step()
+    every = verbose.log_metrics(loss=1.0)
+    assert every["memfit/amp/scale"] == 4.0
+    assert every["memfit/plan/recomputed_units"] == 2.0
+    assert set(out) < set(every)
+
+
+def test_a_verbose_callback_logs_every_metric(tmp_path: Path) -> None:
+    model = _gpt2()
+    callback = hf.MemfitCallback(strategy="full", verbose=True)
+    line = _train_logs(_train(model, _args(tmp_path, max_steps=1), [callback]))[-1]
+    assert line["memfit/plan/recomputed_units"] == 2.0
+    assert line["memfit/memory/kind/activations"] > 0
+    assert line["memfit/plan/static_bytes"] > 0
 
 
 def test_missing_framework_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -369,7 +393,7 @@ def test_lightning_plan_applied_and_metrics_logged() -> None:
     assert torch.isfinite(metrics["train_loss"])
     assert metrics["memfit/plan/predicted_peak_bytes"] == callback.plan.predicted_peak_bytes
     assert metrics["memfit/recompute/overhead"] > 0
-    assert metrics["memfit/memory/kind/activations"] > 0
+    assert "memfit/memory/kind/activations" not in metrics  # verbose=True logs it
     assert metrics["memfit/health/warnings"] == 0
 
 

@@ -19,11 +19,13 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,21 +103,123 @@ def add_model_choice(p: argparse.ArgumentParser, set_help: str) -> None:
     )
 
 
-def add_factory_argument(p: argparse.ArgumentParser) -> None:
-    """``--factory MODULE:FUNCTION`` (into ``args.factory``, None unless given): the user's
-    model, as the :class:`Workload` that ``FUNCTION()`` returns (:func:`load_workload`).
+#: What ``--factory`` takes, shown in its help and its errors.
+FACTORY_HELP = (
+    "your model: MODULE:FUNCTION or path/to/file.py:FUNCTION, where FUNCTION() returns a "
+    "memfit.Workload(model_fn, batch_fn, loss_fn) (examples/my_model.py)"
+)
+
+
+def add_factory_argument(p: argparse.ArgumentParser, **kwargs: Any) -> None:
+    """``--factory MODULE:FUNCTION`` or ``--factory path/to/file.py:FUNCTION`` (into
+    ``args.factory``, None unless given): the user's model, as the :class:`Workload` that
+    ``FUNCTION()`` returns (:func:`load_workload`). ``kwargs`` go to ``add_argument``
+    (``memfit train`` passes ``default=argparse.SUPPRESS``).
 
     Example::
 
         add_factory_argument(parser)
         parser.parse_args(["--factory", "mypkg.models:workload"]).factory
     """
-    p.add_argument(
-        "--factory",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION() returns a memfit.Workload(model_fn, batch_fn, loss_fn)",
-    )
+    kwargs.setdefault("default", None)
+    p.add_argument("--factory", metavar="MODULE:FUNCTION", help=FACTORY_HELP, **kwargs)
+
+
+#: The flags whose value is a memory size, in every subcommand that takes one.
+SIZE_FLAGS = ("--budget", "--device-memory")
+
+
+def positive_size(text: str) -> str:
+    """The ``type`` of a size flag (:data:`SIZE_FLAGS`): ``text`` unchanged when it reads as
+    a positive size, else argparse's error with "must be a positive size like 2GiB" (and
+    the subcommand's usage line). The bytes are worked out later (a fraction such as 0.5
+    needs the device).
+
+    Example::
+
+        positive_size("2GiB")    # "2GiB"
+        positive_size("-5MiB")   # ArgumentTypeError: must be a positive size like 2GiB ...
+    """
+    from memfit.units import check_size_text
+
+    try:
+        return check_size_text(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive size like 2GiB, 512MiB or 16GB, got {text!r}"
+        ) from None
+
+
+def join_size_values(argv: list[str]) -> list[str]:
+    """``argv`` with a size flag and a value that starts with ``-`` joined into one
+    argument (``--budget -5MiB`` → ``--budget=-5MiB``): argparse takes ``-5MiB`` for an
+    option and says only "expected one argument"; joined, :func:`positive_size` names
+    what is wrong.
+
+    Example::
+
+        join_size_values(["plan", "--budget", "-5MiB"])   # ["plan", "--budget=-5MiB"]
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg in SIZE_FLAGS and nxt is not None and nxt[:2] not in ("--",) and nxt[:1] == "-":
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+#: torch's C++ note when memfit measures a step with its profiler (``memfit.allocator`` on
+#: CPU) and a tensor made before the measurement is freed inside it: expected there, and
+#: the measurement accounts for it, so the commands drop it (:func:`without_profiler_note`).
+PROFILER_NOTE = "was allocated before the profiling started"
+
+
+@contextlib.contextmanager
+def without_profiler_note() -> Iterator[None]:
+    """Inside the block, every line written to the process's stderr (file descriptor 2) is
+    held back and written on leaving, except torch's :data:`PROFILER_NOTE` lines. That note
+    is printed by torch's C++ code, not through Python's ``warnings``, so
+    ``warnings.catch_warnings`` cannot silence it. Where stderr cannot be redirected (no
+    file descriptor 2), nothing is filtered.
+
+    Example::
+
+        with without_profiler_note():
+            result = memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=16)
+    """
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                line
+                for line in held.read().splitlines(keepends=True)
+                if PROFILER_NOTE.encode() not in line
+            ]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -229,26 +333,57 @@ def load_factory(spec: str, example: str) -> Any:
 
         build = load_factory("mypkg.models:build", "mypkg.models:build")
     """
-    module_name, sep, func_name = spec.partition(":")
+    module_name, sep, func_name = spec.rpartition(":")
     if not sep or not module_name or not func_name:
-        raise UsageError(f"--factory {spec!r}: write MODULE:FUNCTION, e.g. {example}")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
+        raise UsageError(
+            f"--factory {spec!r}: write MODULE:FUNCTION or path/to/file.py:FUNCTION, e.g. {example}"
+        )
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        module = _module_from_file(spec, Path(module_name))
+    else:
+        if str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UsageError(f"--factory {spec!r}: cannot import {module_name!r} ({exc})") from None
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise UsageError(f"--factory {spec!r}: {module_name} has no function {func_name!r}")
     return factory
 
 
+def _module_from_file(spec: str, path: Path) -> Any:
+    """The module ``path`` (a ``.py`` file) defines, run as ``__main__`` is not: under its
+    file's stem, with its directory importable (for its own imports)."""
+    import importlib.util
+
+    if not path.is_file():
+        raise UsageError(f"--factory {spec!r}: no such file {str(path)!r}")
+    module_spec = importlib.util.spec_from_file_location(f"memfit_factory_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"--factory {spec!r}: {path} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[module_spec.name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise UsageError(f"--factory {spec!r}: {path} cannot be imported ({exc})") from None
+    return module
+
+
 @dataclass(frozen=True)
 class Workload:
-    """What a ``--factory MODULE:FUNCTION`` returns, to every subcommand that takes one
-    (``memfit plan``, ``memfit estimate``, ``memfit tune``): how to build the model, make a
-    micro-batch, and compute the loss, the arguments of ``memfit.estimate`` and
-    ``memfit.tune`` (``memfit.tune(w.model_fn, w.batch_fn, w.loss_fn, budget=...)``).
+    """What a ``--factory MODULE:FUNCTION`` (or ``path/to/file.py:FUNCTION``) returns, to
+    every subcommand (``memfit train``, ``memfit plan``, ``memfit estimate``, ``memfit
+    tune``): how to build the model, make a micro-batch, and compute the loss, the
+    arguments of ``memfit.estimate`` and ``memfit.tune`` (``memfit.tune(w.model_fn,
+    w.batch_fn, w.loss_fn, budget=...)``). ``memfit train`` trains ``model_fn()`` on
+    ``batch_fn(--batch-size)``, a new batch drawn for every step (``batch_fn`` should
+    return fresh samples each call). A full example: ``examples/my_model.py``.
 
     Example::
 
@@ -336,6 +471,50 @@ def load_workload(spec: str) -> Workload:
             "a memfit.Workload(model_fn=..., batch_fn=..., loss_fn=...)",
         )
     return workload
+
+
+def factory_model(
+    spec: str, *, device: torch.device, seed: int
+) -> tuple[Any, Callable[[Any, Any], Any], Callable[..., Any]]:
+    """``(model, loss_fn, batch_fn)`` of ``--factory``'s :class:`Workload`, in the form of
+    :func:`builtin_model`'s, for ``memfit train``: ``model_fn()`` built after
+    ``torch.manual_seed(seed)`` and moved to ``device``; ``loss_fn`` the workload's (the
+    sum of the output without one); ``batch_fn(n, generator=None, split="train")`` calls
+    ``workload.batch_fn(n)`` with torch's random generator seeded by ``generator`` (and
+    restored after), so the batch of every step, and of a resumed run, is the same one
+    (``split`` is not the workload's concern: validation draws with its own seeds).
+
+    Example::
+
+        model, loss_fn, batch_fn = factory_model("examples/my_model.py:build",
+                                                 device=torch.device("cpu"), seed=0)
+    """
+    import random
+
+    import torch
+
+    from memfit.checkpoint.api import default_step_loss
+
+    workload = load_workload(spec)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    model = workload.model_fn()
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"--factory {spec}: model_fn() must return a torch.nn.Module, got "
+            f"{type(model).__name__}"
+        )
+    model = model.to(device)
+
+    def batch_fn(n: int, generator: int | None = None, split: str = "train") -> Any:
+        del split
+        if generator is None:
+            return to_device(workload.batch_fn(n), device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(generator)
+            return to_device(workload.batch_fn(n), device)
+
+    return model, workload.loss_fn or default_step_loss, batch_fn
 
 
 def builtin_model(

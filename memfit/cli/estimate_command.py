@@ -33,6 +33,7 @@ from memfit.cli.common import (
     load_workload,
     model_config_cls,
     parse_overrides,
+    positive_size,
     typed_value,
 )
 
@@ -73,7 +74,9 @@ def add_parser(sub: Any) -> None:
         "--seq-len", type=int, default=512, help="tokens per sequence for --hf-config (512)"
     )
     p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--device-memory", default=None, help="memory to fit, e.g. 80GB")
+    p.add_argument(
+        "--device-memory", default=None, type=positive_size, help="memory to fit, e.g. 80GB"
+    )
     p.add_argument(
         "--precision",
         dest="precisions",
@@ -320,9 +323,54 @@ def compute(args: argparse.Namespace) -> Any:
     )
 
 
+def dominated_notes(rows: list[Any]) -> list[str]:
+    """A note for each strategy row that another row of the same precision beats on both
+    counts (a peak no lower and a recompute no smaller, one of them strictly): with few
+    blocks, ``sqrt``'s segments of several blocks each hold more while one is recomputed
+    than ``full``'s single blocks do, and recompute as much or more. ``rows``: the
+    estimate's :class:`~memfit.estimator.EstimateRow` objects.
+
+    Example::
+
+        dominated_notes(est.rows)
+        # ['note: fp32 sqrt is dominated by full: peak 4.41 MiB vs 3.90 MiB, ...']
+    """
+    from memfit.units import format_bytes
+
+    notes = []
+    for r in rows:
+        for other in rows:
+            if other is r or other.precision != r.precision or other.strategy == "optimal":
+                continue
+            no_worse = (
+                other.peak_bytes <= r.peak_bytes
+                and other.recompute_fraction <= r.recompute_fraction
+            )
+            better = (
+                other.peak_bytes < r.peak_bytes or other.recompute_fraction < r.recompute_fraction
+            )
+            if no_worse and better:
+                notes.append(
+                    f"note: {r.precision} {r.strategy} is dominated by {other.strategy}: peak "
+                    f"{format_bytes(r.peak_bytes)} vs {format_bytes(other.peak_bytes)}, "
+                    f"recompute {r.recompute_fraction:.0%} vs {other.recompute_fraction:.0%} "
+                    f"of the forward; use {other.strategy} (with few blocks, sqrt(n) "
+                    "segments hold several blocks at once while one is recomputed)"
+                    if r.strategy == "sqrt"
+                    else f"note: {r.precision} {r.strategy} is dominated by {other.strategy}: "
+                    f"peak {format_bytes(r.peak_bytes)} vs {format_bytes(other.peak_bytes)}, "
+                    f"recompute {r.recompute_fraction:.0%} vs {other.recompute_fraction:.0%}"
+                )
+                break
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     est = compute(args)
     print(est.to_json() if args.json else est.summary())
+    if not args.json and not args.scale:
+        for note in dominated_notes(list(est.rows)):
+            print(note)
     if args.plot:
         print(f"figure: {est.plot(args.plot)}")
     return 0

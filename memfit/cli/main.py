@@ -24,7 +24,7 @@ from memfit.cli import (
     train_command,
     tune_command,
 )
-from memfit.cli.common import UsageError
+from memfit.cli.common import UsageError, join_size_values
 from memfit.errors import ConfigError, MemfitError
 
 
@@ -40,16 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (its usage line is the one an error shows)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
     # The command line as given (not sys.argv when called as main([...])): --nproc runs it again.
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(join_size_values(given))
+    args.argv = given
     try:
         return int(args.run(args) or 0)
     except (UsageError, ConfigError) as exc:
-        parser.print_usage(sys.stderr)
+        _subcommand_parser(parser, args.command).print_usage(sys.stderr)
         print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except MemfitError as exc:

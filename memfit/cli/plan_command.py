@@ -23,6 +23,7 @@ from memfit.cli.common import (
     model_config_cls,
     parse_overrides,
     pick_device,
+    positive_size,
     to_device,
 )
 
@@ -36,7 +37,10 @@ def add_parser(sub: Any) -> None:
     add_model_arguments(p)
     add_factory_argument(p)
     p.add_argument(
-        "--budget", default=None, help="peak memory of a step, e.g. 2GiB (default: none)"
+        "--budget",
+        default=None,
+        type=positive_size,
+        help="peak memory of a step, e.g. 2GiB (default: none)",
     )
     p.add_argument(
         "--strategy", default="optimal", help="none | full | uniform:K | sqrt | optimal (default)"

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,24 +169,23 @@ def trim_metrics(run_dir: Path, step: int) -> int:
 
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file, fsync and a rename, so a kill never
-    leaves half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    leaves half a file (:func:`memfit.savefile.write_atomically`, which the state files
+    are written with too: every file of a run gets the mode a plain ``open()`` gives, 0644
+    under the usual umask, not the temp file's private 0600)."""
+    from memfit.savefile import write_atomically
+
+    data = text.encode("utf-8")
+    write_atomically(path, lambda f: f.write(data))
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (:func:`write_text`).
+    """Write ``data`` as JSON to ``path`` atomically: the writer an Engine's ``log_dir``
+    uses too (:func:`memfit.monitor.run_log.write_json`), so both write the same files.
 
     Example::
 
         write_json(Path("runs/a/summary.json"), {"steps": 300})
     """
-    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    from memfit.monitor.run_log import write_json as write  # torch: not at import time
+
+    write(path, data)

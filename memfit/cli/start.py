@@ -133,9 +133,9 @@ def new_run(given: Mapping[str, Any], defaults: Mapping[str, Any], out: str | No
         start = new_run({"model": "gpt"}, TRAIN_DEFAULTS, out=None)
     """
     settings = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
-    name = out or (
-        f"runs/{settings['model']}-{settings['precision']}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    factory = settings.get("factory")
+    label = Path(factory.rpartition(":")[0]).stem if factory else settings["model"]
+    name = out or f"runs/{label}-{settings['precision']}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file; give a directory")
@@ -174,6 +174,8 @@ def resume_settings(
         start.applied   # ['--steps 800 (was 300)']
     """
     run_dir = Path(resume)
+    if not run_dir.exists():
+        raise UsageError(f"--resume {resume}: no such directory")
     if run_dir.is_file():
         run_dir = run_dir.parent
     config_path = run_dir / CONFIG

@@ -1,4 +1,7 @@
-"""``memfit train``: train a built-in model for a short run and report what it cost.
+"""``memfit train``: train a built-in model (or yours: ``--factory MODULE:FUNCTION`` or
+``--factory path/to/file.py:FUNCTION`` returning a :class:`~memfit.cli.common.Workload`,
+the form every subcommand's ``--factory`` takes; :func:`memfit.cli.common.factory_model`)
+for a short run and report what it cost.
 
 With no arguments: the built-in GPT on the standard-library byte corpus, in the fastest
 precision for the machine (``--precision auto``: bf16-mixed where a bf16 matmul measures
@@ -53,11 +56,15 @@ from typing import TYPE_CHECKING, Any
 from memfit.cli.common import (
     MODEL_DEFAULTS,
     UsageError,
+    add_factory_argument,
     add_model_arguments,
     builtin_model,
+    factory_model,
     model_config_cls,
     parse_overrides,
     pick_device,
+    positive_size,
+    without_profiler_note,
 )
 from memfit.cli.run_dir import (
     CONFIG,
@@ -96,6 +103,7 @@ if TYPE_CHECKING:
 #: without defaults, so a flag given on the command line can be told from one left out.
 TRAIN_DEFAULTS: dict[str, Any] = {
     **MODEL_DEFAULTS,
+    "factory": None,  # MODULE:FUNCTION or file.py:FUNCTION returning a memfit.Workload
     "precision": "auto",  # measured on the machine: bf16-mixed where it is faster
     "tune": False,
     "data": None,
@@ -120,10 +128,13 @@ TRAIN_DEFAULTS: dict[str, Any] = {
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "train",
-        help="train a built-in model (default: GPT on a byte corpus, the fastest precision)",
-        description="Train a built-in model and report loss, memory, throughput and skipped steps.",
+        help="train a built-in model (default: GPT on a byte corpus, the fastest precision) "
+        "or yours (--factory)",
+        description="Train a built-in model (or yours, --factory) and report loss, memory, "
+        "throughput and skipped steps.",
     )
     add_model_arguments(p, defaults=False)
+    add_factory_argument(p, default=argparse.SUPPRESS)
 
     def setting(name: str, text: str, **kwargs: Any) -> None:
         default = TRAIN_DEFAULTS[name.removeprefix("--").replace("-", "_")]
@@ -142,7 +153,7 @@ def add_parser(sub: Any) -> None:
         "activation checkpointing: none | auto | full | uniform:K | sqrt | optimal "
         "(default: none; auto with --budget)",
     )
-    setting("--budget", "peak memory budget of a step for planning, e.g. 2GiB")
+    setting("--budget", "peak memory budget of a step for planning, e.g. 2GiB", type=positive_size)
     p.add_argument(
         "--tune",
         action="store_true",
@@ -305,6 +316,7 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
     the run directory and its files. A failure before the directory is made leaves
     nothing; one while making it removes what it made. Prints the run's header."""
     import torch
+    from rich.markup import escape
 
     import memfit
     from memfit.checkpoint.solvers import parse_strategy
@@ -329,7 +341,15 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
             choice = choose_precision(device)
             s["precision"] = from_rank0(choice.mode)
             console.print(choice.describe(), markup=False, soft_wrap=True)
-    overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
+    if s["factory"] is not None:
+        clash = [flag(k) for k in ("model", "overrides", "data") if k in given]
+        if clash:
+            raise UsageError(
+                f"{' and '.join(clash)} choose a built-in model; --factory builds its own"
+            )
+        overrides = {}
+    else:
+        overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
     if s["precision"] != "auto":
         memfit.PrecisionPolicy(s["precision"]).check_device(device)
     if s["checkpoint"] is None:  # a budget plans (the Engine's rule), saved as resolved
@@ -345,15 +365,21 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
             f"{s['batch_size']} has samples; use at most {s['batch_size']} micro-batches"
         )
 
-    model, loss_fn, batch_fn = builtin_model(
-        s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
-    )
+    if s["factory"] is not None:
+        model, loss_fn, batch_fn = factory_model(s["factory"], device=device, seed=s["seed"])
+        name = s["factory"]
+        tokens_per_sample = flops_per_sample = None
+    else:
+        model, loss_fn, batch_fn = builtin_model(
+            s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
+        )
+        name = s["model"]
+        seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
+        tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
+        flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
     tuned = None
     if s["tune"] and not start.resuming:
         tuned = _tune(s, given, overrides, loss_fn, batch_fn, device)
-    seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
-    tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
-    flops_per_sample = float(model.flops_per_token() * seq_len) if s["model"] == "gpt" else None
     sinks = RunSinks(run_dir)
     monitoring = dict(
         sinks=[sinks] if world.rank == 0 else [],
@@ -383,7 +409,7 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
     engine.prepare(split_batch(shard_batch(first), s["accumulation"])[0], loss_fn)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
-        f"[bold]memfit train[/] {s['model']} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
+        f"[bold]memfit train[/] {escape(name)} ({n_params / 1e6:.2f}M params) · {engine.policy.mode} · "
         f"batch {s['batch_size']} x {s['accumulation']} micro · {s['steps']} steps · {device} · {run_dir}"
     )
     if engine.auto.precision_choice is not None:
@@ -464,17 +490,27 @@ def _tune(
     if s["budget"] is None:
         raise UsageError("--tune needs --budget: the memory the step must fit, e.g. 2GiB")
     precisions = None if s["precision"] == "auto" else [s["precision"]]
-    result = memfit.tune(
-        lambda: build_model(s["model"], data="synthetic", **overrides).model,
-        lambda n: batch_at(batch_fn, n, s["seed"]),
-        loss_fn,
-        budget=s["budget"],
-        global_batch=s["batch_size"],
-        precisions=precisions,
-        measure_top=3,
-        steps=2,
-        device=device,
-    )
+    if s["factory"] is not None:
+        from memfit.cli.common import load_workload
+
+        model_fn = load_workload(s["factory"]).model_fn
+    else:
+
+        def model_fn() -> Any:
+            return build_model(s["model"], data="synthetic", **overrides).model
+
+    with without_profiler_note():  # torch's C++ note from memfit's measurements
+        result = memfit.tune(
+            model_fn,
+            lambda n: batch_at(batch_fn, n, s["seed"]),
+            loss_fn,
+            budget=s["budget"],
+            global_batch=s["batch_size"],
+            precisions=precisions,
+            measure_top=3,
+            steps=2,
+            device=device,
+        )
     best = result.best
     s["precision"] = best.precision
     s["accumulation"] = best.accumulation_steps

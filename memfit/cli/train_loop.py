@@ -113,32 +113,53 @@ class Job:
 def _progress(console: Console) -> Progress:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # Each field holds its label and value, or nothing before the first log step (no
+    # "loss -" placeholders for a window not read yet).
     return Progress(
         TextColumn("step {task.completed:>5}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[loss]}"),
         TextColumn("{task.fields[speed]}"),
-        TextColumn("scale {task.fields[scale]}"),
-        TextColumn("mem {task.fields[mem]}"),
+        TextColumn("{task.fields[scale]}"),
+        TextColumn("{task.fields[mem]}"),
         TimeElapsedColumn(),
         console=console,
     )
 
 
+#: The progress bar's fields before the first log step: empty.
+EMPTY_FIELDS = {"loss": "", "speed": "", "scale": "", "mem": ""}
+
+
+def step_speed(metrics: dict[str, float], tokens_per_sample: int | None) -> str | None:
+    """The training speed of the latest log window (the steps since the log step before,
+    timed by the Engine): what the progress bar shows and the summary's "step throughput"
+    row repeats. None when no window was read.
+
+    Example::
+
+        step_speed({"throughput/samples_per_second": 4.0}, 128)   # "512 tok/s"
+    """
+    sps = metrics.get("throughput/samples_per_second")
+    if sps is None or not math.isfinite(sps) or sps <= 0:
+        return None
+    if tokens_per_sample:
+        return f"{sps * tokens_per_sample:,.0f} tok/s"
+    return f"{sps:,.1f} samples/s"
+
+
 def _progress_fields(metrics: dict[str, float], tokens_per_sample: int | None) -> dict[str, str]:
-    """The progress bar's loss, speed, scale and memory from a log step's metrics."""
+    """The progress bar's loss, speed, scale and memory from a log step's metrics, each
+    with its label; a value not measured is left out rather than shown as a dash."""
     from memfit.units import format_bytes
 
-    sps = metrics["throughput/samples_per_second"]
-    speed = (
-        f"{sps * tokens_per_sample:,.0f} tok/s" if tokens_per_sample else f"{sps:,.1f} samples/s"
-    )
+    loss, scale = metrics.get("loss"), metrics.get("amp/scale")
     peak = metrics.get("memory/peak_bytes")
     return {
-        "loss": f"{metrics['loss']:.4f}",
-        "speed": speed,
-        "scale": f"{metrics['amp/scale']:g}",
-        "mem": format_bytes(peak) if peak else "-",
+        "loss": f"loss {loss:.4f}" if loss is not None and math.isfinite(loss) else "",
+        "speed": step_speed(metrics, tokens_per_sample) or "",
+        "scale": f"scale {scale:g}" if scale is not None else "",
+        "mem": f"mem {format_bytes(peak)}" if peak else "",
     }
 
 
@@ -170,15 +191,7 @@ def train_loop(job: Job, console: Console) -> Outcome:
 
     progress = _progress(console)
     with progress, SignalStop() as stop:
-        task = progress.add_task(
-            "train",
-            total=s["steps"],
-            completed=engine.steps,
-            loss="-",
-            speed="-",
-            scale="-",
-            mem="-",
-        )
+        task = progress.add_task("train", total=s["steps"], completed=engine.steps, **EMPTY_FIELDS)
         while engine.steps < s["steps"]:
             batch = batch_at(job.batch_fn, s["batch_size"], step_seed(s["seed"], engine.steps))
             engine.train_step(shard_batch(batch), job.loss_fn)
@@ -190,6 +203,7 @@ def train_loop(job: Job, console: Console) -> Outcome:
                 progress.update(task, **_progress_fields(engine.metrics, job.tokens_per_sample))
             elif last:  # the final loss, read before the final save records it
                 train_loss = engine.read_metrics()["loss"]
+                progress.update(task, **_progress_fields(engine.metrics, job.tokens_per_sample))
             due = minutes is not None and time.perf_counter() - last_save >= 60 * minutes
             stopping, due = stop.requested(due)
             if stopping and not last:  # the last step finishes the run as usual
@@ -248,7 +262,7 @@ def finish(job: Job, outcome: Outcome | None, console: Console) -> None:
     try:
         _print_advice(run_dir, console)
     except Exception as exc:  # the run itself succeeded; advice is not worth failing it
-        console.print(f"[yellow]no advice: {exc}[/]")
+        console.print(f"no advice: {exc}", style="yellow", markup=False)
     if again and (run_dir / "report" / "report.html").exists():
         console.print(f"report: {run_dir / 'report' / 'report.html'}")
         return
@@ -256,7 +270,7 @@ def finish(job: Job, outcome: Outcome | None, console: Console) -> None:
         report = make_report(run_dir)
         console.print(f"report: {report}")
     except Exception as exc:  # the run itself succeeded; a report problem is not fatal
-        console.print(f"[yellow]report not written: {exc}[/]")
+        console.print(f"report not written: {exc}", style="yellow", markup=False)
 
 
 def _logged_metrics(run_dir: Path) -> dict[str, float]:
@@ -318,10 +332,13 @@ def _summary(
         "final_train_loss": outcome.train_loss,
         "final_val_loss": outcome.val_loss,
         "peak_memory_bytes": metrics.get("memory/peak_bytes"),
+        # Over the run's wall time (start-up, validation and saves included) ...
         "samples_per_second": samples / elapsed if elapsed > 0 else 0.0,
         "tokens_per_second": samples * job.tokens_per_sample / elapsed
         if job.tokens_per_sample and elapsed > 0
         else None,
+        # ... and over the latest log window's steps alone (what the progress bar showed).
+        "step_samples_per_second": metrics.get("throughput/samples_per_second"),
         "wall_seconds": elapsed,
         "precision": engine.policy.mode,
         "loss_scale": stats.scale,
@@ -351,10 +368,20 @@ def _summary_table(
     table.add_row(
         "peak memory of a step", format_bytes(peak_bytes) if peak_bytes else "not measured"
     )
+    # Two rates, each labelled with what it measures: the progress bar's (the Engine's
+    # timing of the latest log window's steps) and the run's average over its wall time
+    # (start-up, validation and saves included).
+    speed = step_speed(
+        {"throughput/samples_per_second": summary["step_samples_per_second"] or math.nan},
+        job.tokens_per_sample,
+    )
+    if speed is not None:
+        table.add_row("step throughput (progress bar)", speed)
     if job.tokens_per_sample:
-        table.add_row("throughput", f"{summary['tokens_per_second']:,.0f} tokens/s")
+        overall = f"{summary['tokens_per_second']:,.0f} tok/s"
     else:
-        table.add_row("throughput", f"{summary['samples_per_second']:,.1f} samples/s")
+        overall = f"{summary['samples_per_second']:,.1f} samples/s"
+    table.add_row("run throughput (wall time)", overall)
     table.add_row("precision / loss scale", f"{engine.policy.mode} / {stats.scale:g}")
     table.add_row("wall time", f"{outcome.elapsed:.1f} s")
     table.add_row("run directory", str(job.run_dir))

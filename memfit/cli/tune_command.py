@@ -23,6 +23,8 @@ from memfit.cli.common import (
     model_config_cls,
     parse_overrides,
     pick_device,
+    positive_size,
+    without_profiler_note,
 )
 
 if TYPE_CHECKING:
@@ -39,7 +41,9 @@ def add_parser(sub: Any) -> None:
     )
     add_model_choice(p, "a built-in model's config field, e.g. --set n_layer=8 (repeatable)")
     add_factory_argument(p)
-    p.add_argument("--budget", required=True, help="peak memory of a step, e.g. 2GiB")
+    p.add_argument(
+        "--budget", required=True, type=positive_size, help="peak memory of a step, e.g. 2GiB"
+    )
     p.add_argument(
         "--global-batch", type=int, default=16, help="samples per optimizer step (default: 16)"
     )
@@ -132,6 +136,7 @@ def compute(args: argparse.Namespace) -> TuneResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = compute(args)
+    with without_profiler_note():  # torch's C++ note from memfit's measurements
+        result = compute(args)
     print(result.to_json() if args.json else result.summary())
     return 0

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,7 @@ from memfit.engine.export import export_model, model_state_dict
 from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_measured
 from memfit.engine.plan_stage import EnginePlan, check_first_step, make_engine_plan
 from memfit.engine.precision_stage import default_scaler, fp32_masters, switched_precision
+from memfit.engine.run_files import write_config, write_summary
 from memfit.engine.settings import (
     EngineSettings,
     check_arguments,
@@ -193,6 +195,12 @@ class Engine:
         self.memory_report: Any = None
         self.metrics: dict[str, float] = {}
         self.extra: dict[str, Any] = {}
+        # What log_dir's config.json and summary.json record (memfit/engine/run_files.py).
+        self._budget_given = memory_budget
+        self._trained_samples = 0  # samples of the steps this object took
+        self._first_step_at: float | None = None  # when its first step began (after planning)
+        self._last_step_at: float | None = None  # when its last step ended
+        self._val_loss: float | None = None  # the last "val/loss" given to log_metrics
 
     # ------------------------------------------------------------------ training
 
@@ -298,6 +306,8 @@ class Engine:
     def _open_window(self, size: int) -> Window:
         config = self.monitor.config
         check, self._plan_to_check = self._plan_to_check, None
+        if self._first_step_at is None:
+            self._first_step_at = time.perf_counter()
         return Window(
             reference=size * self.settings.accumulation_steps,
             loss_sum=torch.zeros((), dtype=torch.float32, device=self.device),
@@ -364,6 +374,8 @@ class Engine:
             raise
         self._window = None
         self.steps += 1
+        self._trained_samples += window.samples
+        self._last_step_at = time.perf_counter()
         self._log_window.add_step(window.samples, window.count)
         self._session_steps += 1
         error: NonFiniteError | None = None
@@ -470,7 +482,10 @@ class Engine:
         self.monitor.memory = memory_metrics(report)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step."""
+        """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step.
+        The last ``"val/loss"`` is ``final_val_loss`` in ``log_dir``'s ``summary.json``."""
+        if "val/loss" in metrics:
+            self._val_loss = float(metrics["val/loss"])
         for sink in self.monitor.sinks:
             sink.log(self.steps, {"step": float(self.steps), **metrics})
 
@@ -497,7 +512,33 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Flush and close the sinks and remove the monitor's hooks."""
+        """Write ``log_dir``'s ``summary.json`` (and ``plan.json``) when this Engine trained
+        a step, then flush and close the sinks and remove the monitor's hooks.
+
+        ``summary.json`` holds what ``memfit train``'s does (:mod:`memfit.engine.run_files`):
+        the step counts, the last losses, the peak memory, the precision and loss scale,
+        the budget, and the throughput over this object's steps (``wall_seconds``: from
+        the start of its first step, after the first batch's choices, to the end of its
+        last; one host sync reads the last loss)."""
+        if self.log_dir is not None and self._last_step_at is not None:
+            latest: dict[str, float] = {}
+            for record in self.monitor.records:
+                latest.update(record)
+            latest.update(self.metrics)
+            loss = self._last_loss
+            started = self._first_step_at or self._last_step_at
+            try:
+                write_summary(
+                    self.log_dir,
+                    self,
+                    latest,
+                    train_loss=None if loss is None else float(loss.item()),
+                    val_loss=self._val_loss,
+                    samples=self._trained_samples,
+                    seconds=self._last_step_at - started,
+                )
+            except OSError as exc:  # the training is done; a lost summary is not worth failing it
+                warnings.warn(f"summary.json not written in {self.log_dir}: {exc}", stacklevel=2)
         self.monitor.close()
 
     def prepare(self, batch: Batch, loss_fn: LossFn) -> Any:
@@ -563,6 +604,17 @@ class Engine:
         if auto.precision:  # 1
             self._use_precision(choose_precision(self._first_batch(), batch, loss_fn))
         self._make_plan(batch, loss_fn)  # 3
+        self._write_config()
+
+    def _write_config(self) -> None:
+        """``log_dir``'s ``config.json`` and ``plan.json``, now that the first batch's
+        choices are made (:mod:`memfit.engine.run_files`)."""
+        if self.log_dir is None:
+            return
+        try:
+            write_config(self.log_dir, self, self._budget_given)
+        except OSError as exc:  # the metrics still go to log_dir's sinks
+            warnings.warn(f"config.json not written in {self.log_dir}: {exc}", stacklevel=4)
 
     def _first_batch(self) -> FirstBatch:
         """What the first batch's choices need (:mod:`memfit.engine.auto`)."""

@@ -57,6 +57,22 @@ EXTRA = "integrations"
 #: Prefix of every key the callbacks add to the loop's logs.
 PREFIX = "memfit/"
 
+#: The keys (under :data:`PREFIX`) a callback logs by default: the ones a user acts on.
+#: Each is logged where it is measured (``amp/*`` under fp16 only, the allocator's peak on
+#: CUDA only); ``verbose=True`` logs every metric (docs/integrations.md lists them). The
+#: loops log their own throughput (the Trainer's ``train_samples_per_second``), so the
+#: callbacks add none.
+DEFAULT_KEYS = (
+    "plan/budget_bytes",  # the budget the plan was made for
+    "plan/predicted_peak_bytes",  # the peak the plan predicts for a step
+    "plan/measured_peak_bytes",  # one planned forward and backward, measured at train begin
+    "memory/allocated_peak_bytes",  # the allocator's peak since the last log step (CUDA)
+    "recompute/overhead",  # extra work of the plan's recompute, a fraction of a step
+    "amp/overflow_rate",  # skipped steps over steps (fp16)
+    "amp/skipped",  # skipped steps in all (fp16)
+    "health/warnings",  # health checks that warn; each is logged once with its remedy
+)
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -261,6 +277,9 @@ class RunMetrics:
     """The metrics a callback adds to the loop's logs, from a :class:`PlannedRun` and the
     steps it is told about; names as in docs/monitoring.md, under :data:`PREFIX`.
 
+    ``verbose``: every metric; else the :data:`DEFAULT_KEYS` measured (the health checks
+    see every metric either way).
+
     Example::
 
         metrics = RunMetrics(run, scaler=accelerator.scaler)
@@ -274,8 +293,10 @@ class RunMetrics:
         scaler: Any = None,
         thresholds: HealthThresholds | None = None,
         window: int = 100,
+        verbose: bool = False,
     ) -> None:
         self.run = run
+        self.verbose = verbose
         self.thresholds = thresholds or HealthThresholds()
         self.watcher = ScaleWatcher(scaler)
         self.window = OverflowWindow(window)
@@ -318,7 +339,8 @@ class RunMetrics:
         }
 
     def log_metrics(self, loss: float | None = None) -> dict[str, float]:
-        """Every metric with :data:`PREFIX`, and the health checks' warnings counted
+        """The metrics with :data:`PREFIX` (every one when ``verbose``, else the
+        :data:`DEFAULT_KEYS` measured), and the health checks' warnings counted
         (``memfit/health/warnings``); each check that turns to a warning is logged once with
         its remedy. On CUDA, ``memory/allocated_peak_bytes`` is the allocator's peak since
         the last call (the statistic is reset)."""
@@ -340,11 +362,16 @@ class RunMetrics:
                 said = f"{check.name} ({check.detail})" if check.detail else check.name
                 log.warning("memfit health: %s: %s", said, check.remedy)
         metrics["health/warnings"] = float(len(warned))
-        return {PREFIX + key: value for key, value in metrics.items()}
+        return {
+            PREFIX + key: value
+            for key, value in metrics.items()
+            if self.verbose or key in DEFAULT_KEYS
+        }
 
 
 def announce(run: PlannedRun, verbose: bool) -> None:
-    """The plan's summary, once, on rank zero: logged, and printed when ``verbose``."""
+    """The plan's summary, once, on rank zero: logged to the ``memfit.integrations``
+    logger, and printed when ``verbose``."""
     if not is_rank_zero():
         return
     text = run.result.plan.summary()
@@ -438,7 +465,7 @@ class CallbackCore:
             optimizer=optimizer,
             measure_memory=self.measure_memory,
         )
-        self.metrics = RunMetrics(self.run, scaler, self.thresholds)
+        self.metrics = RunMetrics(self.run, scaler, self.thresholds, verbose=self.verbose)
         announce(self.run, self.verbose)
 
 

@@ -78,8 +78,11 @@ class MemfitCallback(CallbackCore, TrainerCallback):
     "uniform", "uniform:k" or "none". ``loss_fn(model, batch)``: default
     :func:`model_loss`. ``example_batch``: one micro-batch to plan with, instead of the
     first batch of the train dataloader. ``measure_memory``: measure one planned forward
-    and backward at train begin (the ``memfit/memory/*`` metrics). ``verbose``: print the
-    plan's summary (it is logged to the ``memfit.integrations`` logger either way).
+    and backward at train begin (the ``memfit/memory/*`` metrics). Each log line gets a
+    handful of ``memfit/*`` keys (:data:`~memfit.integrations.common.DEFAULT_KEYS`: budget,
+    predicted and measured peak, recompute overhead, fp16 skips, health warnings);
+    ``verbose=True`` logs every metric and prints the plan's summary (it is logged to the
+    ``memfit.integrations`` logger either way).
 
     Example::
 
@@ -98,7 +101,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
         example_batch: Any = None,
         measure_memory: bool = True,
         thresholds: HealthThresholds | None = None,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__(
             budget,

@@ -114,7 +114,9 @@ class MemfitCallback(CallbackCore, Callback):
     directly, ``self.net(x)``, rather than ``self(x)``). ``loss_fn(model, batch)``:
     default :func:`training_step_loss`. ``example_batch``: one micro-batch to plan with,
     instead of the first batch of the train dataloader. ``measure_memory``: measure one
-    planned forward and backward at train start. ``verbose``: print the plan's summary.
+    planned forward and backward at train start. Each log step gets a handful of
+    ``memfit/*`` keys (:data:`~memfit.integrations.common.DEFAULT_KEYS`); ``verbose=True``
+    logs every metric and prints the plan's summary.
 
     Example::
 
@@ -133,7 +135,7 @@ class MemfitCallback(CallbackCore, Callback):
         example_batch: Any = None,
         measure_memory: bool = True,
         thresholds: HealthThresholds | None = None,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__(
             budget,

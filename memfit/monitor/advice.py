@@ -32,7 +32,16 @@ from memfit.monitor.run_log import RunLog, load_run
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["MIN_ADVICE_STEPS", "Advice", "RunFacts", "advise", "advise_run", "render_advice"]
+__all__ = [
+    "MIN_ADVICE_STEPS",
+    "Advice",
+    "RunFacts",
+    "UnitCounts",
+    "advise",
+    "advise_run",
+    "plan_unit_counts",
+    "render_advice",
+]
 
 #: Fewer optimizer steps than this, or fewer than two log records, and the records say
 #: too little about the scale's trajectory and the speed: the advice says so instead.
@@ -65,13 +74,22 @@ class Advice:
     """The recorded values it was based on, by name (bytes, fractions, counts, scales)."""
 
 
+#: The facts of :class:`RunFacts` that may be unknown (``RunFacts.unknown``).
+FACT_NAMES = ("precision", "budget_bytes", "accumulation_steps", "checkpoint")
+
+
 @dataclass(frozen=True)
 class RunFacts:
-    """What the advice needs that the log records do not hold; None where unknown.
+    """What the advice needs that the log records do not hold.
+
+    A None fact was recorded as unset (no budget, no plan) unless its name is in
+    ``unknown``: then nothing records it, and the advice says it does not know instead of
+    assuming. :func:`advise` without facts knows none of them.
 
     Example::
 
         RunFacts(precision="fp16-mixed", budget_bytes=4 * 2**30, accumulation_steps=4)
+        RunFacts(unknown=frozenset({"budget_bytes"}))   # no record says whether one was set
     """
 
     precision: str | None = None
@@ -94,6 +112,15 @@ class RunFacts:
     """Units the plan decided on."""
     plan_recompute_seconds: float | None = None
     """The plan's predicted recompute time per step."""
+    unknown: frozenset[str] = frozenset()
+    """The facts (of :data:`FACT_NAMES`) no record of the run states; ``precision`` None is
+    always unknown."""
+
+    def knows(self, name: str) -> bool:
+        """Whether fact ``name`` is recorded (a None then means: not set)."""
+        if name == "precision":
+            return self.precision is not None
+        return name not in self.unknown
 
 
 def advise(
@@ -112,7 +139,7 @@ def advise(
         for item in advise(engine.monitor.records, RunFacts(precision="bf16-mixed")):
             print(f"{item.topic}: {item.text}")
     """
-    facts = facts or RunFacts()
+    facts = facts or RunFacts(unknown=frozenset(FACT_NAMES))
     thresholds = thresholds or HealthThresholds()
     # Training log records; the val/loss lines a run adds between them hold only the step.
     logged = [r for r in records if "step" in r and any(k in r for k in _TRAINING_KEYS)]
@@ -169,11 +196,23 @@ def facts_from_run(run: RunLog) -> RunFacts:
                 budget = float(parse_bytes(config["budget"]))
         except ConfigError:
             budget = None
+    if budget is None and _positive(config.get("budget_bytes")) is not None:
+        budget = _positive(config.get("budget_bytes"))
     decisions = plan.get("decisions") if isinstance(plan.get("decisions"), dict) else None
     accumulation = summary.get("accumulation_steps")
     if accumulation is None:
         accumulation = config.get("accumulation")
     growth = summary.get("growth_interval")
+    # What no file records: the advice says it does not know (a run directory without
+    # config.json and summary.json, as an Engine of an earlier memfit left its log_dir).
+    unknown = set()
+    recorded = any("budget_bytes" in d or "budget" in d for d in (summary, config, plan))
+    if budget is None and (not recorded or config.get("budget") not in (None, "")):
+        unknown.add("budget_bytes")  # nothing says, or a budget given that no file sizes
+    if accumulation is None:
+        unknown.add("accumulation_steps")
+    if "checkpoint" not in config and not plan:
+        unknown.add("checkpoint")
     return RunFacts(
         precision=run.precision,
         budget_bytes=budget,
@@ -185,21 +224,67 @@ def facts_from_run(run: RunLog) -> RunFacts:
         plan_recomputed_units=None
         if decisions is None
         else recomputed_units(decisions, plan.get("segments")),
-        plan_units=None if decisions is None else len(decisions),
+        plan_units=None if decisions is None else plan_unit_counts(decisions).units,
         plan_recompute_seconds=_positive(plan.get("recompute_seconds")),
+        unknown=frozenset(unknown),
     )
 
 
-def recomputed_units(decisions: Mapping[str, str], segments: Any) -> int:
-    """Units a plan recomputes: those not kept, and those inside its segments (a ``sqrt``
-    plan keeps every unit's decision and recomputes through segments of them)."""
-    count = sum(1 for d in decisions.values() if d != "keep")
+@dataclass(frozen=True)
+class UnitCounts:
+    """What a plan recomputes, counted over its units: the innermost units it decided on
+    (the model itself and the containers of other units left out, so a 4-block GPT has 4),
+    each recomputed whole (``"recompute"``, or inside a recomputed ancestor or a segment)
+    or selectively (``"selective"``: the matmul outputs kept, the cheap ops between them
+    rebuilt, which a matmul FLOP count does not see).
+
+    Example::
+
+        plan_unit_counts({"": "keep", "blocks.0": "recompute", "blocks.1": "selective"}, {})
+        # UnitCounts(units=2, whole=1, selective=1)
+    """
+
+    units: int
+    whole: int
+    selective: int
+
+    @property
+    def recomputed(self) -> int:
+        """Units recomputed, whole or selectively."""
+        return self.whole + self.selective
+
+
+def plan_unit_counts(decisions: Mapping[str, str], segments: Any = None) -> UnitCounts:
+    """:class:`UnitCounts` of a plan's ``decisions`` and ``segments`` (a ``sqrt`` plan
+    keeps every unit's decision and recomputes through segments of them): the one count
+    the run advice and the tuner's advice both give."""
+    names = [str(n) for n in decisions]
+    leaves = [n for n in names if n and not any(o.startswith(n + ".") for o in names)]
+    leaves = leaves or names
+    whole_prefixes = [n for n in names if decisions[n] == "recompute"]
     if isinstance(segments, Mapping):
-        for spans in segments.values():
+        for parent, spans in segments.items():
             for span in spans or ():
                 start, end = span
-                count += int(end) - int(start) + 1
-    return count
+                for i in range(int(start), int(end) + 1):
+                    whole_prefixes.append(f"{parent}.{i}" if parent else str(i))
+
+    def inside(leaf: str, prefixes: list[str]) -> bool:
+        return any(p == "" or leaf == p or leaf.startswith(p + ".") for p in prefixes)
+
+    whole = sum(1 for leaf in leaves if inside(leaf, whole_prefixes))
+    selective_prefixes = [n for n in names if decisions[n] == "selective"]
+    selective = sum(
+        1
+        for leaf in leaves
+        if not inside(leaf, whole_prefixes) and inside(leaf, selective_prefixes)
+    )
+    return UnitCounts(len(leaves), whole, selective)
+
+
+def recomputed_units(decisions: Mapping[str, str], segments: Any) -> int:
+    """Units a plan recomputes, whole or selectively (:func:`plan_unit_counts`)."""
+    return plan_unit_counts(decisions, segments).recomputed
 
 
 # ---------------------------------------------------------------------- loss scale
@@ -240,7 +325,13 @@ def _loss_scale(
             gradients += f", which fp16 would start at {_pow2(numbers['amp/suggested_scale'])}"
     precision = facts.precision
     if not _loss_scaled(precision, scales):
-        text = f"none needed in {precision or 'this precision'} (no loss scaling)"
+        if precision is not None:
+            text = f"none needed in {precision} (no loss scaling)"
+        else:
+            text = (
+                f"{_UNKNOWN_PRECISION}; the logged loss scale stayed at 1, so the loss was "
+                "not scaled"
+            )
         if skipped:
             text += (
                 f"; {skipped} of {steps} steps were skipped for non-finite gradients, which "
@@ -307,6 +398,20 @@ def _loss_scale(
             f"; {_percent(underflow)} of the nonzero gradient values underflow fp16 at this scale"
         )
     return Advice("loss scale", text + gradients, numbers)
+
+
+#: Why a fact is unknown: the files that would record it are missing.
+_NOT_RECORDED = "no config.json, summary.json or plan.json in the run directory records it"
+_UNKNOWN_PRECISION = (
+    "the precision is unknown (no config.json or summary.json in the run directory names it)"
+)
+
+
+def _no_budget(facts: RunFacts) -> str:
+    """That no budget was set, or that whether one was is unknown."""
+    if facts.knows("budget_bytes"):
+        return "no budget was set (give memory_budget / --budget)"
+    return f"the budget is unknown ({_NOT_RECORDED})"
 
 
 def _by_step(calibration: int, skipped: int, step: int) -> str:
@@ -413,10 +518,15 @@ def _checkpointing(
             )
         elif overheads and recomputes:
             parts.append(f"recompute overhead {_percent(numbers['recompute_overhead'])}")
-    else:
+    elif facts.knows("checkpoint"):
         parts.append(f"none in use; measured peak {format_bytes(peak)}")
+    else:
+        parts.append(
+            f"measured peak {format_bytes(peak)}; whether a checkpoint plan was in use is "
+            f"unknown ({_NOT_RECORDED})"
+        )
     if facts.budget_bytes is None:
-        parts.append("no budget was set, so no headroom to judge (give memory_budget / --budget)")
+        parts.append(f"{_no_budget(facts)}, so no headroom to judge")
         return Advice("checkpointing", "; ".join(parts), numbers)
     share = peak / facts.budget_bytes
     numbers["peak_share_of_budget"] = share
@@ -467,7 +577,7 @@ def _micro_batch(records: Sequence[Mapping[str, float]], facts: RunFacts) -> Adv
     if accumulation is not None:
         numbers["accumulation_steps"] = float(accumulation)
     if memory is None or facts.budget_bytes is None:
-        missing = "no memory was measured" if memory is None else "no budget was set"
+        missing = "no memory was measured" if memory is None else _no_budget(facts)
         return Advice(
             "micro-batch", f"{missing}, so no advice on it; memfit tune measures it", numbers
         )

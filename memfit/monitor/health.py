@@ -1,8 +1,10 @@
 """Health checks: compare a run's metrics with the thresholds the field's practice suggests.
 
 Each check is ``"pass"``, ``"warn"`` (with a one-line remedy) or ``"n/a"`` (with the reason:
-the check does not apply to the precision mode, or the metric was not measured). The
-defaults are the table in the design notes, plus two fp16-specific checks:
+the check does not apply to the run, ``applies`` False, or the metric was not measured).
+The tables (:func:`render_health`, the report's) leave out the checks that do not apply and
+name them in one note (:func:`not_applicable_note`): an fp32 run without a plan shows the
+loss alone, not six rows of "n/a". The defaults are the table in the design notes, plus two fp16-specific checks:
 
 =============================  ==========================  ==================================
 check                          metric                      healthy (default)
@@ -45,6 +47,7 @@ __all__ = [
     "check_health",
     "health_from_dict",
     "health_to_dict",
+    "not_applicable_note",
     "render_health",
 ]
 
@@ -126,6 +129,9 @@ class HealthCheck:
     """Context: the reason for ``"n/a"``, or what the value means (e.g. the unit's name)."""
     percent: bool = False
     """Whether value and threshold are fractions best shown as percents."""
+    applies: bool = True
+    """False when the check does not apply to the run (the precision needs no loss
+    scaling, no plan is in use; ``detail`` says why): the tables leave it out."""
 
     def format_value(self) -> str:
         """The value for display: a percent, a number, or "-"."""
@@ -225,7 +231,9 @@ def _evaluate(check: _Check, run: _Run) -> HealthCheck:
     reason = check.skip(run)
     if reason is not None:
         shown = value if check.value_when_skipped else None
-        return HealthCheck(check.name, "n/a", shown, None, detail=reason, percent=check.percent)
+        return HealthCheck(
+            check.name, "n/a", shown, None, detail=reason, percent=check.percent, applies=False
+        )
     if value is None:
         detail = f"not measured ({check.missing})"
         return HealthCheck(check.name, "n/a", detail=detail, percent=check.percent)
@@ -253,16 +261,14 @@ def _threshold(check: _Check, run: _Run) -> float | None:
 
 
 def _no_scaling(run: _Run) -> str | None:
+    """Why the fp16 checks (overflow, loss scale, underflow, activation range) do not apply:
+    one reason for all four, so the tables' note says it once."""
     if run.policy.loss_scaling:
         return None
-    return f"{run.policy.mode} does not scale the loss: bf16 and fp32 share fp32's exponent range"
-
-
-def _keeps_fp32_range(what: str) -> Callable[[_Run], str | None]:
-    def skip(run: _Run) -> str | None:
-        return None if run.policy.loss_scaling else f"{run.policy.mode} {what} keep fp32's range"
-
-    return skip
+    return (
+        f"{run.policy.mode} keeps fp32's exponent range (bf16 and fp32 share it): no loss "
+        "scaling, no fp16 overflow or underflow"
+    )
 
 
 def _overflow_detail(run: _Run, status: Status) -> str:
@@ -371,7 +377,7 @@ _CHECKS: tuple[_Check, ...] = (
         missing="grad/underflow_fraction, see gradient_underflow",
         threshold="max_gradient_underflow",
         percent=True,
-        skip=_keeps_fp32_range("gradients"),
+        skip=_no_scaling,
         remedy=_underflow_remedy,
     ),
     # Activation range: the unit with the largest |output| against fp16's maximum.
@@ -382,7 +388,7 @@ _CHECKS: tuple[_Check, ...] = (
         threshold="max_activation_fp16_fraction",
         op="<",
         percent=True,
-        skip=_keeps_fp32_range("activations"),
+        skip=_no_scaling,
         value=_worst_unit_fraction,
         detail=_activation_detail,
         remedy=_activation_remedy,
@@ -458,8 +464,33 @@ def check_health(
 _STYLES = {"pass": "green", "warn": "bold yellow", "n/a": "dim"}
 
 
+def not_applicable_note(checks: Sequence[HealthCheck]) -> str | None:
+    """One note naming the checks that do not apply to the run (``applies`` False), each
+    reason said once; None when every check applies.
+
+    Example::
+
+        not_applicable_note(check_health({"loss": 2.0}, "fp32"))
+        # 'left out, as they do not apply: overflow rate, loss scale, gradient underflow,
+        #  activation range (fp32 keeps fp32's exponent range ...); ...'
+    """
+    groups: dict[str, list[str]] = {}
+    for c in checks:
+        if not c.applies:
+            groups.setdefault(c.detail, []).append(c.name)
+    if not groups:
+        return None
+    parts = [
+        f"{', '.join(names)} ({reason})" if reason else ", ".join(names)
+        for reason, names in groups.items()
+    ]
+    return "left out, as they do not apply: " + "; ".join(parts)
+
+
 def render_health(checks: Sequence[HealthCheck], title: str = "health") -> Table:
-    """A rich table of ``checks``: name, status, value, healthy range, remedy or note.
+    """A rich table of the ``checks`` that apply: name, status, value, healthy range,
+    remedy or note; those that do not apply are named in one caption
+    (:func:`not_applicable_note`).
 
     Example::
 
@@ -467,13 +498,15 @@ def render_health(checks: Sequence[HealthCheck], title: str = "health") -> Table
     """
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title, caption=not_applicable_note(checks), caption_justify="left")
     table.add_column("check")
     table.add_column("status")
     table.add_column("value", justify="right")
     table.add_column("healthy", justify="right")
     table.add_column("remedy / note", overflow="fold")
     for c in checks:
+        if not c.applies:
+            continue
         style = _STYLES.get(c.status, "")
         note = c.remedy or c.detail
         table.add_row(

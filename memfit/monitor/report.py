@@ -35,6 +35,7 @@ from memfit.monitor.health import (
     HealthCheck,
     check_health,
     health_from_dict,
+    not_applicable_note,
 )
 from memfit.monitor.run_log import CONFIG as CONFIG
 from memfit.monitor.run_log import HEALTH, RunLog, load_run
@@ -385,6 +386,8 @@ def _health_table(checks: list[HealthCheck]) -> str:
     )
     rows = []
     for c in checks:
+        if not c.applies:  # named in the note below the table
+            continue
         cls = {"pass": "pass", "warn": "warn"}.get(c.status, "na")
         note = c.remedy or c.detail
         if c.remedy and c.detail:
@@ -396,7 +399,9 @@ def _health_table(checks: list[HealthCheck]) -> str:
             f"<td class='num'>{html.escape(c.format_threshold())}</td>"
             f"<td>{html.escape(note)}</td></tr>"
         )
-    return f"<table>{head}{''.join(rows)}</table>"
+    note = not_applicable_note(checks)
+    after = f"<p class='note'>{html.escape(note)}</p>" if note else ""
+    return f"<table>{head}{''.join(rows)}</table>{after}"
 
 
 def _advice_section(run: RunLog) -> str:

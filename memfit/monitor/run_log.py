@@ -4,7 +4,9 @@ A run directory (what ``memfit train`` or an Engine's ``log_dir`` writes) holds
 ``metrics.jsonl`` (one JSON object per logged step), ``summary.json``, ``config.json``,
 and optionally ``health.json`` and ``plan.json``. :func:`load_run` reads them into a
 :class:`RunLog`, which the report (:mod:`memfit.monitor.report`) draws and the advice
-(:mod:`memfit.monitor.advice`) reads; both import it from here.
+(:mod:`memfit.monitor.advice`) reads; both import it from here. The JSON files are
+written by :func:`write_json` (atomically), by ``memfit train`` and by the Engine alike
+(:mod:`memfit.engine.run_files`).
 
 Example::
 
@@ -24,7 +26,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 
-__all__ = ["RunLog", "as_number", "load_run"]
+__all__ = ["RunLog", "as_number", "load_run", "write_json"]
 
 #: The files of a run directory.
 METRICS = "metrics.jsonl"
@@ -195,3 +197,19 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunLog:
         plan=_read_json(directory / PLAN),
         skipped_lines=skipped,
     )
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as JSON (indented, keys sorted) to ``path`` atomically: a temp file,
+    fsynced and renamed into place (:func:`memfit.savefile.write_atomically`), so a kill
+    never leaves half a file; the file gets the mode a plain ``open()`` would. Non-finite
+    floats are written as ``NaN``/``Infinity``, which :func:`load_run` reads back.
+
+    Example::
+
+        write_json(Path("runs/a/summary.json"), {"steps": 300})
+    """
+    from memfit.savefile import write_atomically  # torch, which reading does not need
+
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return write_atomically(path, lambda f: f.write(text.encode("utf-8")))

@@ -19,7 +19,14 @@ import os
 from collections.abc import Sequence
 
 from memfit.engine import Engine
-from memfit.monitor.advice import Advice, RunFacts, advise, advise_run, recomputed_units
+from memfit.monitor.advice import (
+    Advice,
+    RunFacts,
+    advise,
+    advise_run,
+    plan_unit_counts,
+    recomputed_units,
+)
 from memfit.monitor.report import RunLog
 from memfit.precision.scaler import FP16_MAX, suggest_initial_scale
 from memfit.tuning.result import TuneRow
@@ -66,24 +73,38 @@ def loss_scale_advice(stats: GradStats | None, precision: str) -> str:
 
 
 def checkpoint_advice(best: TuneRow, units: int | None) -> str:
-    """The checkpoint interval the choice implies for a model of ``units`` blocks."""
+    """The checkpoint interval the choice implies for a model of ``units`` blocks.
+
+    The units recomputed and the FLOPs share come from one source, the chosen row's plan
+    (:func:`~memfit.monitor.advice.plan_unit_counts` of its decisions and segments, and its
+    ``recompute_flops`` over the forward's): FLOPs are matmul FLOPs, so a unit recomputed
+    selectively (its matmul outputs kept) adds none, and the sentence says so."""
+    counts = plan_unit_counts(best.plan.decisions, best.plan.segments) if best.plan else None
+    if counts is not None and counts.units:
+        units = counts.units
     depth = f"{units} units" if units else "the model's units"
     if best.checkpoint == "none":
         return f"checkpointing: none needed; all {depth} keep their activations within the budget"
-    recomputed = sum(1 for d in best.plan.decisions.values() if d != "keep") if best.plan else None
     if best.checkpoint == "full":
         interval = "every unit"
     elif best.checkpoint == "sqrt" and units:
         interval = f"segments of about {max(1, round(math.sqrt(units)))} (sqrt of {units})"
-    elif recomputed is not None and units:
-        interval = f"{recomputed} recomputed"
+    elif counts is not None and units:
+        interval = f"{counts.recomputed} recomputed"
     else:
         interval = "the optimal plan at the budget"
     fraction = best.recompute_fraction or 0.0
-    return (
+    text = (
         f"checkpointing: {best.checkpoint}, {interval} of {depth}; recomputes "
-        f"{fraction:.1%} of a forward pass's FLOPs per micro-batch"
+        f"{fraction:.1%} of a forward pass's matmul FLOPs per micro-batch"
     )
+    if counts is not None and counts.selective:
+        whole = f"{counts.whole} whole, " if counts.whole else ""
+        text += (
+            f" ({whole}{counts.selective} selectively: those keep their matmul outputs and "
+            "rebuild only the elementwise ops between them, which add no matmul FLOPs)"
+        )
+    return text
 
 
 def split_advice(rows: Sequence[TuneRow], best: TuneRow, budget: int) -> str:
@@ -153,6 +174,6 @@ def engine_facts(engine: Engine) -> RunFacts:
         plan_recomputed_units=None
         if decisions is None
         else recomputed_units(decisions, getattr(plan, "segments", None)),
-        plan_units=None if decisions is None else len(decisions),
+        plan_units=None if decisions is None else plan_unit_counts(decisions).units,
         plan_recompute_seconds=getattr(plan, "recompute_seconds", None) or None,
     )

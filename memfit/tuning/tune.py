@@ -50,6 +50,7 @@ from memfit.candidates import (
 from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
+from memfit.monitor.advice import plan_unit_counts
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
@@ -438,5 +439,8 @@ def _record_time(trial: Trial) -> None:
 
 
 def _units(row: TuneRow) -> int | None:
-    """The number of candidate units the estimator's plan decided on."""
-    return len(row.plan.decisions) if row.plan is not None and row.plan.decisions else None
+    """The number of candidate units the estimator's plan decided on (the model itself and
+    containers of units left out: :func:`~memfit.monitor.advice.plan_unit_counts`)."""
+    if row.plan is None or not row.plan.decisions:
+        return None
+    return plan_unit_counts(row.plan.decisions, row.plan.segments).units or None
