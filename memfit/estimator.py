@@ -172,14 +172,16 @@ class Estimate:
             print(est.summary())
         """
         head = ["precision", "strategy", "peak", "params", "grads", "optimizer"]
-        head += ["activations", "temp", "recompute", "fits", "max batch"]
+        head += ["activations", "optimizer temp", "recompute", "fits", "max batch"]
         body = [
             [
                 r.precision,
                 r.strategy,
                 format_bytes(r.peak_bytes),
                 *(format_bytes(r.parts[k]) for k in ("params", "grads", "optimizer")),
-                *(format_bytes(r.parts[k]) for k in ("activations", "temp")),
+                format_bytes(r.parts["activations"]),
+                # Only where the optimizer step is the peak; elsewhere it is not in the peak.
+                format_bytes(r.parts["temp"]) if r.parts["temp"] else "-",
                 f"{r.recompute_fraction:.0%}",
                 "-" if r.fits is None else ("yes" if r.fits else "no"),
                 "-" if r.max_micro_batch is None else str(r.max_micro_batch),

@@ -298,3 +298,16 @@ def test_cli_builds_each_hf_config_without_weights(name: str, capsys) -> None:
     assert none["parts"]["activations"] > 0 and none["recompute_fraction"] == 0
     assert full["recompute_fraction"] > 0  # the blocks were found and recomputed
     assert full["parts"]["optimizer"] == none["parts"]["optimizer"] > 0
+
+
+def test_the_optimizer_temp_column_shows_them_only_where_that_step_is_the_peak() -> None:
+    model_fn, inputs_fn, loss_fn = builtin_spec("gpt", ["n_layer=2", "n_embd=32", "block_size=16"])
+    # At one sample the optimizer step is the peak of some rows and not of others.
+    est = memfit.estimate(model_fn, inputs_fn, batch_size=1, loss_fn=loss_fn)
+    header, *lines = est.summary(rich=False).splitlines()[1:]
+    start, end = header.index("optimizer temp"), header.index("recompute")
+    cells = [line[start:end].strip() for line in lines]
+    temps = [r.parts["temp"] for r in est.rows]
+    assert any(t == 0 for t in temps) and any(t > 0 for t in temps)
+    for cell, temp in zip(cells, temps):
+        assert (cell == "-") == (temp == 0), (cell, temp)

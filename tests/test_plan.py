@@ -368,3 +368,16 @@ def test_from_json_fills_optional_fields() -> None:
     assert plan.segments == {} and plan.structure is None and plan.notes == []
     assert plan.exact and plan.frontier == [FrontierPoint(5, 1.0, 2.0)]
     assert plan.pieces == [Piece("h.0", "recompute", None, 4, 1, 1.0, 2.0)]
+
+
+def test_the_summary_says_how_many_frontier_points_it_lists() -> None:
+    from memfit.checkpoint.plan import Plan
+    from memfit.checkpoint.solvers.frontier import FrontierPoint
+
+    points = [FrontierPoint(float(1000 - i), float(i) / 1e3, 0.0) for i in range(12)]
+    plan = Plan(decisions={}, frontier=points, recompute_seconds=0.0, predicted_peak_bytes=1000.0)
+    text = plan.summary()
+    listed = [line for line in text.splitlines() if line.strip().endswith(" ms")]
+    assert f"frontier ({len(listed)} of its 12 points shown" in text
+    few = Plan(decisions={}, frontier=points[:3], predicted_peak_bytes=1000.0)
+    assert "frontier (3 points" in few.summary()

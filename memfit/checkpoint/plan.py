@@ -411,6 +411,8 @@ class Plan:
             else set(range(len(points)))
         )
         count = "1 point" if len(points) == 1 else f"{len(points)} points"
+        if len(shown) < len(points):  # say that the list is a sample of the frontier
+            count = f"{len(shown)} of its {len(points)} points shown"
         out = ["", f"  frontier ({count}, * = this plan)", "        peak    recompute"]
         for i in shown:
             p = points[i]
