@@ -244,7 +244,7 @@ def finish(job: Job, outcome: Outcome | None, console: Console) -> None:
             writer(run_dir / name)
             written.append(name)
 
-    summary = _summary(job, outcome, stats, logged)
+    summary = _summary(job, outcome, logged)
     write("summary.json", lambda path: write_json(path, summary))
     checks = _health(job, logged) if again else engine.health()
     write("health.json", lambda path: write_json(path, health_to_dict(checks)))
@@ -320,18 +320,16 @@ def _print_advice(run_dir: Path, console: Console) -> None:
     console.print(render_advice(run_advice(run_dir)), markup=False, soft_wrap=True)
 
 
-def _summary(
-    job: Job, outcome: Outcome, stats: ScalerStats, metrics: dict[str, float]
-) -> dict[str, Any]:
+def _summary(job: Job, outcome: Outcome, metrics: dict[str, float]) -> dict[str, Any]:
     """What summary.json holds (``metrics``: the latest)."""
+    from memfit.engine.run_files import engine_summary
+
     engine, elapsed, samples = job.engine, outcome.elapsed, outcome.samples_done
     return {
-        "steps": engine.steps,
-        "applied_steps": engine.applied_steps,
-        "skipped_steps": stats.skipped,
+        # The Engine's part, as an Engine's log_dir writes it (memfit.engine.run_files).
+        **engine_summary(engine, metrics),
         "final_train_loss": outcome.train_loss,
         "final_val_loss": outcome.val_loss,
-        "peak_memory_bytes": metrics.get("memory/peak_bytes"),
         # Over the run's wall time (start-up, validation and saves included) ...
         "samples_per_second": samples / elapsed if elapsed > 0 else 0.0,
         "tokens_per_second": samples * job.tokens_per_sample / elapsed
@@ -340,13 +338,6 @@ def _summary(
         # ... and over the latest log window's steps alone (what the progress bar showed).
         "step_samples_per_second": metrics.get("throughput/samples_per_second"),
         "wall_seconds": elapsed,
-        "precision": engine.policy.mode,
-        "loss_scale": stats.scale,
-        # What the advice needs beyond the metrics (memfit.tuning.run_advice on the run directory).
-        "budget_bytes": engine.settings.memory_budget,
-        "accumulation_steps": engine.settings.accumulation_steps,
-        "init_scale": engine.scaler.init_scale,
-        "growth_interval": engine.scaler.growth_interval,
     }
 
 
