@@ -274,13 +274,6 @@ class ProbeResult:
     """For the others (on CPU): the most one op of the unit's forward, run again with
     autograd on as a rebuild runs it, held inside itself beyond every tensor (a kernel's
     own workspace, :attr:`memfit.allocator.AllocatorPeak.op_workspace_bytes`)."""
-    backward_workspace: dict[str, int] = field(default_factory=dict)
-    """For the units whose rerun has a backward (on CPU): the most one op of that backward
-    held inside itself beyond every tensor, as far as the backward rose above where it
-    began (everything the rerun saved held). Measured, not assumed from the forward's:
-    a CPU convolution's backward unfolds its input again, while an attention's forward
-    scratch (``scaled_dot_product_attention``'s math path) has no counterpart in its
-    backward."""
 
 
 def unstable_units(
@@ -333,7 +326,6 @@ def probe_units(
     handles = _record_calls(modules, rec, log, cuda)
     reasons: dict[str, str] = {}
     workspaces: dict[str, int] = {}
-    backward: dict[str, int] = {}
     try:
         with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
             weights = tokens.of([*model.parameters(), *model.buffers()])
@@ -347,11 +339,11 @@ def probe_units(
                 if why is not None:
                     reasons[call.name] = why
             if workspace:  # buffers and the random state are restored after these too
-                workspaces, backward = _workspaces(model, rec.calls, reasons)
+                workspaces = _forward_workspaces(model, rec.calls, reasons)
     finally:
         for handle in handles:
             handle.remove()
-    return ProbeResult(reasons, workspaces, backward)
+    return ProbeResult(reasons, workspaces)
 
 
 def _record_calls(
@@ -449,27 +441,23 @@ def _rerun_with_grad(
         return module(*args, **kwargs)  # returned: what it saves stays alive to the end
 
 
-def _workspaces(
+def _forward_workspaces(
     model: nn.Module, calls: list[_Call], unstable: dict[str, str]
-) -> tuple[dict[str, int], dict[str, int]]:
-    """Each stable CPU unit's forward run again with autograd on, then its backward, under
-    the allocator: the forward's and the backward's workspaces, by unit."""
+) -> dict[str, int]:
+    """Each stable CPU unit's forward run again with autograd on, under the allocator."""
 
     out: dict[str, int] = {}
-    backward: dict[str, int] = {}
     params = list(model.parameters())
     grads = [p.grad for p in params]  # kept as they were, whatever a rerun does
     try:
-        _workspaces_of(calls, unstable, out, backward)
+        _workspaces_of(calls, unstable, out)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    return out, backward
+    return out
 
 
-def _workspaces_of(
-    calls: list[_Call], unstable: dict[str, str], out: dict[str, int], backward: dict[str, int]
-) -> None:
+def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, int]) -> None:
     for call in calls:
         device = call.autocast[0]
         if call.name in unstable or call.end < 0 or device != "cpu":
@@ -491,25 +479,4 @@ def _workspaces_of(
         # emulated) comes before most of what the unit saves exists, not on top of it.
         above_end = peak.peak_bytes - (peak.end_bytes or 0)
         out[call.name] = max(out.get(call.name, 0), min(peak.op_workspace_bytes, above_end))
-        back = _backward_workspace(peak.result)
-        if back is not None:
-            backward[call.name] = max(backward.get(call.name, 0), back)
-        for t in tensors((args, kwargs)):
-            t.grad = None  # the copies' gradients, made by the backward above
         del peak  # the rerun's graph and output, before the next call's rerun
-
-
-def _backward_workspace(output: Any) -> int | None:
-    """The most one op of the backward of ``output`` (a rerun's, its graph alive) held
-    inside itself beyond every tensor, as far as the backward rose above where it began
-    (where everything the rerun saved is held: a rebuild's backward starts there too);
-    None when it has no backward or the backward fails."""
-    outs = [t for t in tensors(output) if t.requires_grad and t.grad_fn is not None]
-    if not outs:
-        return None
-    seeds = [torch.ones_like(t) for t in outs]  # made before the window: not the backward's
-    try:
-        peak = allocator_peak(lambda: torch.autograd.backward(outs, seeds), device="cpu")
-    except Exception:  # only the term is lost: the forward's stands in for it
-        return None
-    return max(0, min(peak.op_workspace_bytes, peak.peak_bytes - peak.start_bytes))

@@ -144,9 +144,8 @@ def _without_unstable(
 ) -> ModelProfile:
     """``profiled`` with the units whose forward does other work when run again (state
     kept between calls, e.g. a key/value cache) marked as not recomputable, with the
-    reason in ``profile.reasons``, and each other unit's forward and backward workspaces
-    (what a kernel of its rebuild, and of the rebuild's backward, holds for itself;
-    :mod:`memfit.checkpoint.probe`)."""
+    reason in ``profile.reasons``, and each other unit's forward workspace (what a kernel
+    of its rebuild holds for itself; :mod:`memfit.checkpoint.probe`)."""
     names = [u.name for u in profiled.root.walk() if u.name and u.can_recompute]
     device = next((p.device.type for p in model.parameters()), "cpu")
     with suspended(model):
@@ -164,15 +163,11 @@ def _without_unstable(
     def mark(unit: UnitCost) -> UnitCost:
         children = [mark(c) for c in unit.children]
         stable = unit.can_recompute and unit.name not in found
-        forward = float(probed.forward_workspace.get(unit.name, 0))
         return dataclasses.replace(
             unit,
             children=children,
             can_recompute=stable,
-            forward_workspace_bytes=forward,
-            # Where its backward could not be measured, about what its forward needed (a
-            # convolution's backward does).
-            backward_workspace_bytes=float(probed.backward_workspace.get(unit.name, forward)),
+            forward_workspace_bytes=float(probed.forward_workspace.get(unit.name, 0)),
         )
 
     return dataclasses.replace(profiled, root=mark(profiled.root), unstable=found)

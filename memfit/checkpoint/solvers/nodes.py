@@ -28,7 +28,6 @@ _NUMBERS = (
     "backward_hold_bytes",
     "own_saved_after_children_bytes",
     "forward_workspace_bytes",
-    "backward_workspace_bytes",
     "tail_seconds",
     "tail_flops",
     "piece_seconds",
@@ -81,8 +80,6 @@ class FlatUnit:
         "own_saved_after_children_bytes",
         "forward_workspace_bytes",
         "child_forward_workspace_table",
-        "backward_workspace_bytes",
-        "child_backward_workspace_table",
     )
 
     def __init__(self, index: int, unit: UnitCost, is_root: bool) -> None:
@@ -145,9 +142,6 @@ class FlatUnit:
         # children's, for segments.
         self.forward_workspace_bytes = float(unit.forward_workspace_bytes)
         self.child_forward_workspace_table: Sequence[Sequence[float]] = ()
-        # What a kernel of its backward holds for itself (measured), and the children's.
-        self.backward_workspace_bytes = float(unit.backward_workspace_bytes)
-        self.child_backward_workspace_table: Sequence[Sequence[float]] = ()
         # For a chain (a sequential unit with two or more children), per child position:
         # sums over the children before it (``*_before``, one entry more than children),
         # and what it and they cost as a rebuild ending with it (``*_through``). Segment
@@ -182,15 +176,13 @@ class FlatUnit:
         before it: child ``i``'s input (held by the checkpoint, so what child ``i`` saves of
         it is not allocated again), what they all rebuild, and the larger of what the
         rebuild's forward and what their backward hold besides: the gradients made when
-        backward reaches child ``i`` with the most a kernel of their forwards holds for
-        itself or child ``i``'s input gradient, or the most one of them was measured to
-        hold in backward with the most a kernel of their backwards holds (see
-        :func:`rebuild_hold`)."""
+        backward reaches child ``i`` with the most a kernel of theirs holds for itself or
+        child ``i``'s input gradient, or the most one of them was measured to hold in
+        backward (see :func:`rebuild_hold`)."""
         inp = self.child_input_bytes[i]
         row = (j - i + 1).bit_length() - 1
         last = j + 1 - (1 << row)
         holds, spaces = self.child_backward_hold_table, self.child_forward_workspace_table
-        back = self.child_backward_workspace_table
         return rebuild_hold(
             inp,
             self.rebuilt_before[j + 1] - self.rebuilt_before[i],
@@ -198,7 +190,6 @@ class FlatUnit:
             max(spaces[row][i], spaces[row][last]),
             self.child_grads_from_bytes[i],
             max(holds[row][i], holds[row][last]),
-            max(back[row][i], back[row][last]),
         )
 
     def segment_seconds(self, i: int, j: int) -> float:
@@ -227,11 +218,7 @@ _LIST_SLOTS = (
     "child_input_bytes",
     "child_input_saved_bytes",
 )
-_TABLE_SLOTS = (
-    "child_backward_hold_table",
-    "child_forward_workspace_table",
-    "child_backward_workspace_table",
-)
+_TABLE_SLOTS = ("child_backward_hold_table", "child_forward_workspace_table")
 _NUMBER_SLOTS = tuple(
     name
     for name in FlatUnit.__slots__
@@ -249,25 +236,21 @@ def rebuild_hold(
     workspace_bytes: float,
     grads_from_bytes: float,
     backward_hold_bytes: float,
-    backward_workspace_bytes: float,
 ) -> float:
     """What a rebuild holds above what is kept before it, the cost model's one formula for
     a unit and a segment: the input (the checkpoint keeps it, so the part the rebuild
     saves of it is not new), all it rebuilds, then the larger of two moments. During the
     rebuild's forward, the parameter gradients made by then and the larger of the most
-    one kernel of the forward holds for itself (``workspace_bytes``) and the input's
-    gradient; during its backward, what the backward was measured to hold beyond what it
-    saves (which counts the gradients made by then) and the most one kernel of the
-    backward holds for itself (``backward_workspace_bytes``, measured by the allocator:
-    the dispatch-level measurement of backward does not see it; a convolution's backward
-    needs about what its forward did, an attention's none of its forward's scratch).
+    one kernel holds for itself and the input's gradient; during its backward, what the
+    backward was measured to hold beyond what it saves (which counts the gradients made
+    by then) and a kernel's workspace again (the dispatch-level measurement of backward
+    does not see it; a convolution's backward needs about what its forward did).
 
-    >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0, 5.0)
+    >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0)
     135.0
     """
     held = max(
-        grads_from_bytes + max(workspace_bytes, input_bytes),
-        backward_hold_bytes + backward_workspace_bytes,
+        grads_from_bytes + max(workspace_bytes, input_bytes), backward_hold_bytes + workspace_bytes
     )
     return input_bytes + max(0.0, rebuilt_bytes - input_saved_bytes) + held
 
@@ -315,7 +298,6 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
             node.forward_workspace_bytes,
             node.grads_from_bytes,
             node.backward_hold_bytes,
-            node.backward_workspace_bytes,
         )
         if node.is_chain():
             kids = [nodes[c] for c in node.children]
@@ -335,9 +317,6 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
             node.child_backward_hold_table = _range_max_table([k.backward_hold_bytes for k in kids])
             node.child_forward_workspace_table = _range_max_table(
                 [k.forward_workspace_bytes for k in kids]
-            )
-            node.child_backward_workspace_table = _range_max_table(
-                [k.backward_workspace_bytes for k in kids]
             )
             start = 0
             run_start = []
