@@ -49,13 +49,13 @@ def _budget(fraction: float) -> int:
     return int(fraction * whole.predicted_peak_bytes)
 
 
-def _engine(budget: int, **kwargs):
+def _engine(budget: int, precision: str = "fp32", **kwargs):
     torch.manual_seed(0)
     model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
     engine = memfit.Engine(
         model,
         torch.optim.AdamW(model.parameters()),
-        precision="fp32",
+        precision=precision,
         micro_batch="auto",
         memory_budget=budget,
         monitor=False,
@@ -223,19 +223,10 @@ def test_with_precision_auto_the_modes_are_timed_with_the_splits(
     monkeypatch.setattr(speed, "probe_settles", lambda probe, device: "")
     monkeypatch.setattr(speed, "model_seconds_assumed", lambda device: None)
     budget = _budget(0.6)
-    torch.manual_seed(0)
-    model, loss_fn, batch_fn = build_model("gpt", data="synthetic", **CFG)
     with speed.assumed_speed("cpu", {torch.bfloat16: 2.7}):
-        engine = memfit.Engine(
-            model,
-            torch.optim.AdamW(model.parameters()),
-            precision="auto",
-            micro_batch="auto",
-            memory_budget=budget,
-            monitor=False,
-        )
+        engine, loss_fn, batch = _engine(budget, precision="auto")
         seen = _inject(monkeypatch, lambda t, n: bf16 if t.policy.mode != "fp32" else 1.0)
-        engine.train_step(batch_fn(GLOBAL, generator=0), loss_fn)
+        engine.train_step(batch, loss_fn)
     assert {t.policy.mode for t in seen} == {"fp32", "bf16-mixed"}
     assert {t.peer for t in seen if t.policy.mode == "bf16-mixed"} >= {"halving"}
     assert engine.settings.precision == expected

@@ -163,12 +163,7 @@ class TimedSplits:
 
     def mode_seconds(self) -> dict[str, float]:
         """Each mode's fastest median over its trials (the timed global batch)."""
-        out: dict[str, float] = {}
-        for t in self.trials:
-            if t.error is None and t.seconds:
-                m = _median(t.seconds)
-                out[t.policy.mode] = min(out.get(t.policy.mode, m), m)
-        return out
+        return _fastest_by_mode(self.trials)
 
 
 def time_splits(
@@ -383,9 +378,7 @@ def choose_timed(trials: list[SplitTrial], rounds: int, began: float) -> TimedSp
         choose_timed(trials, rounds=3, began=start).best.policy.mode   # "fp32"
     """
     good = [t for t in trials if t.error is None and t.seconds]
-    fastest: dict[str, float] = {}
-    for t in good:
-        fastest[t.policy.mode] = min(fastest.get(t.policy.mode, float("inf")), _median(t.seconds))
+    fastest = _fastest_by_mode(good)
     mode = min(fastest, key=fastest.__getitem__)
     if mode != "fp32" and "fp32" in fastest and fastest["fp32"] / fastest[mode] < AUTO_MARGIN:
         mode = "fp32"  # a 16-bit mode only when clearly faster, as precision="auto" alone
@@ -397,6 +390,16 @@ def choose_timed(trials: list[SplitTrial], rounds: int, began: float) -> TimedSp
         why = f"{mode} ({', '.join(f'{m} {s * 1e3:.0f} ms' for m, s in fastest.items())}); {why}"
     timed = [t for t in trials if t.error is not None or t.seconds]
     return TimedSplits(best, timed, rounds, why, time.monotonic() - began)
+
+
+def _fastest_by_mode(trials: Sequence[SplitTrial]) -> dict[str, float]:
+    """Each mode's lowest median over the trials that ran without error."""
+    out: dict[str, float] = {}
+    for t in trials:
+        if t.error is None and t.seconds:
+            m = _median(t.seconds)
+            out[t.policy.mode] = min(out.get(t.policy.mode, m), m)
+    return out
 
 
 def _median(seconds: Sequence[float]) -> float:
