@@ -95,9 +95,18 @@ def _least_plan(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tenso
     """The plan at the least point of memfit's frontier over the four blocks, as predicted
     (unverified: the prediction is what the tests judge)."""
     units = [f"blocks.{i}" for i in range(4)]
-    whole = memfit.plan(model, batch, _loss, optimizer=opt, units=units)
+    whole = memfit.plan(model, batch, _loss, optimizer=opt, units=units, precision="fp32")
     budget = int(whole.frontier[0].peak_bytes / 0.98) + 1
-    return memfit.plan(model, batch, _loss, budget=budget, optimizer=opt, units=units, verify=False)
+    return memfit.plan(
+        model,
+        batch,
+        _loss,
+        budget=budget,
+        optimizer=opt,
+        units=units,
+        verify=False,
+        precision="fp32",
+    )
 
 
 def _setup(where: str) -> tuple[StemNet, torch.optim.Optimizer, torch.Tensor]:
@@ -134,10 +143,18 @@ def test_no_plan_is_predicted_below_the_edges(where: str) -> None:
 
 def test_a_budget_below_the_edges_is_refused_with_the_measured_number() -> None:
     model, opt, batch = _setup("backward")
-    whole = memfit.plan(model, batch, _loss, optimizer=opt)
+    whole = memfit.plan(model, batch, _loss, optimizer=opt, precision="fp32")
     floor = whole.frontier[0].peak_bytes
     with pytest.raises(BudgetError, match="while none of its units runs"):
-        memfit.plan(model, batch, _loss, budget=int(floor * 0.9), optimizer=opt, verify=False)
+        memfit.plan(
+            model,
+            batch,
+            _loss,
+            budget=int(floor * 0.9),
+            optimizer=opt,
+            verify=False,
+            precision="fp32",
+        )
 
 
 class SpikyLoss(nn.Module):

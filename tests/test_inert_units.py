@@ -105,7 +105,7 @@ def test_full_never_recomputes_a_unit_that_cannot_free_memory(case: str) -> None
     torch.manual_seed(0)
     net = make()
     batch = _batch(net)
-    plan = memfit.plan(net, batch, _loss, strategy="full", units=units)
+    plan = memfit.plan(net, batch, _loss, strategy="full", units=units, precision="fp32")
     assert plan.decisions.get(inert, "keep") == "keep", plan.decisions
     # The others are recomputed: the rule keeps only what cannot free memory.
     useful = [u for u in _BLOCKS if u != inert]
@@ -117,7 +117,9 @@ def test_a_sparse_embedding_is_planned_and_its_plan_keeps_the_gradients() -> Non
     net = Net(embed="sparse")
     batch = _batch(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    plan = memfit.plan(net, batch, _loss, optimizer=opt, units=["embed", *_BLOCKS])
+    plan = memfit.plan(
+        net, batch, _loss, optimizer=opt, units=["embed", *_BLOCKS], precision="fp32"
+    )
     least = memfit.plan(
         net,
         batch,
@@ -125,6 +127,7 @@ def test_a_sparse_embedding_is_planned_and_its_plan_keeps_the_gradients() -> Non
         budget=int(plan.frontier[0].peak_bytes / 0.98) + 1,
         optimizer=opt,
         units=["embed", *_BLOCKS],
+        precision="fp32",
     )
     assert least.measured_peak_bytes is not None
     assert least.measured_peak_bytes <= least.budget_bytes
@@ -156,12 +159,16 @@ def test_a_sparse_gradient_is_sized_by_the_rows_it_holds_not_by_its_table() -> N
     batch = torch.randint(0, 20_000, (BATCH, 4), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     units = ["embed", *_BLOCKS]
-    least = memfit.plan(net, batch, _loss, strategy="full", optimizer=opt, units=units)
+    least = memfit.plan(
+        net, batch, _loss, strategy="full", optimizer=opt, units=units, precision="fp32"
+    )
     measured = planned_step_peak(net, least, batch, _loss, opt)
     assert abs(least.predicted_peak_bytes - measured) <= 0.03 * measured, (
         least.predicted_peak_bytes,
         measured,
     )
     # A budget 1% above what the least plan measured is met, not refused.
-    fitted = memfit.plan(net, batch, _loss, budget=int(measured * 1.01), optimizer=opt, units=units)
+    fitted = memfit.plan(
+        net, batch, _loss, budget=int(measured * 1.01), optimizer=opt, units=units, precision="fp32"
+    )
     assert fitted.measured_peak_bytes is None or fitted.measured_peak_bytes <= fitted.budget_bytes
