@@ -10,12 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from cpu_kind import native_bf16
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
@@ -39,21 +38,6 @@ CASES = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512-BF16 or AMX, not limited to AVX2 by
-    ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``): decided from the CPU's flags, never
-    from timing."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return (
-        torch.backends.cpu.get_cpu_capability() != "AVX2"
-        and ("avx512_bf16" in flags or "amx_bf16" in flags)
-        and os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ("AVX2", "AVX", "SSE41")
-    )
 
 
 def _setup(name: str, precision: str = "fp32", batch_size: int = 16):
@@ -121,7 +105,7 @@ def test_optimal_plans_fit_their_budget_and_are_predicted_within_10_percent(
 def test_predicted_peak_within_10_percent(
     name: str, precision: str, strategy: str, request: pytest.FixtureRequest
 ) -> None:
-    if (name, precision, strategy) == ("resnet", "bf16-mixed", "full") and not _native_bf16():
+    if (name, precision, strategy) == ("resnet", "bf16-mixed", "full") and not native_bf16():
         # A known shortfall where bf16 convolutions are emulated (AVX2 only, or emulated so):
         # a unit's rebuilt forward is measured holding ~3.7 MiB of scratch above what it
         # keeps, which the step's rebuild in backward does not show; predicted 14.19 MiB

@@ -94,6 +94,10 @@ class UnitCost:
     recompute_extra_bytes: float = 0.0
     """Bytes a rebuild of this unit allocates beyond what it saves and its input's gradient,
     for the whole subtree (e.g. autocast's 16-bit copies of its weights, cast again)."""
+    saved_cast_bytes: float = 0.0
+    """Of the subtree's saved bytes, autocast's 16-bit copies of its own weights (a
+    matmul under autocast saves the copy of the weight it multiplies by): a rebuild makes
+    them as it saves them, so they are no extra beside what it saves."""
     grads_from_bytes: float = 0.0
     """Parameter gradients that exist when backward rebuilds this unit: those of the unit
     and of everything after it in forward order (backward has made them by then), and of
@@ -118,6 +122,12 @@ class UnitCost:
     tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""
     tail_seconds: float = 0.0
     """Forward time of those trailing ops."""
+    input_storages: tuple[tuple[int, float], ...] = ()
+    """The memory blocks behind the unit's inputs, each as ``(id, bytes)`` with an id
+    unique within the profiled step (empty when not profiled). Units far apart may
+    receive the same block (a position bias every layer adds, an encoder's output every
+    cross-attention reads): pieces that keep it as their checkpoints' input hold it once,
+    which the prediction counts (:func:`memfit.checkpoint.solvers.plan_cost`)."""
     input_saved_bytes: float = 0.0
     """Bytes of the unit's inputs that its own subtree saves for backward (a LayerNorm or a
     Linear at its start saves the tensor it receives). A rebuild of the unit saves them

@@ -49,6 +49,7 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile_stage import ModelProfile
 from memfit.checkpoint.solvers import FrontierPoint, Solution, parse_strategy, plan_cost, solve
 from memfit.checkpoint.solvers.frontier import pareto
+from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes
 from memfit.checkpoint.step_memory import (
     RankLayout,
     StepMemory,
@@ -153,6 +154,7 @@ def solve_profile(
         output_held=profiled.output_held,
         layout=layout,
         loss_spike_bytes=None if edges is None else edges.loss_spike_bytes,
+        head_backward_bytes=None if edges is None else edges.head_backward_bytes,
     )
     if edges is not None:
         edge = max(edges.head_bytes + mem.accumulated_grad_bytes, edges.tail_bytes + mem.grad_bytes)
@@ -276,9 +278,10 @@ def result_of_solution(
     held, floor = mem.held_bytes, mem.floor_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
-    counted = plan_cost(
-        root, solution.decisions, solution.segments, held, mem.loss_bytes, shared_inputs=True
-    )
+    # Nor do they credit autocast's weight copies that kept units save, which the end of
+    # forward holds once (as saved tensors and in the autocast cache alike).
+    loss = mem.loss_beside(kept_cast_bytes(root, solution.decisions, solution.segments))
+    counted = plan_cost(root, solution.decisions, solution.segments, held, loss, shared_inputs=True)
     predicted = max(counted.peak_bytes, floor)
     note = solution.note
     if note and budget_bytes is not None and solution.recompute_flops == 0:

@@ -283,11 +283,30 @@ class StepMemory:
     (:func:`memfit.checkpoint.workspace.step_workspace`), and no plan changes it. 0 when
     not measured (off CPU, or per rank of a data-parallel run)."""
 
+    cast_bytes: float = 0.0
+    """Autocast's 16-bit copies of fp32 weights held at the end of forward (in
+    ``loss_bytes``'s moments before the autocast region ends; 0 outside the mixed modes)."""
+    loss_uncast_bytes: float = 0.0
+    """Of ``loss_bytes``, its moment after the autocast region has ended (the head of
+    backward), which holds no cast copies: the least ``loss_bytes`` can be."""
+
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
     Function's ``ctx.x``, hidden states appended to a list), measured on the profiled
     step (:attr:`memfit.checkpoint.profiler.Profile.retained_bytes`): no plan frees it,
     and it is counted as held through the activation phase."""
+
+    def loss_beside(self, kept_cast_bytes: float) -> float:
+        """``loss_bytes`` for a plan whose kept units save ``kept_cast_bytes`` of autocast's
+        weight copies: those are the cast copies themselves (a matmul under autocast saves
+        the copy it multiplies by), counted with what is kept, so its moments that hold
+        the copies hold those no second time.
+
+        Example::
+
+            mem.loss_beside(0.0) == mem.loss_bytes
+        """
+        return max(self.loss_uncast_bytes, self.loss_bytes - min(kept_cast_bytes, self.cast_bytes))
 
     @property
     def held_bytes(self) -> float:
@@ -324,6 +343,7 @@ def step_memory(
     output_held: bool = True,
     layout: RankLayout | None = None,
     loss_spike_bytes: float | None = None,
+    head_backward_bytes: float | None = None,
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
@@ -338,7 +358,10 @@ def step_memory(
     ``layout``: what one rank of a data-parallel run holds (module docstring).
     ``loss_spike_bytes``: the transients of the loss's part of forward, measured
     (:attr:`memfit.checkpoint.workspace.StepEdges.loss_spike_bytes`), held above the end
-    of forward at its moment."""
+    of forward at its moment. ``head_backward_bytes``: what the head of backward held above
+    the end of forward, measured
+    (:attr:`memfit.checkpoint.workspace.StepEdges.head_backward_bytes`), in place of the
+    profiler's count of what the head makes (which does not subtract what it frees)."""
     layout = layout or RankLayout()
     root = prof.root if root is None else root
     sparse = sparse_grad_sizes(prof, accumulation_steps)
@@ -359,11 +382,14 @@ def step_memory(
     # last block, which the in-flight term holds already. The larger of the two is taken.
     # It does not meet the cast copies: it runs after the autocast region has ended.
     in_flight = _in_flight_bytes(root)
-    head = max(loss_saved + output, prof.head_backward_bytes - in_flight)
+    made = prof.head_backward_bytes if head_backward_bytes is None else head_backward_bytes
+    head = max(loss_saved + output, made - in_flight)
     if output_held:  # out = model(x); loss_fn(out).backward(): the output lives on
         loss_bytes = output + loss_saved + max(cast_cache, head)
+        uncast = output + loss_saved + head
     else:  # loss = loss_fn(model, batch): the output is gone when backward starts
         loss_bytes = loss_saved + max(output + cast_cache, head)
+        uncast = loss_saved + head
     if loss_spike_bytes:
         # Measured: the loss's transients above the end of forward, with what the loss
         # saves and autocast's copies (a loss inside the model spikes while they are still
@@ -374,6 +400,8 @@ def step_memory(
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
         loss_bytes=float(loss_bytes),
+        cast_bytes=float(cast_cache),
+        loss_uncast_bytes=float(uncast),
         grad_bytes=float(static.grads),
         in_flight_bytes=in_flight + block_grads,
         optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)) / layout.world_size
@@ -492,7 +520,8 @@ def with_backward_costs(
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
     * ``recompute_extra_bytes``: a rebuild runs under autocast again and casts the unit's
-      weights again;
+      weights again, beside what it saves (the copies it saves are counted there:
+      ``saved_cast_bytes``);
     * ``backward_hold_bytes``: what the unit's backward was measured to hold beyond what it
       saves, above the static bytes (``backward_peak_bytes`` less those);
     * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
@@ -546,7 +575,11 @@ def with_backward_costs(
         return dataclasses.replace(
             unit,
             children=children,
-            recompute_extra_bytes=float(_cast_bytes(model.get_submodule(unit.name), policy)),
+            # The copies its rebuild casts again, but for those it saves (counted there).
+            recompute_extra_bytes=max(
+                0.0,
+                float(_cast_bytes(model.get_submodule(unit.name), policy)) - unit.saved_cast_bytes,
+            ),
             grads_from_bytes=0.0 if accumulating else grads,
             backward_hold_bytes=max(0.0, hold),
         )

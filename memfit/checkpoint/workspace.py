@@ -44,6 +44,7 @@ _BEGIN = "memfit::unit_begin"
 _END = "memfit::unit_end"
 _BACKWARD_DONE = "memfit::unit_backward_done"
 _FORWARD_DONE = "memfit::forward_done"
+_OUTPUT_GRAD = "memfit::unit_output_grad"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class StepEdges:
     the call of ``backward``) held above what was left when it ended: its transients (a
     segmentation model's upsampled logits made contiguous for ``log_softmax``), which no
     count of saved tensors sees. The same ops run there under any plan."""
+    head_backward_bytes: int | None = None
+    """The most the head of backward (from the call of ``backward`` until the gradient of
+    a unit's output is made, which starts that unit's backward: the loss's backward and
+    the ops after the last unit) held above what was held when forward ended: the
+    gradients it makes less the loss's saved tensors it frees, kernels' buffers included.
+    The same ops run there under any plan, with everything kept held. None when not seen."""
 
 
 @dataclass(frozen=True)
@@ -139,17 +146,28 @@ def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
     if done and ends and ends[0] < done[0]:
         start = max(t for t in ends if t < done[0])  # the last unit's end in forward
         spike = timeline.highest(start, done[0]) - timeline.highest(done[0], done[0])
+    head_backward = None
+    grads_out = timeline.marks.get(_OUTPUT_GRAD, [])
+    if done and any(t > done[0] for t in grads_out):
+        first = min(t for t in grads_out if t > done[0])  # the first unit's backward begins
+        head_backward = max(
+            0, timeline.highest(done[0], first) - timeline.highest(done[0], done[0])
+        )
     return StepEdges(
-        head_bytes=head, tail_bytes=max(0, tail - grad_bytes), loss_spike_bytes=max(0, spike)
+        head_bytes=head,
+        tail_bytes=max(0, tail - grad_bytes),
+        loss_spike_bytes=max(0, spike),
+        head_backward_bytes=head_backward,
     )
 
 
 @contextlib.contextmanager
 def _marked(modules: list[nn.Module]) -> Iterator[None]:
     """Marks on the profiler's clock when any of ``modules`` begins and ends its forward,
-    and when each part of its backward is done: the gradient of each input made in the
-    step, and each parameter's gradient accumulated. The last such mark ends the last
-    unit's backward; a unit with neither has no backward."""
+    when the gradient of its output is made (its backward begins), and when each part of
+    its backward is done: the gradient of each input made in the step, and each
+    parameter's gradient accumulated. The last such mark ends the last unit's backward; a
+    unit with neither has no backward."""
     step_handles: list[Any] = []
 
     def mark(name: str) -> None:
@@ -166,8 +184,14 @@ def _marked(modules: list[nn.Module]) -> Iterator[None]:
             made = [t for t in tensors((args, kwargs)) if t.requires_grad and t.grad_fn]
             step_handles.extend(t.register_hook(done) for t in made)
 
+    def grad_made(_: torch.Tensor) -> None:
+        mark(_OUTPUT_GRAD)
+
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
         mark(_END)
+        if torch.is_grad_enabled():
+            made = [t for t in tensors(output) if t.requires_grad and t.grad_fn]
+            step_handles.extend(t.register_hook(grad_made) for t in made)
 
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
     handles = [p.register_post_accumulate_grad_hook(done) for p in params.values()]

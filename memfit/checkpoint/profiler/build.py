@@ -10,6 +10,7 @@ from typing import Any
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler.chains import ChainState
 from memfit.checkpoint.profiler.recorder import Stats
+from memfit.checkpoint.profiler.storage import storage_of
 from memfit.checkpoint.recompute import has_own_forward, stock_sequential
 from memfit.checkpoint.tree import Unit
 
@@ -157,12 +158,25 @@ def build_costs(
         st.rule_out_recompute("was not called in the profiled step")
     fwd_seconds = st.forward_seconds if measured else total("estimated_forward_own_seconds")
     input_bytes, output_bytes = float(st.input_bytes), float(st.output_bytes)
+    input_storages = tuple((i, float(n)) for i, n in st.input_storage_ids.items())
+    # Autocast's copies of the subtree's own matrices and filters that the subtree saves
+    # (the weights a rebuild casts again, as ``_cast_bytes`` counts them).
+    own_weights = {storage_of(p)[0] for p in module.parameters() if p.dim() >= 2}
+    saved_casts = float(
+        sum(
+            nbytes
+            for n in names
+            for source, nbytes in stats[n].saved_casts_own.items()
+            if source in own_weights
+        )
+    )
     if st.call_count == 0 and children:
         # A container its parent iterates is never called itself: its forward is its
         # children's, and (when they form a chain) its input is the first one's.
         fwd_seconds = sum(c.fwd_seconds for c in children) if measured else fwd_seconds
         if unit.is_chain:
             input_bytes, output_bytes = children[0].input_bytes, children[-1].output_bytes
+            input_storages = children[0].input_storages
     bwd_seconds = (
         total("backward_own_seconds") if measured else total("estimated_backward_own_seconds")
     )
@@ -194,6 +208,8 @@ def build_costs(
             min(st.saved_bytes_after_children, st.saved_bytes_own) if children else 0
         ),
         input_bytes=input_bytes,
+        input_storages=input_storages,
+        saved_cast_bytes=saved_casts,
         output_bytes=output_bytes,
         matmul_saved_bytes=total("matmul_output_bytes_own"),
         non_matmul_fwd_flops=total("non_matmul_flops_own"),

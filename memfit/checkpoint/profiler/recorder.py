@@ -84,6 +84,13 @@ class Stats:
     # Bytes of each non-resident storage it received, by storage key: to find the inputs
     # a sibling before it already saves.
     input_storage_bytes: dict[Any, int] = field(default_factory=dict)
+    # The same storages by an id unique within the step (a key may be reused by a storage
+    # allocated after the first one was freed; an id is not): to find the inputs that
+    # units far apart receive alike (a position bias, an encoder's output).
+    input_storage_ids: dict[int, int] = field(default_factory=dict)
+    # Of saved_bytes_own, autocast's low-precision copies of weights, by the weight's
+    # storage key: a rebuild makes them as it saves them (not besides).
+    saved_casts_own: dict[Any, int] = field(default_factory=dict)
     # Why it cannot be recomputed (empty: it can).
     not_recomputable_reasons: list[str] = field(default_factory=list)
     # Why selective recompute would fail here (a matmul output it caches is changed in
@@ -156,6 +163,13 @@ class Recorder:
         self.saved_seen: dict[Any, Any] = {}
         self.saved_by: dict[Any, set[str | None]] = {}  # every unit that saves a storage
         self.saved_owner: dict[Any, str | None] = {}
+        # Each live storage a unit received, by key: its id, unique within the step (a
+        # finalizer forgets it when the storage is freed, so a reused key gets a new id).
+        self.input_ids: dict[Any, int] = {}
+        self.input_ids_made = 0
+        # Copies of resident tensors (weights) another dtype made in forward (autocast's
+        # casts), while they live: their storage key -> the weight's storage key.
+        self.cast_of: dict[Any, Any] = {}
         # Matmul outputs while they live (weakly: holding them would keep alive what the
         # step frees), and the units around each.
         self.mm_seen: dict[Any, int] = {}
@@ -257,9 +271,10 @@ class Recorder:
             call.in_versions = [(t, t._version) for t in received]
             st.input_bytes += self.nonresident_bytes(received)
             for t in received:
-                key, nbytes, _ = storage_of(t)
+                key, nbytes, ref = storage_of(t)
                 if key not in self.resident:
                     st.input_storage_bytes[key] = nbytes
+                    st.input_storage_ids[self.input_id(key, ref)] = nbytes
             call.buf_versions = [
                 (bname, m, bname, buf, buf._version)
                 for m, bname in self.subtree_buffers[name]
@@ -308,6 +323,30 @@ class Recorder:
 
     # ---- bytes
 
+    def note_cast(self, source: torch.Tensor, copy: torch.Tensor) -> None:
+        """Remember ``copy`` as a cast of a resident tensor (a weight autocast casts)."""
+        src_key = storage_of(source)[0]
+        if src_key not in self.resident or source.dtype == copy.dtype:
+            return
+        key, _, ref = storage_of(copy)
+        if key in self.resident:
+            return
+        try:
+            weakref.finalize(ref, _forget_input, self.cast_of, key, src_key)
+        except TypeError:
+            return  # nothing to follow the lifetime of: not remembered
+        self.cast_of[key] = src_key
+
+    def input_id(self, key: Any, ref: Any) -> int:
+        """The id of the live storage ``key`` (``ref`` keeps it alive while called), the
+        same for every unit that receives it while it lives."""
+        found = self.input_ids.get(key)
+        if found is None:
+            found = self.input_ids[key] = self.input_ids_made
+            self.input_ids_made += 1
+            weakref.finalize(ref, _forget_input, self.input_ids, key, found)
+        return found
+
     def nonresident_bytes(self, items: list[torch.Tensor]) -> int:
         seen: set[Any] = set()
         total = 0
@@ -338,6 +377,10 @@ class Recorder:
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
         if self.stack:
             self.stats[self.stack[-1].name].saved_bytes_own += nbytes
+            source = self.cast_of.get(key)
+            if source is not None:
+                casts = self.stats[self.stack[-1].name].saved_casts_own
+                casts[source] = casts.get(source, 0) + nbytes
             self.stack[-1].saved_bytes_after_children += nbytes
             if self.full:
                 # The probe node takes the next number; the saving op's node has the one
@@ -383,6 +426,8 @@ class Recorder:
             outs = [] if type(out) in _SCALARS else tensors(out)
         if phase == "fwd" and self.full:
             self.chain_watch.check_use(ins, self.running())
+            if op.packet is _TO_COPY and len(outs) == 1 and ins:
+                self.note_cast(ins[0], outs[0])
         if phase in ("fwd", "loss") and self.mm_units and op.mutable:
             self.check_mutation(func, args, kwargs)
         if phase == "bwd":
@@ -621,6 +666,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 #: The op the autograd engine sums a tensor's gradients with when it cannot add in place.
 _ADD = torch.ops.aten.add.Tensor
+_TO_COPY = torch.ops.aten._to_copy  # autocast casts weights with it
 
 #: Argument types that hold no tensor (an op's scalars, dtypes, devices, shapes).
 _SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.device, torch.Size})
@@ -649,6 +695,11 @@ _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.D
 def _forget(tables: tuple[dict[Any, Any], ...], key: Any) -> None:
     for table in tables:
         table.pop(key, None)
+
+
+def _forget_input(ids: dict[Any, int], key: Any, found: int) -> None:
+    if ids.get(key) == found:
+        del ids[key]
 
 
 def _head_freed(keys: set[Any], live: list[int], key: Any, nbytes: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -82,14 +82,31 @@ def evaluate_nodes(
     segs: Mapping[int, list[tuple[int, int]]],
     shared_inputs: bool = False,
     rebuilds: list[tuple[tuple[int, tuple[int, int] | None], float]] | None = None,
+    input_storages: Sequence[tuple[tuple[int, float], ...]] | None = None,
 ) -> PlanCost:
     """The cost of a plan given per node index.
 
     Walks the tree in forward order with the bytes kept so far: backward rebuilds a piece
     when everything after it has been freed and everything before it is still kept.
     ``rebuilds``, when given, receives each piece's ``((unit, segment or None), rebuild)``
-    in forward order.
+    in forward order. ``input_storages`` (with ``shared_inputs``), per node index, the
+    memory blocks behind each unit's inputs (:attr:`UnitCost.input_storages`): a piece
+    keeps no second copy of a block an earlier piece keeps as its input (held until
+    backward rebuilds that earlier piece, after this one).
     """
+    # The blocks earlier pieces keep as their inputs, by id: held through this piece.
+    held_inputs: dict[int, float] = {}
+
+    def held_before(u: int, credit: float) -> float:
+        """``credit`` raised to the bytes of piece ``u``'s input that earlier pieces keep
+        already; ``u``'s input blocks are kept from here on."""
+        own = input_storages[u] if input_storages is not None else ()
+        if not own:
+            return credit
+        again = sum(n for key, n in own if key in held_inputs)
+        held_inputs.update(own)
+        return max(credit, min(again, nodes[u].input_bytes))
+
     # untouched[u]: u and everything below it keep, and u is no segment's member.
     untouched = [True] * len(nodes)
     if shared_inputs:
@@ -111,6 +128,7 @@ def evaluate_nodes(
         inherited = credit
         d = decision[u]
         if d != KEEP:  # a piece of its own: it keeps its input (selective: and matmul outputs)
+            credit = held_before(u, credit)
             high = k - credit + node.rebuild_hold_bytes
             k += node.input_bytes - credit
             if rebuilds is not None:
@@ -168,6 +186,7 @@ def evaluate_nodes(
                 credit = 0.0
             if pos in ends:
                 end = ends[pos]
+                credit = held_before(c, credit)
                 piece = k - credit + node.segment_hold_bytes(pos, end)
                 k += child.input_bytes - credit
                 if rebuilds is not None:
@@ -258,8 +277,9 @@ def plan_cost(
     segment's members, are ignored: nothing is nested inside a recomputed piece.
     ``loss_bytes`` is held at the end of forward only (the model's output and what the
     loss saves). With ``shared_inputs``, a recomputed piece whose input the wholly kept
-    sibling before it already saves keeps no second copy (the solvers plan without this
-    credit, a bound; predictions use it).
+    sibling before it already saves, or whose input blocks an earlier piece keeps as its
+    own input (:attr:`UnitCost.input_storages`), keeps no second copy of them (the
+    solvers plan without these credits, a bound; predictions use them).
 
     >>> from memfit.checkpoint.costs import UnitCost
     >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.5)
@@ -268,9 +288,45 @@ def plan_cost(
     """
     nodes = flatten(root)
     decision, segs = check_plan(nodes, decisions, segments or {})
-    cost = evaluate_nodes(nodes, decision, segs, shared_inputs)
+    storages = None
+    if shared_inputs:
+        by_name = {u.name: u.input_storages for u in root.walk()}
+        storages = [by_name[n.name] for n in nodes]
+    cost = evaluate_nodes(nodes, decision, segs, shared_inputs, input_storages=storages)
     peak = cost.peak(loss_bytes)
     kept = cost.kept_bytes
     return Evaluation(
         kept, peak - kept, static_bytes + peak, cost.seconds, cost.flops, cost.rebuild_bytes
     )
+
+
+def kept_cast_bytes(
+    root: UnitCost,
+    decisions: Mapping[str, str],
+    segments: Mapping[str, list[tuple[int, int]]] | None = None,
+) -> float:
+    """Bytes of autocast's weight copies that the units a plan keeps save
+    (:attr:`UnitCost.saved_cast_bytes`, each unit's own: its subtree's less its
+    children's): held at the end of forward as saved tensors, they are the autocast cache's
+    copies, not others (see :meth:`memfit.checkpoint.step_memory.StepMemory.loss_beside`).
+
+    >>> from memfit.checkpoint.costs import UnitCost
+    >>> block = UnitCost("b", own_saved_bytes=100.0, saved_cast_bytes=40.0)
+    >>> root = UnitCost("", children=[block], saved_cast_bytes=40.0)
+    >>> kept_cast_bytes(root, {}), kept_cast_bytes(root, {"b": "recompute"})
+    (40.0, 0.0)
+    """
+    nodes = flatten(root)
+    decision, segs = check_plan(nodes, decisions, segments or {})
+    cast = {u.name: float(u.saved_cast_bytes) for u in root.walk()}
+    total = 0.0
+    stack = [0]
+    while stack:
+        u = stack.pop()
+        if decision[u] != KEEP:
+            continue  # a piece: what it saves is dropped after forward
+        node = nodes[u]
+        total += max(0.0, cast[node.name] - sum(cast[nodes[c].name] for c in node.children))
+        members = {p for i, j in segs.get(u, []) for p in range(i, j + 1)}
+        stack.extend(c for p, c in enumerate(node.children) if p not in members)
+    return total
