@@ -6,6 +6,17 @@ slow on CPUs), and prints each final validation loss and its difference from fp3
 
     python bench/convergence.py                # the numbers in docs/benchmarks.md
     python bench/convergence.py --steps 100    # quicker
+    python bench/convergence.py --steps 2 --fp16-steps 2 --n-layer 2 --n-embd 32 \\
+        --n-head 2 --block-size 16 --batch-size 4 --eval-batches 1   # a smoke run
+
+Flags (defaults: the numbers in docs/benchmarks.md):
+
+* ``--steps N`` (300): training steps of the three modes' runs; ``--fp16-steps N`` (150):
+  of the tiny model's fp32 and fp16-mixed runs;
+* ``--n-layer``, ``--n-embd``, ``--n-head``, ``--block-size``, ``--batch-size`` (4, 256, 4,
+  128, 16: ``memfit train``'s defaults): the shape and batch of the three modes' GPT (the
+  tiny model's stay 2 x 32, block 32, batch 8);
+* ``--eval-batches N`` (32): validation batches behind each final loss.
 """
 
 from __future__ import annotations
@@ -17,8 +28,10 @@ from pathlib import Path
 
 from memfit.cli.main import main as memfit_main
 
+from gpt_setup import add_gpt_arguments
 
-def train(out: Path, precision: str, steps: int, extra: list[str]) -> dict:
+
+def train(out: Path, precision: str, steps: int, eval_batches: int, extra: list[str]) -> dict:
     code = memfit_main(
         [
             "train",
@@ -33,7 +46,7 @@ def train(out: Path, precision: str, steps: int, extra: list[str]) -> dict:
             "--save-every",
             str(steps),
             "--eval-batches",
-            "32",
+            str(eval_batches),
             *extra,
         ]
     )
@@ -44,14 +57,31 @@ def train(out: Path, precision: str, steps: int, extra: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--fp16-steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300, help="(default: 300)")
+    parser.add_argument(
+        "--fp16-steps", type=int, default=150, help="the tiny model's steps (default: 150)"
+    )
+    # memfit train's own defaults, so that the default run is memfit train's model.
+    add_gpt_arguments(parser, n_layer=4, n_embd=256, n_head=4, block_size=128, batch_size=16)
+    parser.add_argument("--eval-batches", type=int, default=32, help="(default: 32)")
     args = parser.parse_args()
+    shape = [
+        "--set",
+        f"n_layer={args.n_layer}",
+        "--set",
+        f"n_embd={args.n_embd}",
+        "--set",
+        f"n_head={args.n_head}",
+        "--set",
+        f"block_size={args.block_size}",
+        "--batch-size",
+        str(args.batch_size),
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         results = {
-            mode: train(base / mode, mode, args.steps, [])
+            mode: train(base / mode, mode, args.steps, args.eval_batches, shape)
             for mode in ("fp32", "bf16-mixed", "bf16-master")
         }
         tiny = [
@@ -67,11 +97,14 @@ def main() -> None:
             "8",
         ]
         tiny_results = {
-            mode: train(base / f"tiny-{mode}", mode, args.fp16_steps, tiny)
+            mode: train(base / f"tiny-{mode}", mode, args.fp16_steps, args.eval_batches, tiny)
             for mode in ("fp32", "fp16-mixed")
         }
+    shaped = (args.n_layer, args.n_embd, args.n_head, args.block_size, args.batch_size)
+    default = shaped == (4, 256, 4, 128, 16)
+    name = "GPT default" if default else f"GPT {args.n_layer} x {args.n_embd}"
     for label, group, limit in (
-        (f"GPT default, {args.steps} steps", results, 0.02),
+        (f"{name}, {args.steps} steps", results, 0.02),
         (f"tiny GPT, {args.fp16_steps} steps", tiny_results, 0.03),
     ):
         ref = group["fp32"]["final_val_loss"]

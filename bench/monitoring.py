@@ -5,7 +5,16 @@ sample activation ranges every 10th forward and read gradient statistics at each
 so the cost is counted over whole windows of ``log_every`` steps, not single steps. Windows
 of the two engines alternate; the result is the median window time of each.
 
-    python bench/monitoring.py
+    python bench/monitoring.py                 # the numbers in docs/benchmarks.md
+    python bench/monitoring.py --n-layer 2 --n-embd 32 --n-head 2 --block-size 16 \\
+        --batch-size 4 --windows 1 --log-every 2   # a smoke run
+
+Flags (defaults: the numbers in docs/benchmarks.md):
+
+* ``--n-layer``, ``--n-embd``, ``--n-head``, ``--block-size``, ``--batch-size`` (4, 256, 4,
+  128, 16: the built-in GPT's defaults and ``memfit train``'s batch): the model and batch;
+* ``--windows N`` (9): alternating windows timed per engine;
+* ``--log-every N`` (10): the Engine's ``log_every``, and the steps in a window.
 """
 
 from __future__ import annotations
@@ -18,18 +27,19 @@ import time
 import torch
 
 import memfit
-from memfit.models import build_model
 from memfit.monitor import MonitorConfig
+
+from gpt_setup import add_gpt_arguments, build_gpt
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=9)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=16)
+    # The built-in GPT's defaults (GPTConfig) and memfit train's batch.
+    add_gpt_arguments(parser, n_layer=4, n_embd=256, n_head=4, block_size=128, batch_size=16)
+    parser.add_argument("--windows", type=int, default=9, help="(default: 9)")
+    parser.add_argument("--log-every", type=int, default=10, help="(default: 10)")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    base, loss_fn, batch_fn = build_model("gpt", data="synthetic")
+    base, loss_fn, batch_fn = build_gpt(args)  # seeded
     batch = batch_fn(args.batch_size, generator=0)
     engines = {}
     for name, monitor in (
@@ -52,8 +62,10 @@ def main() -> None:
                 engine.train_step(batch, loss_fn)
             times[name].append((time.perf_counter() - start) / args.log_every)
     off = statistics.median(times["monitor off"])
+    shape = (args.n_layer, args.n_embd, args.n_head, args.block_size)
+    name = "GPT defaults" if shape == (4, 256, 4, 128) else f"GPT {args.n_layer} x {args.n_embd}"
     print(
-        f"GPT defaults, batch {args.batch_size}, bf16-mixed, log_every={args.log_every}, "
+        f"{name}, batch {args.batch_size}, bf16-mixed, log_every={args.log_every}, "
         f"median of {args.windows} alternating windows\n"
     )
     print("| engine | step time (median window) | vs off |")

@@ -19,8 +19,11 @@ same file works with each command::
 * ``loss_fn(model, batch)`` returns the scalar loss (leave it out to train on the sum of
   the model's output).
 
-The same object drives the Python API: ``memfit.tune(w.model_fn, w.batch_fn, w.loss_fn,
-budget=..., global_batch=...)``.
+The same object drives the Python API, in place of the three functions::
+
+    work = build()
+    memfit.estimate(work, batch_size=16)
+    memfit.tune(work, budget="64MiB", global_batch=16)
 """
 
 from __future__ import annotations

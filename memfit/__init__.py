@@ -24,7 +24,6 @@ from memfit.version import __version__
 if TYPE_CHECKING:
     from memfit.capacity_view import capacity
     from memfit.checkpoint import Plan, apply_plan, plan, remove_plan
-    from memfit.cli.common import Workload
     from memfit.distributed import parallelize
     from memfit.engine import Engine, evaluate
     from memfit.errors import MemfitError
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     from memfit.monitor.monitor import MonitorConfig
     from memfit.precision import PrecisionPolicy
     from memfit.tuning import TuneResult, tune
+    from memfit.workload import Workload
 
 __all__ = [
     "__version__",
@@ -59,7 +59,6 @@ __all__ = [
 _SOURCES: dict[str, str] = {
     "capacity": "memfit.capacity_view",
     **dict.fromkeys(("Plan", "apply_plan", "plan", "remove_plan"), "memfit.checkpoint"),
-    "Workload": "memfit.cli.common",
     "parallelize": "memfit.distributed",
     **dict.fromkeys(("Engine", "evaluate"), "memfit.engine"),
     "MemfitError": "memfit.errors",
@@ -68,6 +67,7 @@ _SOURCES: dict[str, str] = {
     "MonitorConfig": "memfit.monitor.monitor",
     "PrecisionPolicy": "memfit.precision",
     **dict.fromkeys(("TuneResult", "tune"), "memfit.tuning"),
+    "Workload": "memfit.workload",
 }
 
 #: Names that were public here and now live only in their module: each still works as

@@ -63,6 +63,7 @@ from memfit.nested import map_tensors
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions
 from memfit.units import format_bytes, parse_bytes
+from memfit.workload import Workload, unpack_workload
 
 __all__ = ["STRATEGIES", "CellEstimate", "Estimate", "EstimateRow", "estimate", "estimate_cells"]
 
@@ -390,8 +391,8 @@ def _largest(fits: Callable[[int], bool], probe: int, step: int) -> int:
 
 
 def estimate(
-    model_fn: Callable[[], nn.Module],
-    inputs_fn: Callable[[int], Any],
+    model_fn: Callable[[], nn.Module] | Workload,
+    inputs_fn: Callable[[int], Any] | None = None,
     loss_fn: LossFn | None = None,
     *,
     batch_size: int,
@@ -407,7 +408,10 @@ def estimate(
 
     Args:
         model_fn: builds the model; it runs under ``torch.device("meta")``, so no weights
-            are allocated (dtype casts are fine, moves to a device are not).
+            are allocated (dtype casts are fine, moves to a device are not). Or a
+            :class:`memfit.Workload`, which holds all three functions (its ``batch_fn`` is
+            ``inputs_fn``): ``estimate(workload, batch_size=...)``, with no ``inputs_fn``
+            or ``loss_fn`` beside it.
         inputs_fn: ``inputs_fn(batch_size)`` makes one micro-batch as ``Engine.train_step``
             takes it (a tensor, tuple or dict); real tensors are turned into meta ones of the
             same shape (build them small or on ``meta``).
@@ -431,15 +435,22 @@ def estimate(
             ``device_memory`` are then per rank.
 
     Raises:
-        ConfigError: an unknown precision or strategy, or a model that cannot be built or
-            run on meta/fake tensors (the message says what failed).
+        ConfigError: an unknown precision or strategy, a model that cannot be built or
+            run on meta/fake tensors (the message says what failed), or a Workload given
+            together with an ``inputs_fn`` or ``loss_fn``.
 
     Example::
 
         est = memfit.estimate(lambda: GPT(cfg), lambda b: torch.randint(0, 256, (b, 129)),
                               gpt_loss, batch_size=4, device_memory="24GB")
         print(est.summary())
+        work = memfit.Workload(lambda: GPT(cfg), lambda b: torch.randint(0, 256, (b, 129)),
+                               gpt_loss)
+        est = memfit.estimate(work, batch_size=4, device_memory="24GB")  # the same rows
     """
+    model_fn, inputs_fn, loss_fn = unpack_workload(
+        model_fn, inputs_fn, loss_fn, call="memfit.estimate", batch_name="inputs_fn"
+    )
     modes = [
         PrecisionPolicy(m)
         for m in expand_precisions(precisions or ("fp32", "bf16-mixed", "bf16-master"))

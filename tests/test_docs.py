@@ -128,6 +128,11 @@ _BENCH_GPT = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size
 BENCH_SIZE: dict[str, list[str]] = {
     "bench/precision.py": [*_BENCH_GPT, "--batch-size", "4", "--rounds", "1"],
     "bench/checkpoint.py": [*_BENCH_GPT, "--batch-size", "4", "--rounds", "1", "--budgets", "1"],
+    "bench/convergence.py": [
+        *_BENCH_GPT,
+        *("--batch-size", "4", "--steps", "2", "--fp16-steps", "2", "--eval-batches", "1"),
+    ],
+    "bench/monitoring.py": [*_BENCH_GPT, "--batch-size", "4", "--windows", "1", "--log-every", "2"],
 }
 """Flags appended to a ``python bench/SCRIPT.py`` line: the same shape, smaller."""
 

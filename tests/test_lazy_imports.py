@@ -35,6 +35,17 @@ def test_import_memfit_imports_nothing_heavy() -> None:
     assert _modules_after("import memfit; memfit.__version__") == []
 
 
+def test_the_workload_is_light_and_not_the_command_lines() -> None:
+    # memfit.Workload lives below the tuner and the estimator, not in memfit.cli.
+    assert _modules_after("import memfit; memfit.Workload") == []
+    code = (
+        "import memfit, sys; memfit.Workload; "
+        "print(sorted(m for m in sys.modules if m.startswith('memfit.cli')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_building_the_cli_parser_imports_nothing_heavy() -> None:
     code = """
         from memfit.cli.main import build_parser

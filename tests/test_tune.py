@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.candidates import rank_candidates, split_choices
+from memfit.candidates import Candidate, rank_candidates, split_choices
 from memfit.cli.main import main
 from memfit.errors import BudgetError, ConfigError
 from memfit.models import build_model
@@ -28,7 +28,9 @@ from memfit.precision.speed import (
 )
 from memfit.tuning.calibrate import StepTimeModel
 from memfit.tuning.hints import initial_loss_scale, loss_scale_advice
+from memfit.tuning.result import TuneResult, TuneRow
 from memfit.tuning.trials import GradStats, time_in_rounds
+from memfit.units import format_bytes
 from tests.engine_cases import assert_bitwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -290,6 +292,7 @@ def test_measured_trials_fit_and_a_trial_that_raises_is_a_row_not_the_end(monkey
     for r in measured:  # predicted vs measured, both recorded
         assert r.predicted_peak_bytes and r.measured_peak_bytes > 0
     assert "out of memory (injected)" in res.summary()
+    assert all(r.note is None for r in res.rows)  # one process: the measured peak judges
     assert len(res.advice) == 3 and res.advice[0].startswith("loss scale")
     json.loads(res.to_json())
     # .engine builds the choice and trains the global batch in its micro-batches.
@@ -552,9 +555,18 @@ def test_tuning_for_fsdp_ranks_predicts_one_ranks_share_and_trials_do_not_judge_
                 measure_top=0,
             )
     assert res.data_parallel == "fsdp" and res.best.fits
-    # The trial held the whole model in one process: over the rank's budget, yet chosen.
+    # The trial held the whole model in one process: over the rank's budget, yet chosen,
+    # and its row says on what the fit was judged.
     assert res.best.measured_peak_bytes > budget and res.best.error is None
+    for r in (r for r in res.rows if r.measured_peak_bytes is not None):
+        assert r.note == (
+            "measured in one process with the whole model: "
+            f"{format_bytes(r.measured_peak_bytes)}; the per-rank peak is predicted: "
+            f"{format_bytes(r.predicted_peak_bytes)}"
+        )
     assert "over 4 ranks (fsdp)" in res.summary()
+    assert res.best.note in res.summary() and "pred fits: each rank's predicted" in res.summary()
+    assert json.loads(res.to_json())["best"]["note"] == res.best.note
     assert json.loads(res.to_json())["data_parallel"] == "fsdp"
     # The choice is applied by parallelize (the plan, one rank's), then the Engine.
     kwargs = res.parallelize_kwargs()
@@ -582,6 +594,47 @@ def test_tuning_for_fsdp_ranks_predicts_one_ranks_share_and_trials_do_not_judge_
             data_parallel="fsdp",
             measure_top=0,
         )
+
+
+def test_an_fsdp_trial_over_the_budget_is_noted_not_silently_fitting(monkeypatch) -> None:
+    # A trial's peak is injected (85.53 MiB in one process with the whole model), so the
+    # verdict on each row is the rule's alone, never this machine's allocator.
+    module = sys.modules["memfit.tuning.tune"]
+    released: list[object] = []
+
+    class Held:
+        peak_bytes = int(85.53 * 2**20)
+
+        def release(self) -> None:
+            released.append(self)
+
+    monkeypatch.setattr(module.Trial, "start", lambda *a, **k: Held())
+    budget = 60 * 2**20
+    rows = {
+        judged: TuneRow(Candidate("fp32", "none", 8, 1, 40 * 2**20, None, None, True), 0)
+        for judged in (False, True)
+    }
+    cpu = torch.device("cpu")
+    for judged, row in rows.items():
+        module._start(row, None, None, None, None, budget, judged, cpu)
+    fsdp, ddp = rows[False], rows[True]
+    # FSDP2: the fit is the prediction's, and the row says what the measured peak is.
+    assert fsdp.fits and fsdp.error is None and fsdp.measured_peak_bytes == Held.peak_bytes
+    assert fsdp.note == (
+        "measured in one process with the whole model: 85.53 MiB; the per-rank peak is "
+        "predicted: 40.00 MiB"
+    )
+    # DDP or one process: the trial stands for the rank, and over the budget it fails.
+    assert ddp.error == "over the budget as measured" and ddp.note is None and len(released) == 1
+    res = TuneResult(fsdp, [fsdp], budget, 64, 8, "fsdp")
+    text = res.summary()
+    head, row_line = text.splitlines()[2:4]
+    assert head.split()[:2] == ["#", "precision"] and "pred fits" in head
+    assert "yes" in row_line and row_line.endswith(f"* best; {fsdp.note}")
+    assert "pred fits: each rank's predicted peak against the budget" in text.splitlines()[1]
+    assert json.loads(res.to_json())["rows"][0]["note"] == fsdp.note
+    alone = TuneResult(ddp, [ddp], budget, 8, 1, None).summary()
+    assert "pred fits: each rank" not in alone and "over the budget as measured" in alone
 
 
 # ---------------------------------------------------------------- advice

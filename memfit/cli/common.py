@@ -1,7 +1,7 @@
 """What the ``memfit`` subcommands share: the usage error, the model flags, ``--set``
 parsing, the device choice (checked), moving a batch there, building a built-in model, and
-the one form every ``--factory MODULE:FUNCTION`` returns (:class:`Workload`, loaded by
-:func:`load_workload`).
+the one form every ``--factory MODULE:FUNCTION`` returns (:class:`memfit.workload.Workload`,
+loaded by :func:`load_workload`).
 
 ``memfit.cli.main`` imports the subcommands; a subcommand imports this module (and
 ``train`` its start-up helpers, :mod:`memfit.cli.start`), never ``main`` or another
@@ -26,12 +26,12 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.deprecations import warn_renamed
 from memfit.errors import ConfigError
+from memfit.workload import Workload
 
 # torch is imported where it is used: building the parser (memfit --help) needs none of it.
 if TYPE_CHECKING:
@@ -373,61 +373,6 @@ def _module_from_file(spec: str, path: Path) -> Any:
     except ImportError as exc:
         raise UsageError(f"--factory {spec!r}: {path} cannot be imported ({exc})") from None
     return module
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What a ``--factory MODULE:FUNCTION`` (or ``path/to/file.py:FUNCTION``) returns, to
-    every subcommand (``memfit train``, ``memfit plan``, ``memfit estimate``, ``memfit
-    tune``): how to build the model, make a micro-batch, and compute the loss, the
-    arguments of ``memfit.estimate`` and ``memfit.tune`` (``memfit.tune(w.model_fn,
-    w.batch_fn, w.loss_fn, budget=...)``). ``memfit train`` trains ``model_fn()`` on
-    ``batch_fn(--batch-size)``, a new batch drawn for every step (``batch_fn`` should
-    return fresh samples each call). A full example: ``examples/my_model.py``.
-
-    Example::
-
-        # mypkg/models.py; then: memfit plan --factory mypkg.models:workload --budget 1GiB
-        import memfit, torch
-
-        def workload() -> memfit.Workload:
-            return memfit.Workload(
-                model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                                     torch.nn.Linear(64, 1)),
-                batch_fn=lambda n: (torch.randn(n, 8), torch.randn(n, 1)),
-                loss_fn=lambda model, batch: torch.nn.functional.mse_loss(
-                    model(batch[0]), batch[1]),
-            )
-    """
-
-    model_fn: Callable[[], Any]
-    """Builds the model, with no arguments and without moving it to a device: ``estimate``
-    builds it on the meta device (no weights allocated), ``plan`` moves it to
-    ``--device``, ``tune`` builds one per measured trial."""
-    batch_fn: Callable[[int], Any]
-    """``batch_fn(batch_size)``: one micro-batch (a tensor, a tuple or a dict of them) as
-    the step takes it; ``plan`` moves its tensors to ``--device``."""
-    loss_fn: Callable[[Any, Any], Any] | None = None
-    """``loss_fn(model, batch) -> scalar``, the Engine's form; None: the sum of the first
-    floating-point tensor of the model's output (``model(x)``, ``model(*x)``,
-    ``model(**x)``)."""
-
-    def __post_init__(self) -> None:
-        nn = sys.modules.get("torch.nn")  # a built model is callable too; torch is loaded then
-        if nn is not None and isinstance(self.model_fn, nn.Module):
-            raise ConfigError(
-                "Workload.model_fn must be a function that builds the model, got a built "
-                f"{type(self.model_fn).__name__}; write model_fn=lambda: MyModel() (estimate "
-                "builds it on the meta device, without allocating its weights)"
-            )
-        for name in ("model_fn", "batch_fn", "loss_fn"):
-            value = getattr(self, name)
-            if not (callable(value) or (name == "loss_fn" and value is None)):
-                raise ConfigError(
-                    f"Workload.{name} must be a function, got {type(value).__name__}; "
-                    "write Workload(model_fn=lambda: Model(), batch_fn=lambda n: batch_of(n), "
-                    "loss_fn=lambda model, batch: ...)"
-                )
 
 
 def load_workload(spec: str) -> Workload:

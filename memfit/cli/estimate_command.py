@@ -7,7 +7,7 @@ The model comes from one of three places:
   config (no download; ``llama``'s is Llama-2-7B's shape) with ``--set`` changing config
   attributes, e.g. ``--set num_hidden_layers=8``, trained on its own loss (``labels``);
 * ``--factory MODULE:FUNCTION``: ``FUNCTION()`` returns a
-  :class:`~memfit.cli.common.Workload` (the form every subcommand's ``--factory`` takes),
+  :class:`~memfit.workload.Workload` (the form every subcommand's ``--factory`` takes),
   the arguments of :func:`memfit.estimator.estimate`: ``model_fn()`` builds the model
   (under the meta device), ``batch_fn(batch_size)`` one micro-batch, ``loss_fn(model,
   batch)`` the loss (the Engine's form; without one, the sum of the output).

@@ -1,7 +1,7 @@
 """``memfit plan``: profile a model, print the checkpoint plan for a budget and its frontier.
 
 The model is a built-in one (``--model gpt``) or yours: ``--factory MODULE:FUNCTION``,
-whose ``FUNCTION()`` returns a :class:`~memfit.cli.common.Workload` (``model_fn``,
+whose ``FUNCTION()`` returns a :class:`~memfit.workload.Workload` (``model_fn``,
 ``batch_fn``, ``loss_fn``; the form every subcommand's ``--factory`` takes). The plan is
 for ``model_fn()`` on ``batch_fn(--batch-size)`` with ``loss_fn(model, batch)`` (without
 one, the sum of the output). The model and every tensor of the batch are moved to

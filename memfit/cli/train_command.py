@@ -1,5 +1,5 @@
 """``memfit train``: train a built-in model (or yours: ``--factory MODULE:FUNCTION`` or
-``--factory path/to/file.py:FUNCTION`` returning a :class:`~memfit.cli.common.Workload`,
+``--factory path/to/file.py:FUNCTION`` returning a :class:`~memfit.workload.Workload`,
 the form every subcommand's ``--factory`` takes; :func:`memfit.cli.common.factory_model`)
 for a short run and report what it cost.
 

@@ -3,7 +3,7 @@ budget and train fastest, searched on fake tensors and the best few measured on 
 
 The model is a built-in one (``--model gpt|resnet|lstm`` with ``--set KEY=VALUE``, on
 synthetic data of its shape) or ``--factory MODULE:FUNCTION``, whose ``FUNCTION()`` returns
-a :class:`~memfit.cli.common.Workload` (``model_fn``, ``batch_fn``, ``loss_fn``, the
+a :class:`~memfit.workload.Workload` (``model_fn``, ``batch_fn``, ``loss_fn``, the
 arguments of :func:`memfit.tune`; the form every subcommand's ``--factory`` takes).
 
 Computing (:func:`compute`) is kept apart from printing (:func:`run`).

@@ -4,8 +4,10 @@ The core composes the parts: each is given what it needs (the model, the optimiz
 policy, the settings, small records) and returns what changes, which the Engine sets on
 itself. No part imports the core.
 
-- :mod:`~memfit.engine.core`: the Engine: the step, accumulation, clipping, skipping, and
-  the first batch's choices in one place (``Engine._first_batch_choices``);
+- :mod:`~memfit.engine.core`: the Engine: the step, accumulation, clipping, skipping;
+- :mod:`~memfit.engine.first_batch`: the Engine's own methods for its first batch (a base
+  class of the Engine): its choices in one place (``Engine._first_batch_choices``), the plan,
+  and the move to a smaller split when the first step measured over the budget;
 - :mod:`~memfit.engine.feed`: micro-batches as they come: their weights, measuring a step,
   rescaling and clipping the step's gradients;
 - :mod:`~memfit.engine.precision_stage`: stage one of its order: the loss scaler, the fp32
@@ -16,6 +18,7 @@ itself. No part imports the core.
 - :mod:`~memfit.engine.state`: its saved state and loading it back (``resume``, ``load``);
 - :mod:`~memfit.engine.preemption`: SIGTERM/SIGINT saving at the next step boundary
   (``stop_on_signal``), exit code 75;
+- :mod:`~memfit.engine.run_files`: ``log_dir``'s ``config.json`` and ``summary.json``;
 - :mod:`~memfit.engine.step_log`: what a log step reports (the rates, the recompute overhead);
 - :mod:`~memfit.engine.evaluation`: evaluating under the training precision;
 - :mod:`~memfit.engine.export`: the trained weights (fp32 masters) as a plain state dict;

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -46,6 +47,7 @@ from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
 from memfit.engine.settings import default_memory_budget
 from memfit.errors import ConfigError
 from memfit.precision.policy import AUTO, PrecisionPolicy, is_auto
+from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.candidates import Candidate
@@ -338,6 +340,35 @@ def next_split(ranked: list[Candidate], accumulation_steps: int, mode: str) -> C
         if c.fits and c.precision == mode and c.accumulation_steps > accumulation_steps
     ]
     return min(more, key=lambda c: c.accumulation_steps) if more else None
+
+
+def smaller_split(
+    auto: AutoRequest, accumulation_steps: int, mode: str, peak_bytes: int, budget: int | None
+) -> Candidate | None:
+    """The split a ``micro_batch="auto"`` Engine moves to when its first step, split into
+    ``accumulation_steps`` micro-batches, peaked at ``peak_bytes`` under its least plan,
+    over ``budget`` (:func:`next_split`), with a warning that says so; None where
+    ``micro_batch="auto"`` did not choose the split or no split has more micro-batches.
+    The Engine then trains with it from the next step, planned again.
+
+    Example::
+
+        nxt = smaller_split(engine.auto, 1, "fp32", peak_bytes=5 << 20, budget=4 << 20)
+        nxt.accumulation_steps if nxt is not None else None   # 2
+    """
+    if auto.split_ranked is None:
+        return None
+    nxt = next_split(auto.split_ranked, accumulation_steps, mode)
+    if nxt is None:
+        return None
+    warnings.warn(
+        f"micro_batch='auto': the step split into {accumulation_steps} micro-batch(es) peaked "
+        f"at {format_bytes(peak_bytes)} under its least plan, over the budget "
+        f"{format_bytes(budget or 0)}; from the next step the batch is split into "
+        f"{nxt.accumulation_steps} (micro-batch {nxt.micro_batch})",
+        stacklevel=5,  # past Engine._split_smaller, _judge_measured and step: step()'s caller
+    )
+    return nxt
 
 
 def _budget(first: FirstBatch) -> int:

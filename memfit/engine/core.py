@@ -23,35 +23,27 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from memfit.engine.auto import (
-    FirstBatch,
-    auto_policy,
-    choose_precision,
-    choose_split,
-    next_split,
-)
+from memfit.engine.auto import auto_policy
 from memfit.engine.batches import Batch, batch_size, checked_loss, split_batch
 from memfit.engine.data_parallel import EngineParallel
 from memfit.engine.diagnose import check_skips, named_trained_params
 from memfit.engine.evaluation import eval_context
 from memfit.engine.export import export_model, model_state_dict
 from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_measured
-from memfit.engine.plan_stage import EnginePlan, check_first_step, make_engine_plan
-from memfit.engine.precision_stage import default_scaler, fp32_masters, switched_precision
-from memfit.engine.run_files import write_config, write_summary
+from memfit.engine.first_batch import FirstBatchStage
+from memfit.engine.plan_stage import EnginePlan, check_first_step
+from memfit.engine.precision_stage import default_scaler, fp32_masters
+from memfit.engine.run_files import RunRecord
 from memfit.engine.settings import (
     EngineSettings,
     check_arguments,
-    default_memory_budget,
     resolve_checkpoint,
     unit_names,
 )
@@ -71,19 +63,15 @@ from memfit.monitor.health import HealthCheck
 from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
-from memfit.precision.apply import apply_precision, note_kernel_islands
 from memfit.precision.kernels import module_device
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
-from memfit.units import format_bytes, parse_bytes
-
-if TYPE_CHECKING:
-    from memfit.precision.speed import PrecisionChoice
+from memfit.units import parse_bytes
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
-class Engine:
+class Engine(FirstBatchStage):
     """Train a model with a precision policy, a checkpoint plan, accumulation and clipping.
 
     The model is changed in one documented order (torchtitan's ``apply_*`` order):
@@ -196,11 +184,7 @@ class Engine:
         self.metrics: dict[str, float] = {}
         self.extra: dict[str, Any] = {}
         # What log_dir's config.json and summary.json record (memfit/engine/run_files.py).
-        self._budget_given = memory_budget
-        self._trained_samples = 0  # samples of the steps this object took
-        self._first_step_at: float | None = None  # when its first step began (after planning)
-        self._last_step_at: float | None = None  # when its last step ended
-        self._val_loss: float | None = None  # the last "val/loss" given to log_metrics
+        self._run_record = RunRecord(budget_given=memory_budget)
 
     # ------------------------------------------------------------------ training
 
@@ -306,8 +290,7 @@ class Engine:
     def _open_window(self, size: int) -> Window:
         config = self.monitor.config
         check, self._plan_to_check = self._plan_to_check, None
-        if self._first_step_at is None:
-            self._first_step_at = time.perf_counter()
+        self._run_record.step_began()
         return Window(
             reference=size * self.settings.accumulation_steps,
             loss_sum=torch.zeros((), dtype=torch.float32, device=self.device),
@@ -374,8 +357,7 @@ class Engine:
             raise
         self._window = None
         self.steps += 1
-        self._trained_samples += window.samples
-        self._last_step_at = time.perf_counter()
+        self._run_record.step_ended(window.samples)
         self._log_window.add_step(window.samples, window.count)
         self._session_steps += 1
         error: NonFiniteError | None = None
@@ -445,35 +427,6 @@ class Engine:
         if window.keep_report and window.report is not None:
             self._keep_memory_report(window.report)
 
-    def _split_smaller(self, measured_peak_bytes: int) -> bool:
-        """``micro_batch="auto"`` whose first step under its least plan measured over the
-        budget (applied: nothing is lost): the batch is split into more micro-batches from
-        the next step (:func:`~memfit.engine.auto.next_split`), planned again, and its
-        first step measured again. False where there is no such split, or under DDP/FSDP2
-        (the ranks' measurements differ; every rank raises)."""
-        auto = self.auto
-        if auto.split_ranked is None or self.parallel is not None:
-            return False
-        now = self.settings.accumulation_steps
-        nxt = next_split(auto.split_ranked, now, self.policy.mode)
-        if nxt is None:
-            return False
-        warnings.warn(
-            f"micro_batch='auto': the step split into {now} micro-batch(es) peaked at "
-            f"{format_bytes(measured_peak_bytes)} under its least plan, over the budget "
-            f"{format_bytes(self.settings.memory_budget or 0)}; from the next step the batch "
-            f"is split into {nxt.accumulation_steps} (micro-batch {nxt.micro_batch})",
-            stacklevel=4,
-        )
-        from memfit.checkpoint.apply import remove_plan
-
-        remove_plan(self.model)
-        self.plan = self.plan_check = None
-        self.settings.accumulation_steps = nxt.accumulation_steps
-        auto.split_choice = nxt
-        self._checkpoint_request = auto.split_request  # planned for the new micro-batch
-        return True
-
     def _keep_memory_report(self, report: Any) -> None:
         """The measured step's memory, for the monitor's memory metrics and the report."""
         from memfit.monitor.metrics import memory_metrics
@@ -485,7 +438,7 @@ class Engine:
         """Send extra metrics (e.g. ``{"val/loss": 2.1}``) to the sinks at the current step.
         The last ``"val/loss"`` is ``final_val_loss`` in ``log_dir``'s ``summary.json``."""
         if "val/loss" in metrics:
-            self._val_loss = float(metrics["val/loss"])
+            self._run_record.val_loss = float(metrics["val/loss"])
         for sink in self.monitor.sinks:
             sink.log(self.steps, {"step": float(self.steps), **metrics})
 
@@ -520,25 +473,8 @@ class Engine:
         the budget, and the throughput over this object's steps (``wall_seconds``: from
         the start of its first step, after the first batch's choices, to the end of its
         last; one host sync reads the last loss)."""
-        if self.log_dir is not None and self._last_step_at is not None:
-            latest: dict[str, float] = {}
-            for record in self.monitor.records:
-                latest.update(record)
-            latest.update(self.metrics)
-            loss = self._last_loss
-            started = self._first_step_at or self._last_step_at
-            try:
-                write_summary(
-                    self.log_dir,
-                    self,
-                    latest,
-                    train_loss=None if loss is None else float(loss.item()),
-                    val_loss=self._val_loss,
-                    samples=self._trained_samples,
-                    seconds=self._last_step_at - started,
-                )
-            except OSError as exc:  # the training is done; a lost summary is not worth failing it
-                warnings.warn(f"summary.json not written in {self.log_dir}: {exc}", stacklevel=2)
+        records = [*self.monitor.records, self.metrics]
+        self._run_record.write_summary(self.log_dir, self, records, self._last_loss)
         self.monitor.close()
 
     def prepare(self, batch: Batch, loss_fn: LossFn) -> Any:
@@ -560,133 +496,6 @@ class Engine:
         """
         self._first_batch_choices(batch, loss_fn, global_batch=False)
         return self.plan
-
-    def _first_batch_choices(self, batch: Batch, loss_fn: LossFn, *, global_batch: bool) -> None:
-        """Every choice the Engine makes on its first batch, here and in this order, each
-        made under those before it (the Engine's order: precision, then plan):
-
-        1. **precision**, for ``precision="auto"``: the matmul probe, then the model timed
-           in each candidate mode on the first micro-batch
-           (:func:`~memfit.engine.auto.choose_precision`);
-        2. **micro-batch**, for ``micro_batch="auto"``: how ``train_step`` splits the
-           global batch (``accumulation_steps``), under that precision; with both
-           ``"auto"``, 1 and 2 are chosen together, the model timed on the micro-batch the
-           probe's mode splits to (:func:`~memfit.engine.auto.choose_split`);
-        3. **checkpoint plan**, for micro-batches like the first, under both
-           (:meth:`_make_plan`).
-
-        ``train_step`` calls it with its whole batch before splitting it (``global_batch``:
-        2, with 1, when ``micro_batch="auto"``); the first micro-batch (``backward``,
-        through :meth:`prepare`) calls it for the rest: 1 where still open, then 3. A
-        choice made is not made again.
-        """
-        auto = self.auto
-        if auto.micro_batch and not global_batch:
-            raise ConfigError(
-                "micro_batch='auto' chooses how train_step(batch) splits its batches; "
-                "micro-batches fed with backward() (or given to prepare()) are split already. "
-                "Call train_step(batch) with the global batch, or drop micro_batch='auto'"
-            )
-        if auto.micro_batch:  # 2, with 1 when precision="auto" too
-            first = self._first_batch()
-            split = choose_split(first, batch, loss_fn, with_precision=auto.precision)
-            if split.precision is not None:
-                self._use_precision(split.precision)
-            chosen = split.fitting()  # BudgetError when nothing fits
-            self.settings.accumulation_steps = chosen.accumulation_steps
-            auto.split_choice = chosen
-            auto.split_timed = split.timed
-            auto.split_ranked, auto.split_request = split.ranked, self._checkpoint_request
-            auto.split_plan = split.timed.best.plan if split.timed else None
-            auto.micro_batch = False
-        if global_batch:
-            return  # the rest is for the first micro-batch of the split
-        if auto.precision:  # 1
-            self._use_precision(choose_precision(self._first_batch(), batch, loss_fn))
-        self._make_plan(batch, loss_fn)  # 3
-        self._write_config()
-
-    def _write_config(self) -> None:
-        """``log_dir``'s ``config.json`` and ``plan.json``, now that the first batch's
-        choices are made (:mod:`memfit.engine.run_files`)."""
-        if self.log_dir is None:
-            return
-        try:
-            write_config(self.log_dir, self, self._budget_given)
-        except OSError as exc:  # the metrics still go to log_dir's sinks
-            warnings.warn(f"config.json not written in {self.log_dir}: {exc}", stacklevel=4)
-
-    def _first_batch(self) -> FirstBatch:
-        """What the first batch's choices need (:mod:`memfit.engine.auto`)."""
-        return FirstBatch(
-            model=self.model,
-            optimizer=self.optimizer,
-            device=self.device,
-            policy=self.policy,
-            checkpoint_request=self._checkpoint_request,
-            memory_budget=self.settings.memory_budget,
-            data_parallel=self.parallel is not None,
-            ranges=self.monitor.ranges,
-            units=self.units,
-        )
-
-    def _use_precision(self, choice: PrecisionChoice) -> None:
-        """Train in the mode ``precision="auto"`` chose from now on: its policy, its islands
-        and, for fp16, a dynamic loss scaler (when the Engine made its own)."""
-        switch = switched_precision(
-            choice, self.policy, self.auto.default_scaler, self.parallel is not None
-        )
-        self.policy = switch.policy
-        self.settings.precision = switch.policy.mode
-        self._apply_policy()
-        if switch.scaler is not None:
-            self.scaler = switch.scaler
-        self.auto.precision_choice = choice
-        self.auto.precision = False
-
-    def _apply_policy(self) -> None:
-        """The policy's fp32 islands on the model (stage one of the Engine's order), and
-        the modules this device has no kernel for in its dtype."""
-        policy = self.parallel.precision(self.policy) if self.parallel else self.policy
-        self.islands = apply_precision(self.model, policy)
-        self.settings.kernel_islands = note_kernel_islands(self.model, self.policy)
-
-    def _make_plan(self, batch: Batch, loss_fn: LossFn) -> None:
-        """Make and apply the checkpoint plan the Engine was asked for (once)."""
-        request = self._checkpoint_request
-        if request is None:
-            return
-        if isinstance(request, str) and request == "none":
-            self._checkpoint_request = None
-            return
-        from memfit.checkpoint.apply import apply_plan
-
-        if isinstance(request, str):
-            strategy = "optimal" if request == "auto" else request
-            budget = self.settings.memory_budget
-            if budget is None and strategy == "optimal":
-                budget = default_memory_budget(self.device)
-            planned = self.auto.split_plan or make_engine_plan(
-                self.model,
-                batch,
-                loss_fn,
-                self.policy,
-                self.optimizer,
-                strategy,
-                budget,
-                self.settings.accumulation_steps,
-                self.units,
-            )
-            self.auto.split_plan = None
-            self._plan_to_check = planned
-            request = planned.result.plan
-            # Planning ran backward passes; in the *-master modes their gradients went
-            # into the fp32 masters' buffers, which the first step must not add to.
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-        apply_plan(self.model, request)
-        self.plan = request
-        self._checkpoint_request = None  # only now: a failed planning is tried again
 
     def _read_metrics(self, extra: dict[str, float] | None = None) -> dict[str, float]:
         metrics = log_step_metrics(
@@ -856,12 +665,9 @@ class Engine:
                 for batch in loader:
                     engine.train_step(batch, loss_fn)
         """
-        from memfit.engine.preemption import STOP_SIGNALS, SignalStop
-
-        def save() -> Path:
-            return self.save(path, extra=extra() if callable(extra) else extra)
+        from memfit.engine.preemption import saving_stop
 
         if self._signal_stop is not None:
             self._signal_stop.uninstall()
-        self._signal_stop = SignalStop(save, STOP_SIGNALS if signals is None else signals)
+        self._signal_stop = saving_stop(self.save, path, extra, signals)
         return self._signal_stop.install()

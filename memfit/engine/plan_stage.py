@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memfit.engine.settings import EngineSettings, default_memory_budget
 from memfit.errors import BudgetError
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes
@@ -56,6 +57,50 @@ def make_engine_plan(
     return plan_from_profile(
         model, profiled, policy, optimizer, strategy, budget, accumulation_steps
     )
+
+
+def strategy_plan(
+    strategy: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: PrecisionPolicy,
+    settings: EngineSettings,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    units: list[str] | None,
+    device: torch.device,
+    ready: EnginePlan | None = None,
+) -> EnginePlan:
+    """The plan a ``checkpoint=`` strategy name asks for on micro-batches like ``batch``
+    (:func:`make_engine_plan`): ``"auto"`` is ``"optimal"``, under the settings' memory
+    budget or, for ``"optimal"`` without one, 90% of ``device``'s memory. ``ready``: the
+    plan made for it already (the timed splits'), taken as is. The gradients the planning's
+    backward passes left (in the ``*-master`` modes, in the fp32 masters' buffers) are
+    cleared: the first step must not add to them.
+
+    Example::
+
+        planned = strategy_plan("auto", model, opt, policy, settings, micro, loss_fn, None, dev)
+        apply_plan(model, planned.result.plan)
+    """
+    strategy = "optimal" if strategy == "auto" else strategy
+    budget = settings.memory_budget
+    if budget is None and strategy == "optimal":
+        budget = default_memory_budget(device)
+    planned = ready or make_engine_plan(
+        model,
+        batch,
+        loss_fn,
+        policy,
+        optimizer,
+        strategy,
+        budget,
+        settings.accumulation_steps,
+        units,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    return planned
 
 
 def plan_from_profile(

@@ -214,3 +214,26 @@ class SignalStop:
         rank = f"rank {world.rank}: " if world.distributed else ""
         os.write(2, f"memfit: {rank}{preempted}\n".encode())
         raise preempted
+
+
+def saving_stop(
+    save: Callable[..., Path],
+    path: str | Path,
+    extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    signals: Iterable[int] | None = None,
+) -> SignalStop:
+    """A :class:`SignalStop`, not yet installed, whose stop calls ``save(path, extra=...)``
+    with ``extra``, or with what ``extra()`` returns then (e.g. a data loader's position,
+    read at the stop, not now). ``signals``: None for :data:`STOP_SIGNALS`.
+
+    Example::
+
+        stop = saving_stop(engine.save, "run/last.pt", extra=lambda: {"epoch": epoch})
+        with stop:                                   # installs it; leaving restores
+            ...
+    """
+
+    def save_now() -> Path:
+        return save(path, extra=extra() if callable(extra) else extra)
+
+    return SignalStop(save_now, STOP_SIGNALS if signals is None else signals)

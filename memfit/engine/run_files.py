@@ -22,13 +22,16 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.monitor.run_log import CONFIG, PLAN, SUMMARY, write_json
 
-__all__ = ["engine_config", "engine_summary", "write_config", "write_summary"]
+__all__ = ["RunRecord", "engine_config", "engine_summary", "write_config", "write_summary"]
 
 #: Who wrote a run directory's ``config.json`` (``memfit train`` writes its own settings).
 WRITTEN_BY = "memfit.Engine"
@@ -119,6 +122,81 @@ def write_summary(
     }
     write_json(log_dir / SUMMARY, summary)
     _write_plan(log_dir, engine.plan)
+
+
+@dataclass
+class RunRecord:
+    """What an Engine's ``config.json`` and ``summary.json`` hold beyond its own
+    attributes, kept as it trains: the budget as it was given, and the samples, the wall
+    time and the last validation loss of the steps this Engine object took. Writing either
+    file with no ``log_dir`` does nothing, and an OSError writing it is a warning: the
+    metrics still go to the sinks, and a finished training is not failed for a lost file.
+
+    Example::
+
+        record = RunRecord(budget_given="30MiB")
+        record.step_began()
+        ...                                     # the step
+        record.step_ended(samples=8)
+        record.write_summary(Path("runs/a"), engine, engine.monitor.records, loss)
+    """
+
+    budget_given: Any = None
+    """The budget as the Engine was given it (``"30MiB"``), written as ``budget``."""
+    samples: int = 0
+    """Samples of the steps this object took (a resumed run's from its resume on)."""
+    first_step_at: float | None = None
+    """When its first step began (``time.perf_counter()``, after the first batch's choices)."""
+    last_step_at: float | None = None
+    """When its last step ended."""
+    val_loss: float | None = None
+    """The last ``"val/loss"`` given to ``Engine.log_metrics``."""
+
+    def step_began(self) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.perf_counter()
+
+    def step_ended(self, samples: int) -> None:
+        self.samples += samples
+        self.last_step_at = time.perf_counter()
+
+    def write_config(self, log_dir: Path | None, engine: Any) -> None:
+        """:func:`write_config`, once the first batch's choices are made."""
+        if log_dir is None:
+            return
+        try:
+            write_config(log_dir, engine, self.budget_given)
+        except OSError as exc:  # the metrics still go to log_dir's sinks
+            warnings.warn(f"config.json not written in {log_dir}: {exc}", stacklevel=4)
+
+    def write_summary(
+        self,
+        log_dir: Path | None,
+        engine: Any,
+        records: Iterable[Mapping[str, float]],
+        loss: Any,
+    ) -> None:
+        """:func:`write_summary` when the Engine trained a step: ``records``, the log
+        records, the latest last (each key's latest value is written); ``loss``, the last
+        step's loss tensor (one host sync reads it), or None."""
+        if log_dir is None or self.last_step_at is None:
+            return
+        latest: dict[str, float] = {}
+        for record in records:
+            latest.update(record)
+        started = self.first_step_at or self.last_step_at
+        try:
+            write_summary(
+                log_dir,
+                engine,
+                latest,
+                train_loss=None if loss is None else float(loss.item()),
+                val_loss=self.val_loss,
+                samples=self.samples,
+                seconds=self.last_step_at - started,
+            )
+        except OSError as exc:  # the training is done; a lost summary is not worth failing it
+            warnings.warn(f"summary.json not written in {log_dir}: {exc}", stacklevel=3)
 
 
 def _write_plan(log_dir: Path, plan: Any) -> None:

@@ -30,7 +30,9 @@ class TuneRow:
     rank: int
     """Its place by prediction (0: predicted best)."""
     measured_peak_bytes: int | None = None
-    """The allocator's peak of a real step (None: not measured)."""
+    """The allocator's peak of a real step (None: not measured). Tuned for FSDP2 ranks,
+    the trial's one process holds the whole model, not a rank's shard: the peak is
+    recorded (and :attr:`note` says so) but ``fits`` is the prediction's."""
     measured_step_seconds: float | None = None
     """The median of the timed steps, timed in rounds beside the other trials."""
     error: str | None = None
@@ -40,6 +42,10 @@ class TuneRow:
     """``"halving"`` or ``"per-block"`` where this setting is the usual fix the tuner
     measured beside its own candidates (halving the micro-batch until it fits;
     checkpointing every block with the whole batch)."""
+    note: str | None = None
+    """What a measured number means where it is not what ``fits`` judged: tuned for FSDP2
+    ranks, "measured in one process with the whole model: X; the per-rank peak is
+    predicted: Y"."""
 
     precision = _of_candidate("precision", "The precision mode.")
     checkpoint = _of_candidate(
@@ -54,7 +60,11 @@ class TuneRow:
         "predicted_step_seconds", "Counted FLOPs over the probe's FLOP rate of the precision."
     )
     recompute_fraction = _of_candidate("recompute_fraction", "Recomputed share of a forward.")
-    fits = _of_candidate("fits", "Whether the predicted peak fits the budget.")
+    fits = _of_candidate(
+        "fits",
+        "Whether the predicted peak (one rank's, tuned for ranks) fits the budget; a "
+        "measured peak over it is the row's ``error`` (or, under FSDP2, its ``note``).",
+    )
     plan = _of_candidate(
         "plan", "The estimator's plan (``optimal``; the Engine plans the real model)."
     )
@@ -82,6 +92,7 @@ _FIELDS = (
     "measured_step_seconds",
     "error",
     "peer",
+    "note",
 )
 
 
@@ -233,7 +244,7 @@ class TuneResult:
         shown += [r for r in self.rows if not r.measured][: max(0, max_rows - len(shown))]
         shown.sort(key=lambda r: r.rank)
         head = ["#", "precision", "checkpoint", "micro x acc", "pred peak", "pred step"]
-        head += ["fits", "meas peak", "meas step", "note"]
+        head += ["pred fits", "meas peak", "meas step", "note"]
         body = []
         for r in shown:
             body.append(
@@ -249,7 +260,12 @@ class TuneResult:
                     _ms(r.measured_step_seconds),
                     "; ".join(
                         x
-                        for x in ("* best" if r is self.best else "", r.peer or "", r.error or "")
+                        for x in (
+                            "* best" if r is self.best else "",
+                            r.peer or "",
+                            r.error or "",
+                            r.note or "",
+                        )
                         if x
                     ),
                 ]
@@ -262,6 +278,12 @@ class TuneResult:
             f"{len(self.rows)} candidates, {sum(r.measured for r in self.rows)} measured"
             f" in {self.rounds} rounds; {self.tuning_seconds:.1f} s"
         ]
+        if self.data_parallel == "fsdp" and self.world_size > 1:
+            lines.append(
+                "pred fits: each rank's predicted peak against the budget; a trial in one "
+                "process holds the whole model, not an FSDP2 shard, so its measured peak "
+                "does not judge the fit"
+            )
         lines += [
             "  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]
         ]

@@ -68,7 +68,8 @@ from memfit.tuning.trials import (
     holds_trials,
     time_in_rounds,
 )
-from memfit.units import parse_bytes
+from memfit.units import format_bytes, parse_bytes
+from memfit.workload import Workload, unpack_workload
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -80,8 +81,8 @@ def _device_of(batch_fn: Callable[[int], Any]) -> torch.device:
 
 
 def tune(
-    model_fn: Callable[[], nn.Module],
-    batch_fn: Callable[[int], Any],
+    model_fn: Callable[[], nn.Module] | Workload,
+    batch_fn: Callable[[int], Any] | None = None,
     loss_fn: LossFn | None = None,
     *,
     budget: str | int | float,
@@ -101,7 +102,9 @@ def tune(
     Args:
         model_fn: builds the model (on the default device, not moved): the search runs it
             on the meta device, each measured trial builds a fresh one and moves it to
-            ``device``.
+            ``device``. Or a :class:`memfit.Workload`, which holds all three functions:
+            ``tune(workload, budget=..., global_batch=...)``, with no ``batch_fn`` or
+            ``loss_fn`` beside it.
         batch_fn: ``batch_fn(n)`` returns a batch of ``n`` samples (on ``device``).
         loss_fn: ``loss_fn(model, batch) -> scalar``, as the Engine, ``memfit.plan`` and
             ``memfit.estimate`` take it; default: the sum of the first floating-point
@@ -136,7 +139,8 @@ def tune(
 
     Raises:
         ConfigError: a global batch no split makes (the message lists valid ones), an
-            unknown precision, a model that cannot run on meta/fake tensors.
+            unknown precision, a model that cannot run on meta/fake tensors, a Workload
+            given together with a ``batch_fn`` or ``loss_fn``.
         BudgetError: nothing fits (the message gives the smallest budget that would fit
             and the setting that reaches it), or every measured trial failed.
 
@@ -144,7 +148,10 @@ def tune(
 
         res = memfit.tune(model_fn, batch_fn, loss_fn, budget="2GiB", global_batch=32)
         res.best.precision, res.best.checkpoint, res.best.micro_batch
+        work = memfit.Workload(model_fn, batch_fn, loss_fn)   # the same, in one object
+        res = memfit.tune(work, budget="2GiB", global_batch=32)
     """
+    model_fn, batch_fn, loss_fn = unpack_workload(model_fn, batch_fn, loss_fn, call="memfit.tune")
     if int(measure_top) != measure_top or measure_top < 0:
         raise ConfigError(f"measure_top must be an int >= 0, got {measure_top!r}")
     if int(steps) != steps or steps < 1:
@@ -426,6 +433,13 @@ def _start(
         row.error = first_line(exc)
         return None
     row.measured_peak_bytes = trial.peak_bytes
+    if not judged:  # an FSDP2 rank's fit rests on the prediction: the row says so
+        predicted = row.predicted_peak_bytes
+        row.note = (
+            "measured in one process with the whole model: "
+            f"{format_bytes(trial.peak_bytes)}; the per-rank peak is predicted: "
+            f"{'-' if predicted is None else format_bytes(predicted)}"
+        )
     if judged and trial.peak_bytes > limit:
         row.error = "over the budget as measured"
         trial.release()  # its gradients are read only for a choice it cannot be
