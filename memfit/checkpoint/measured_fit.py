@@ -48,6 +48,24 @@ from memfit.precision.policy import PrecisionPolicy
 #: benchmark has shown (about 15%).
 MEASURE_MARGIN = 0.15
 
+#: What a measured step is kept below the budget by when it is accepted in place of a plan
+#: that recomputes more (the edge, within the planner's reserve): the allocator's peak of
+#: the same step on the same batch differs between runs by a few KiB (2.5 KiB seen on a
+#: 12 MiB step; a plan accepted 48 bytes inside its budget then ran 2 KiB over it), and a
+#: training loop adds its own scalars. The larger of a share of the budget and a few KiB.
+#: The least plan is accepted without it: no other plan would fit.
+EDGE_SLACK = 0.001
+EDGE_SLACK_BYTES = 4096
+
+
+def edge_slack(budget_bytes: float) -> float:
+    """The share of ``budget_bytes`` an edge plan's measured step is kept below.
+
+    >>> edge_slack(100 * 2**20), round(edge_slack(2**20), 4)
+    (0.001, 0.0039)
+    """
+    return max(EDGE_SLACK, EDGE_SLACK_BYTES / budget_bytes) if budget_bytes > 0 else 0.0
+
 
 FitAction = Literal["keep", "replan", "refuse"]
 """What a :class:`FitVerdict` says to do with the plan: ``"keep"`` it; ``"replan"`` from
@@ -233,7 +251,8 @@ def measured_plan(
         predicted = max(edge.predicted_peak_bytes, mem.floor_bytes)
         if edge.predicted_peak_bytes > least * (1 + 1e-9):  # not the least plan: measured below
             peak = run.peak_bytes(edge)
-            verdict = judge_fit(predicted, peak, budget_bytes, reserve=reserve)
+            slack = max(reserve, edge_slack(budget_bytes))
+            verdict = judge_fit(predicted, peak, budget_bytes, reserve=slack)
             if verdict.fits:
                 return MeasuredFit(edge, peak, verdict, least=False)
     return measured_least_plan(
@@ -309,9 +328,9 @@ def measured_within_reserve(
 ) -> MeasuredFit | None:
     """``reserved.edge`` (the plan that recomputes less than ``reserved``, predicted within
     the budget itself: :func:`~memfit.checkpoint.solvers.solve` with ``edge=True``) when its
-    measured step fits the budget; else None. The reserve is what the measurement
-    replaces: at a peer's memory the plan recomputes no more than the prediction allows,
-    not 2% less than that.
+    measured step fits the budget with :func:`edge_slack` to spare; else None. The reserve
+    is what the measurement replaces: at a peer's memory the plan recomputes no more than
+    the prediction allows, not 2% less than that.
 
     Example::
 
@@ -324,7 +343,7 @@ def measured_within_reserve(
         return None
     peak = run.peak_bytes(edge)
     predicted = max(edge.predicted_peak_bytes, run.memory.floor_bytes)
-    verdict = judge_fit(predicted, peak, budget_bytes)
+    verdict = judge_fit(predicted, peak, budget_bytes, reserve=edge_slack(budget_bytes))
     return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
 
 
