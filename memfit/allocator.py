@@ -135,13 +135,18 @@ def allocator_peak(
     live: Iterable[Any] = (),
     device: str | torch.device = "cpu",
     timeline: bool = False,
+    live_complete: bool = False,
 ) -> AllocatorPeak:
     """Run ``fn()`` and return its peak memory on ``device`` as the allocator saw it.
 
     ``live``: tensors (or nested structures of them) alive when ``fn`` starts; on CPU
     their storages are the starting point. On CUDA the allocator knows it itself.
     ``timeline``: keep every level and the work's ``memfit::`` marks (CPU only;
-    :class:`Timeline`).
+    :class:`Timeline`). ``live_complete``: ``live`` holds everything alive that the work
+    frees (the last step's gradients included), so no level is raised for a free of
+    memory the work did not allocate (CPU; by default such a free is taken as memory
+    ``live`` left out, which double-counts a tensor named in ``live`` that the work frees
+    while it holds less than that tensor's size).
 
     Example::
 
@@ -156,6 +161,9 @@ def allocator_peak(
         torch.cuda.synchronize(device)
         return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
     start = storage_bytes(live)
+    # Not held through the work: a tensor it frees (gradients zero_grad sets to None) must
+    # be free to go (a caller naming them inline, ``live=[...]``, holds no other reference).
+    live = ()
     if torch.autograd.profiler._is_profiler_enabled:
         # A profiler is running already (the user's, or an outer measurement): starting
         # another would end it. The storage tracker measures instead (kernels' own
@@ -209,7 +217,8 @@ def allocator_peak(
     # was every level after it. Known gap: a tensor both named in ``live`` and freed by the
     # work (after an earlier measured session made it) is counted twice; the profiler's
     # events carry no address to tell it apart.
-    start += -lowest
+    if not live_complete:
+        start += -lowest
     return AllocatorPeak(
         start + highest,
         start,

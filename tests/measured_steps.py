@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.allocator import allocator_peak
+from memfit.allocator import allocator_peak, optimizer_tensors
 
 
 def planned_step_peak(
@@ -34,3 +34,38 @@ def planned_step_peak(
         return allocator_peak(step, live=[*model.parameters(), batch]).peak_bytes
     finally:
         memfit.remove_plan(model)
+
+
+class StepMeter:
+    """The allocator's peak of each call of ``optimizer.step`` (wrapped in place), from
+    the parameters, buffers, gradients and optimizer state alive when it starts: under a
+    closure (Lightning's automatic optimization runs ``training_step``, ``zero_grad`` and
+    backward inside it) it is the whole training step.
+
+    Example::
+
+        meter = StepMeter(model, optimizer)
+        trainer.fit(...)
+        max(meter.peaks[1:])   # the steps after the first, whose gradients were alive
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.peaks: list[int] = []
+        step = optimizer.step
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            # Named inline, so that what the step frees (zero_grad's gradients) can go.
+            peak = allocator_peak(
+                lambda: step(*args, **kwargs),
+                live=[
+                    *model.parameters(),
+                    *model.buffers(),
+                    *[p.grad for p in model.parameters() if p.grad is not None],
+                    *optimizer_tensors(optimizer),
+                ],
+                live_complete=True,
+            )
+            self.peaks.append(peak.peak_bytes)
+            return peak.result
+
+        optimizer.step = measured  # type: ignore[method-assign]

@@ -306,3 +306,82 @@ def test_autocasts_copies_are_of_the_weights_it_multiplies_not_of_lookup_tables(
     # bf16 copies of the Linear's weight alone: autocast casts no embedding lookup.
     assert _cast_bytes(model, PrecisionPolicy("bf16-mixed")) == 64 * 32 * 2
     assert _cast_bytes(model, PrecisionPolicy("fp32")) == 0
+
+
+def _loop_step_peak(model, opt, batch, loss_fn, zero_grad: str) -> int:
+    """The allocator's peak of one step of a plain loop that frees the gradients where
+    ``zero_grad`` says, from the parameters, gradients and optimizer state alive."""
+
+    def step() -> None:
+        if zero_grad == "before_forward":
+            opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        if zero_grad == "before_backward":  # Lightning's automatic optimization
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    # A first step under the allocator's profiler, so that the gradients it leaves are
+    # known to its reporter with their sizes: a free of a block allocated outside any
+    # profiling goes unreported. Named inline, the gradients zero_grad frees are free to go.
+    allocator_peak(step)
+    return allocator_peak(
+        step,
+        live=[
+            *model.parameters(),
+            *[p.grad for p in model.parameters() if p.grad is not None],
+            *optimizer_tensors(opt),
+            batch,
+        ],
+        live_complete=True,
+    ).peak_bytes
+
+
+@pytest.mark.parametrize("strategy", ["none", "full"])
+def test_a_loop_that_frees_the_gradients_before_backward_holds_them_through_the_forward(
+    strategy: str,
+) -> None:
+    # Lightning runs training_step before zero_grad: the last step's gradients are alive
+    # at the end of forward. Planned for that order the step is predicted within 3%;
+    # planned for the usual order it measures above its prediction by about them.
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=4, n_embd=64, n_head=4, block_size=64
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batch = batch_fn(8, generator=0)
+    loss_fn(model, batch).backward()
+    opt.step()  # the optimizer state and the gradients exist, as after any step
+    plans = {
+        order: memfit.plan(
+            model,
+            batch,
+            loss_fn,
+            precision="fp32",
+            optimizer=opt,
+            strategy=strategy,
+            zero_grad=order,
+            verify=False,
+        )
+        for order in ("before_forward", "before_backward")
+    }
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    before_forward = plans["before_forward"].predicted_peak_bytes
+    predicted = plans["before_backward"].predicted_peak_bytes
+    memfit.apply_plan(model, plans["before_backward"])
+    measured = _loop_step_peak(model, opt, batch, loss_fn, "before_backward")
+    remove_plan(model)
+    assert abs(predicted - measured) <= 0.03 * measured, (strategy, predicted, measured)
+    if strategy == "none":  # the end of forward is the step's peak: the gradients lift it
+        assert 0 < predicted - before_forward <= grads
+        assert measured > before_forward, (measured, before_forward)  # under-predicted
+    else:  # recomputing every block, the end of forward is low: the peak is elsewhere
+        assert predicted - before_forward <= grads
+
+
+def test_zero_grad_names_where_the_loop_frees_the_gradients() -> None:
+    model, loss_fn, batch_fn = build_model(
+        "gpt", data="synthetic", n_layer=1, n_embd=16, n_head=2, block_size=8
+    )
+    with pytest.raises(memfit.ConfigError, match="zero_grad='after_step' is not a place"):
+        memfit.plan(model, batch_fn(2, generator=0), loss_fn, zero_grad="after_step")

@@ -22,9 +22,7 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_profile
 from memfit.checkpoint.profile_stage import profile_model, profile_step
 from memfit.checkpoint.profiler.runner import default_loss
-from memfit.checkpoint.step_memory import (
-    RankLayout,
-)
+from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, check_zero_grad
 from memfit.deprecations import warn_renamed
 from memfit.errors import ConfigError
 from memfit.nested import call_model
@@ -46,6 +44,7 @@ def make_plan(
     world_size: int = 1,
     data_parallel: str | None = None,
     verify: bool = True,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> PlanResult:
     """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve ->
     verify.
@@ -58,6 +57,10 @@ def make_plan(
     under a per-device ``budget`` (``batch`` is then that rank's micro-batch).
     ``verify``: measure the plan's step on ``batch`` and make it again from the
     measurement when it missed (:func:`verify_plan`); False returns the prediction alone.
+    ``zero_grad``: where the training loop frees the last step's gradients:
+    ``"before_forward"`` (after the optimizer step or before the forward), or
+    ``"before_backward"`` (between forward and backward, as Lightning's automatic
+    optimization does: they are alive through the forward).
 
     Example::
 
@@ -67,6 +70,7 @@ def make_plan(
     """
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    check_zero_grad(zero_grad)
     policy, chosen = resolve_policy(precision, model, batch, loss_fn)
     profiled = profile_step(model, batch, loss_fn, policy, units)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
@@ -81,6 +85,7 @@ def make_plan(
         int(accumulation_steps),
         frontier,
         layout=layout,
+        zero_grad=zero_grad,
     )
     return verify_plan(result, model, optimizer) if verify else result
 
@@ -115,6 +120,7 @@ def plan(
     data_parallel: str | None = None,
     example_inputs: Any = None,
     verify: bool = True,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> Plan:
     """Profile a training step ``loss_fn(model, batch)`` under ``precision`` and plan its
     activation checkpointing under ``budget``.
@@ -138,7 +144,9 @@ def plan(
     budget (docs/distributed.md). ``verify``: the plan's step is measured once on
     ``batch`` by the allocator (``plan.measured_peak_bytes``), and made again from the
     measurement when it missed the prediction (:func:`verify_plan`); False skips the
-    measurement. Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
+    measurement. ``zero_grad``: where the training loop frees the last step's gradients,
+    ``"before_forward"`` (default) or ``"before_backward"`` (Lightning's order: alive
+    through the forward; :func:`make_plan`). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
     measured.
 
     Kept for one release, each with a DeprecationWarning: a ``loss_fn(output)`` (a
@@ -166,6 +174,7 @@ def plan(
         world_size=world_size,
         data_parallel=data_parallel,
         verify=verify,
+        zero_grad=zero_grad,
     )
     if example_inputs is not None:
         if batch is not None:
@@ -216,6 +225,7 @@ def _plan_on_output(
     world_size: int,
     data_parallel: str | None,
     verify: bool,
+    zero_grad: ZeroGrad,
     **solve_settings: Any,
 ) -> Plan:
     """:func:`plan` of ``output_loss(model(batch))`` (default: the sum of the output), the
@@ -223,6 +233,7 @@ def _plan_on_output(
     False."""
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
+    check_zero_grad(zero_grad)
     loss_of = output_loss or default_loss
     policy, chosen = resolve_policy(precision, model, batch, lambda m, x: loss_of(call_model(m, x)))
     held = True if keep_output is None else keep_output
@@ -239,6 +250,7 @@ def _plan_on_output(
         int(accumulation_steps),
         solve_settings["frontier"],
         layout=RankLayout.of(world_size, data_parallel),
+        zero_grad=zero_grad,
     )
     return (verify_plan(result, model, optimizer) if verify else result).plan
 

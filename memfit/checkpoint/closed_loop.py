@@ -219,6 +219,7 @@ def _resolved(
         frontier=False,
         correction_bytes=correction,
         layout=result.layout,
+        zero_grad=result.zero_grad,
     )
 
 
@@ -289,6 +290,7 @@ def _measured_fallback(
                 budget_bytes=budget_bytes,
                 accumulation_steps=result.accumulation_steps,
                 layout=result.layout,
+                zero_grad=result.zero_grad,
             )
         tried.append(f"{format_bytes(least.measured_peak_bytes)} measured under the least plan")
     raise BudgetError(

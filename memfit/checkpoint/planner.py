@@ -53,6 +53,7 @@ from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes
 from memfit.checkpoint.step_memory import (
     RankLayout,
     StepMemory,
+    ZeroGrad,
     sparse_grad_sizes,
     step_memory,
     with_backward_costs,
@@ -89,6 +90,8 @@ class PlanResult:
     """The budget it was planned under (None: no limit)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step it was planned for."""
+    zero_grad: ZeroGrad = "before_forward"
+    """Where the training loop it was planned for frees the last step's gradients."""
     measured_peak_bytes: float | None = None
     """The plan's step as measured on the example batch (the allocator's count of one
     forward and backward over the step's static bytes): by :func:`verify_plan`, or where
@@ -129,6 +132,7 @@ def solve_profile(
     frontier: bool = True,
     correction_bytes: float = 0.0,
     layout: RankLayout | None = None,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> PlanResult:
     """Stages 2-4: the step's memory, the solve, the Plan with its predicted peak.
 
@@ -136,7 +140,9 @@ def solve_profile(
     the solve's time on trees of hundreds of units. ``correction_bytes``: memory the step
     was measured to hold beyond (or, negative, below) the model, counted as held all step
     (:func:`check_plan`). ``layout``: plan one rank of a data-parallel run (its share of
-    the weights, gradients and optimizer state; :class:`RankLayout`)."""
+    the weights, gradients and optimizer state; :class:`RankLayout`). ``zero_grad``: where
+    the training loop frees the last step's gradients
+    (:mod:`memfit.checkpoint.step_memory`)."""
     model = unwrap_compiled(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
@@ -155,9 +161,13 @@ def solve_profile(
         layout=layout,
         loss_spike_bytes=None if edges is None else edges.loss_spike_bytes,
         head_backward_bytes=None if edges is None else edges.head_backward_bytes,
+        zero_grad=zero_grad,
     )
     if edges is not None:
-        edge = max(edges.head_bytes + mem.accumulated_grad_bytes, edges.tail_bytes + mem.grad_bytes)
+        # Before the first unit, the last step's gradients are held where the loop frees
+        # them only before backward (the head's backward, after zero_grad, counts them too).
+        held_grads = mem.accumulated_grad_bytes + mem.forward_grad_bytes
+        edge = max(edges.head_bytes + held_grads, edges.tail_bytes + mem.grad_bytes)
         mem = dataclasses.replace(mem, edge_bytes=mem.base_bytes + edge)
     if profiled.workspace_bytes:
         # Kernels' own workspace: where among the units is not known, so all of it counts.
@@ -256,6 +266,7 @@ def solve_profile(
         budget_bytes=budget_bytes,
         accumulation_steps=accumulation_steps,
         layout=layout,
+        zero_grad=zero_grad,
     )
 
 
@@ -272,6 +283,7 @@ def result_of_solution(
     budget_bytes: float | None,
     accumulation_steps: int,
     layout: RankLayout | None,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
     the whole step (``measured_fit``: the measurement that accepted it, if one did)."""
@@ -328,6 +340,7 @@ def result_of_solution(
         budget=budget,
         accumulation_steps=accumulation_steps,
         layout=layout,
+        zero_grad=zero_grad,
         measured_peak_bytes=measured_fit.measured_peak_bytes if measured_fit else None,
         measured_is_least=bool(measured_fit and measured_fit.least),
     )

@@ -31,6 +31,14 @@ already run are held while the later ones run forward and backward: the last mic
 holds all of them from its first op on, so they count as held for the whole activation
 phase instead of appearing one unit at a time as its backward makes them.
 
+**Where the loop frees the gradients** (``zero_grad``): a loop that clears them after the
+optimizer step or before the forward (``"before_forward"``: the Engine, the Hugging Face
+Trainer, most plain loops) starts each forward without them. Lightning's automatic
+optimization runs ``training_step`` first and ``zero_grad`` between it and the backward
+(``"before_backward"``): the previous step's gradients are alive through the whole
+forward, so the end of forward holds them too (``StepMemory.forward_grad_bytes``), and
+backward does not.
+
 :func:`static_bytes` counts the weights, buffers, gradients, masters and optimizer state
 (:func:`optimizer_state_bytes`) for every caller: the step memory, the estimator's rows and
 the capacity view. :meth:`RankLayout.of` makes the layout from the ``world_size`` and
@@ -48,6 +56,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -61,6 +70,10 @@ from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
+
+ZeroGrad = Literal["before_forward", "before_backward"]
+"""Where a training loop frees the gradients of the last step (module docstring)."""
+ZERO_GRAD_ORDERS: tuple[str, ...] = ("before_forward", "before_backward")
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
 _STATE_ELEMENTS = {
@@ -290,6 +303,13 @@ class StepMemory:
     """Of ``loss_bytes``, its moment after the autocast region has ended (the head of
     backward), which holds no cast copies: the least ``loss_bytes`` can be."""
 
+    forward_grad_bytes: float = 0.0
+    """The previous step's gradients, alive through the forward when the loop frees them
+    only between forward and backward (``zero_grad="before_backward"``); counted in
+    ``loss_bytes`` and ``loss_uncast_bytes`` (the end of forward), and in the step's edge
+    before the first unit. 0 when accumulating (``accumulated_grad_bytes`` holds them
+    all step)."""
+
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
     Function's ``ctx.x``, hidden states appended to a list), measured on the profiled
@@ -344,6 +364,7 @@ def step_memory(
     layout: RankLayout | None = None,
     loss_spike_bytes: float | None = None,
     head_backward_bytes: float | None = None,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> StepMemory:
     """What a training step holds whatever the plan (see the module docstring).
 
@@ -361,7 +382,9 @@ def step_memory(
     of forward at its moment. ``head_backward_bytes``: what the head of backward held above
     the end of forward, measured
     (:attr:`memfit.checkpoint.workspace.StepEdges.head_backward_bytes`), in place of the
-    profiler's count of what the head makes (which does not subtract what it frees)."""
+    profiler's count of what the head makes (which does not subtract what it frees).
+    ``zero_grad``: where the training loop frees the gradients (module docstring)."""
+    check_zero_grad(zero_grad)
     layout = layout or RankLayout()
     root = prof.root if root is None else root
     sparse = sparse_grad_sizes(prof, accumulation_steps)
@@ -384,19 +407,31 @@ def step_memory(
     in_flight = _in_flight_bytes(root)
     made = prof.head_backward_bytes if head_backward_bytes is None else head_backward_bytes
     head = max(loss_saved + output, made - in_flight)
+    accumulated = accumulation_steps > 1 or layout.kind == "ddp"
+    # The last step's gradients, alive through the forward where the loop frees them only
+    # before backward: every moment of forward holds them, the head of backward does not.
+    forward_grads = (
+        float(static.grads) if zero_grad == "before_backward" and not accumulated else 0.0
+    )
+    # The end of forward (under autocast: its weight copies held), the same once autocast
+    # has ended (no copies; the last step's gradients still alive), the head of backward.
     if output_held:  # out = model(x); loss_fn(out).backward(): the output lives on
-        loss_bytes = output + loss_saved + max(cast_cache, head)
-        uncast = output + loss_saved + head
+        forward_end = output + loss_saved + cast_cache
+        uncast_end = output + loss_saved
+        backward_head = output + loss_saved + head
     else:  # loss = loss_fn(model, batch): the output is gone when backward starts
-        loss_bytes = loss_saved + max(output + cast_cache, head)
-        uncast = loss_saved + head
+        forward_end = loss_saved + output + cast_cache
+        uncast_end = loss_saved
+        backward_head = loss_saved + head
+    loss_bytes = max(forward_end + forward_grads, backward_head)
+    uncast = max(uncast_end + forward_grads, backward_head)
     if loss_spike_bytes:
         # Measured: the loss's transients above the end of forward, with what the loss
         # saves and autocast's copies (a loss inside the model spikes while they are still
         # held). The model's output was freed by then, so the spike holds it if it was
         # alive at its moment; no gradient is in flight yet, which the held bytes count.
         spike = loss_saved + cast_cache + loss_spike_bytes - in_flight
-        loss_bytes = max(loss_bytes, spike)
+        loss_bytes = max(loss_bytes, spike + forward_grads)
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
         loss_bytes=float(loss_bytes),
@@ -407,11 +442,24 @@ def step_memory(
         optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)) / layout.world_size
         if layout.kind == "fsdp"
         else float(_optimizer_temp_bytes(optimizer)),
-        accumulated_grad_bytes=float(static.grads)
-        if accumulation_steps > 1 or layout.kind == "ddp"
-        else 0.0,
+        accumulated_grad_bytes=float(static.grads) if accumulated else 0.0,
+        forward_grad_bytes=forward_grads,
         retained_bytes=float(sum(prof.retained_bytes.values())),
     )
+
+
+def check_zero_grad(zero_grad: str) -> None:
+    """Raise a ConfigError for a ``zero_grad`` that is not one of :data:`ZERO_GRAD_ORDERS`.
+
+    >>> check_zero_grad("before_backward")
+    """
+    if zero_grad not in ZERO_GRAD_ORDERS:
+        raise ConfigError(
+            f"zero_grad={zero_grad!r} is not a place a training loop frees its gradients: "
+            "use 'before_forward' (zero_grad after the optimizer step or before the forward: "
+            "the Engine, the Hugging Face Trainer, most loops) or 'before_backward' "
+            "(between forward and backward: Lightning's automatic optimization)"
+        )
 
 
 def sparse_grad_sizes(prof: Profile, accumulation_steps: int = 1) -> dict[str, float]:
@@ -490,10 +538,10 @@ def _in_flight_bytes(root: UnitCost) -> float:
 
 def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
     """Bytes of the 16-bit copies autocast makes of ``module``'s fp32 weights (0 outside
-    the mixed modes): matrices and filters of modules that are not fp32 islands. An
-    embedding's table is not one: autocast casts no lookup (``embedding``,
-    ``embedding_bag``), only what it reads out."""
-    if not policy.mixed or policy.master_weights:
+    the mixed modes, 0 too where autocast keeps no cache): matrices and filters of modules
+    that are not fp32 islands. An embedding's table is not one: autocast casts no lookup
+    (``embedding``, ``embedding_bag``), only what it reads out."""
+    if not policy.mixed or policy.master_weights or not policy.autocast_cache:
         return 0
     width = torch.finfo(policy.compute_dtype).bits // 8
     return sum(

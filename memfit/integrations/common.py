@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.apply import apply_plan, planned
 from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
 from memfit.checkpoint.planner import Budget, PlanResult
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers.fixed import parse_strategy
+from memfit.checkpoint.step_memory import ZeroGrad
 from memfit.errors import ConfigError
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
@@ -47,6 +47,7 @@ from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
 from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
 from memfit.nested import to_device
+from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("memfit.integrations")
@@ -150,8 +151,9 @@ class PlannedRun:
     """One forward and backward of the example batch under the plan, by kind and dtype
     (``memfit.measure``), or None when not measured."""
     measured_peak_bytes: float | None
-    """The allocator's peak of that forward and backward (CUDA statistics; on CPU the
-    profiler's memory events, :func:`memfit.allocator.allocator_peak`)."""
+    """The plan's step as measured on the example batch: the allocator's count of one
+    forward and backward over the step's static bytes as counted (the optimizer state
+    included, made or not), in the loop's order (``PlanResult.measured_peak_bytes``)."""
     step_flops: float
     """FLOPs of one unplanned forward and backward (three times the forward's)."""
     device: torch.device
@@ -159,8 +161,7 @@ class PlannedRun:
     verdict: FitVerdict | None = None
     """That forward and backward judged against the plan's prediction and budget
     (:func:`~memfit.checkpoint.measured_fit.judge_fit`), or None when not measured. Its
-    action is always ``"keep"``: the run trains one plan (no closed-loop re-plan), and the
-    optimizer step's peak is not in the measurement."""
+    action is always ``"keep"``: the plan was made again from the measurement already."""
 
 
 @contextlib.contextmanager
@@ -178,13 +179,18 @@ def plan_model(
     *,
     budget: Budget,
     strategy: str,
-    precision: str,
+    precision: str | PrecisionPolicy,
     accumulation_steps: int,
     optimizer: torch.optim.Optimizer | None,
     measure_memory: bool = True,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> PlannedRun:
-    """Plan ``loss_fn(model, batch)`` under ``budget`` (:func:`make_plan`), measure one
-    planned forward and backward (``measure_memory``), and apply the plan to ``model``.
+    """Plan ``loss_fn(model, batch)`` under ``budget`` (:func:`make_plan`), its step
+    measured on ``batch`` and the plan made again from the measurement when it missed
+    (``measure_memory``: :func:`~memfit.checkpoint.closed_loop.verify_plan`, the Engine's
+    closed loop), and apply the plan to ``model``. ``zero_grad``: where the loop frees
+    the last step's gradients (``"before_backward"`` in Lightning's automatic
+    optimization).
 
     Parameters, gradients, buffers and the random state are as before; only the plan is
     new. Example::
@@ -205,44 +211,41 @@ def plan_model(
             budget=budget,
             accumulation_steps=accumulation_steps,
             frontier=False,
+            verify=measure_memory,
+            zero_grad=zero_grad,
         )
-        report, peak = None, None
+        report = None
         if measure_memory:
-            report, peak = _measure_planned(model, batch, loss_fn, result, optimizer, device)
+            report = _memory_by_kind(model, batch, loss_fn, result, optimizer)
     apply_plan(model, result.plan)
     flops = 3.0 * result.profile.profile.root.fwd_flops
-    # No tolerance: the callback cannot re-plan under the training loop it is part of.
+    peak = result.measured_peak_bytes
+    # No tolerance: the plan was made again from this measurement already (verify_plan).
     verdict = None
     if peak is not None:
         verdict = judge_fit(result.plan.predicted_peak_bytes, peak, result.plan.budget_bytes)
     return PlannedRun(result, report, peak, flops, device, verdict)
 
 
-def _measure_planned(
+def _memory_by_kind(
     model: nn.Module,
     batch: Any,
     loss_fn: LossFn,
     result: PlanResult,
     optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
-) -> tuple[MemoryReport, float]:
-    """One forward and backward under the plan, measured by the allocator (the peak) and
-    memfit's tracker inside it (the kinds), with gradients and buffers put back."""
+) -> MemoryReport:
+    """One forward and backward under the plan, by kind and dtype (memfit's tracker), with
+    gradients and buffers put back."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def step() -> None:
         with result.policy.autocast(device.type):
             loss = loss_fn(model, batch)
         loss.backward()
 
-    live = [*model.parameters(), *model.buffers(), batch]
-    if optimizer is not None:
-        live += optimizer_tensors(optimizer)
     # Train mode for the measured step, as the profiler plans it; modes are put back.
     with preserved(model, train=True, rng_devices=[]), planned(model, result.plan):
-        peak = allocator_peak(
-            lambda: measure(step, model=model, optimizer=optimizer), live=live, device=device
-        )
-    return peak.result, float(peak.peak_bytes)
+        return measure(step, model=model, optimizer=optimizer)
 
 
 class ScaleWatcher:
@@ -377,8 +380,8 @@ def announce(run: PlannedRun, verbose: bool) -> None:
     text = run.result.plan.summary()
     if run.measured_peak_bytes is not None:
         text += (
-            f"\nmeasured at train begin (one planned forward and backward of the example "
-            f"batch): {format_bytes(run.measured_peak_bytes)}"
+            f"\nmeasured at train begin (the planned step on the example batch, in the "
+            f"loop's order): {format_bytes(run.measured_peak_bytes)}"
         )
     log.info("memfit plan:\n%s", text)
     if verbose:
@@ -446,14 +449,15 @@ class CallbackCore:
         batch: Any,
         loss_fn: LossFn,
         *,
-        precision: str,
+        precision: str | PrecisionPolicy,
         accumulation_steps: int,
         optimizer: torch.optim.Optimizer | None,
         scaler: Any = None,
+        zero_grad: ZeroGrad = "before_forward",
     ) -> None:
         """Plan and apply under the callback's budget and strategy (:func:`plan_model`),
         make the run's :class:`RunMetrics` (``scaler``: the loop's fp16 GradScaler, if
-        any) and announce the plan."""
+        any) and announce the plan. ``zero_grad``: where the loop frees the gradients."""
         self.run = plan_model(
             model,
             batch,
@@ -464,6 +468,7 @@ class CallbackCore:
             accumulation_steps=accumulation_steps,
             optimizer=optimizer,
             measure_memory=self.measure_memory,
+            zero_grad=zero_grad,
         )
         self.metrics = RunMetrics(self.run, scaler, self.thresholds, verbose=self.verbose)
         announce(self.run, self.verbose)

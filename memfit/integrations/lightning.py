@@ -41,7 +41,7 @@ from memfit.integrations.common import (  # noqa: E402
     loss_from,
 )
 from memfit.monitor.health import HealthThresholds  # noqa: E402
-from memfit.precision.policy import resolve_mode  # noqa: E402
+from memfit.precision.policy import PrecisionPolicy, resolve_mode  # noqa: E402
 
 __all__ = ["MemfitCallback", "lightning_precision", "training_step_loss"]
 
@@ -165,10 +165,15 @@ class MemfitCallback(CallbackCore, Callback):
             model,
             batch,
             self.loss_fn or training_step_loss(pl_module),
-            precision=lightning_precision(trainer.precision),
+            # Lightning's autocast keeps no weight cache (cache_enabled=False).
+            precision=PrecisionPolicy(lightning_precision(trainer.precision), autocast_cache=False),
             accumulation_steps=int(trainer.accumulate_grad_batches),
             optimizer=optimizers[0] if optimizers else None,
             scaler=getattr(trainer, "scaler", None),
+            # Automatic optimization runs training_step, then zero_grad, then backward: the
+            # last step's gradients are alive through the forward. A manual loop's order
+            # is the user's; planned as zero_grad before the forward.
+            zero_grad="before_backward" if _automatic(pl_module) else "before_forward",
         )
         self._observed_step = trainer.global_step
 
@@ -188,6 +193,11 @@ class MemfitCallback(CallbackCore, Callback):
             # One host sync per log step, for the loss check of the health table.
             loss = float(loss_from(outputs, "training_step").detach().float().item())
         pl_module.log_dict(self.metrics.log_metrics(loss=loss), on_step=True, on_epoch=False)
+
+
+def _automatic(pl_module: Any) -> bool:
+    """Whether Lightning optimizes ``pl_module`` itself (``automatic_optimization``)."""
+    return bool(getattr(pl_module, "automatic_optimization", True))
 
 
 def _first_loader(loaders: Any) -> Any:

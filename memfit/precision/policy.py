@@ -171,6 +171,11 @@ class PrecisionPolicy:
     """A mode from :data:`MODES` or an alias from :data:`ALIASES`; stored resolved."""
     fp32_islands: tuple[type[nn.Module], ...] = field(default=DEFAULT_FP32_ISLANDS)
     """Module types that run in fp32 (inputs cast up, autocast off inside). ``()`` for none."""
+    autocast_cache: bool = True
+    """Whether autocast keeps its 16-bit copy of each fp32 weight it casts until the region
+    ends (torch's default, and memfit's Engine and the Hugging Face Trainer train so), or
+    casts it again at each use (Lightning's mixed precision turns the cache off): the end
+    of forward then holds no copies beyond those the ops save."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", resolve_mode(self.mode))
@@ -218,7 +223,9 @@ class PrecisionPolicy:
         """The autocast context of this policy on ``device_type`` (a no-op for fp32)."""
         if not self.mixed:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
+        return torch.autocast(
+            device_type=device_type, dtype=self.compute_dtype, cache_enabled=self.autocast_cache
+        )
 
     def is_island(self, module: nn.Module) -> bool:
         """Whether ``module`` runs as an fp32 island: one of :attr:`fp32_islands`, or in a

@@ -1,0 +1,64 @@
+"""Budgets held in the frameworks' own loops: real Lightning and Trainer steps measured by
+the allocator (torch.profiler's memory events), the docs' examples included.
+
+Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then
+backward: the last step's gradients are alive through the forward, and its autocast keeps
+no weight cache. The steps after the first are the ones that hold those gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from memfit.units import parse_bytes
+from tests.measured_steps import StepMeter
+
+pl = pytest.importorskip("lightning.pytorch")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DOC = "docs/integrations.md"
+
+
+def _doc_block(marker: str) -> str:
+    """The Python block of docs/integrations.md that contains ``marker``."""
+    from tests.test_docs import ROOT, parse_blocks
+
+    blocks = [b for b in parse_blocks(ROOT / DOC) if b.tag == "python" and marker in b.text]
+    assert len(blocks) == 1, f"{DOC} has {len(blocks)} Python blocks with {marker!r}"
+    return blocks[0].text
+
+
+class _MeterCallback(pl.Callback):
+    """Wraps the optimizer's step in a :class:`StepMeter` once training starts."""
+
+    def __init__(self) -> None:
+        self.meter: StepMeter | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.meter = StepMeter(pl_module, trainer.optimizers[0])
+
+
+@pytest.mark.parametrize("budget", ["19MiB", "17.5MiB", "21MiB"])
+def test_lightning_steps_of_the_docs_example_are_within_the_budget(budget: str) -> None:
+    # docs/integrations.md's Lightning example as written ("19MiB"), and at two more budgets.
+    written = 'callbacks=[MemfitCallback(budget="19MiB")]'
+    source = _doc_block("class Stack(pl.LightningModule)")
+    assert written in source
+    meter = _MeterCallback()
+    source = source.replace(written, f'callbacks=[MemfitCallback(budget="{budget}"), METER]')
+    source = source.replace(
+        "enable_checkpointing=False,", "enable_checkpointing=False, enable_progress_bar=False,"
+    )
+    namespace: dict[str, Any] = {"METER": meter, "__name__": "docs_example"}
+    torch.manual_seed(0)
+    exec(compile(source, DOC, "exec"), namespace)
+    assert meter.meter is not None and len(meter.meter.peaks) == 4
+    later = max(meter.meter.peaks[1:])  # the steps that begin with the last one's gradients
+    limit = parse_bytes(budget)
+    assert later <= limit, (budget, later, meter.meter.peaks)
+    predicted = namespace["trainer"].callback_metrics["memfit/plan/predicted_peak_bytes"]
+    assert abs(float(predicted) - later) <= 0.03 * later, (budget, float(predicted), later)
