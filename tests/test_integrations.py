@@ -464,3 +464,36 @@ def test_lightning_errors_are_clear() -> None:
         mf_lightning.MemfitCallback().on_train_start(
             _fake_trainer(train_dataloader=None), _Blocks()
         )
+
+
+def test_lightning_advice_is_said_in_lightnings_settings() -> None:
+    # A budget no plan meets: the error names Lightning's knobs, not memfit's Engine's.
+    callback = mf_lightning.MemfitCallback(budget="1KiB", verbose=False)
+    with pytest.raises(BudgetError) as raised:
+        _fit(_Blocks(), [callback], precision="bf16-mixed")
+    said = str(raised.value)
+    assert "Trainer(precision='bf16-true')" in said
+    assert "'*-master' precision" not in said and "*-master mode" not in said
+
+
+def test_a_slow_bf16_cpu_is_said_in_the_frameworks_settings() -> None:
+    from memfit.precision.speed import assumed_speed
+
+    callback = mf_lightning.MemfitCallback(strategy="full", verbose=False)
+    with assumed_speed("cpu", {torch.bfloat16: 0.2}):
+        with pytest.warns(UserWarning, match=r"0\.20x .* use Trainer\(precision='32-true'\)"):
+            _fit(_Blocks(), [callback], steps=1, precision="bf16-mixed")
+    fast = mf_lightning.MemfitCallback(strategy="full", verbose=False)
+    with assumed_speed("cpu", {torch.bfloat16: 2.0}), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*slower than in fp32.*")
+        _fit(_Blocks(), [fast], steps=1, precision="bf16-mixed")
+
+
+def test_health_remedies_are_said_in_the_loops_settings() -> None:
+    from memfit.integrations.terms import HF_TERMS
+
+    said = HF_TERMS.say(
+        "most memory is fp32: use a *-master mode so weights and gradients are 16-bit, "
+        "check that outputs are not cast to float early"
+    )
+    assert "dtype=torch.bfloat16" in said and "*-master mode" not in said

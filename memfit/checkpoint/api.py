@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from memfit.checkpoint.closed_loop import verify_plan
+from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position, takes_output
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_profile
@@ -27,6 +28,9 @@ from memfit.deprecations import warn_renamed
 from memfit.errors import ConfigError
 from memfit.nested import call_model
 from memfit.precision.policy import PrecisionPolicy
+
+Costs = Literal["measured", "counted"]
+"""What the solver weighs a recompute by: the profiled step's timings, or FLOPs and bytes."""
 
 
 def make_plan(
@@ -45,6 +49,7 @@ def make_plan(
     data_parallel: str | None = None,
     verify: bool = True,
     zero_grad: ZeroGrad = "before_forward",
+    costs: Costs = "measured",
 ) -> PlanResult:
     """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve ->
     verify.
@@ -60,7 +65,11 @@ def make_plan(
     ``zero_grad``: where the training loop frees the last step's gradients:
     ``"before_forward"`` (after the optimizer step or before the forward), or
     ``"before_backward"`` (between forward and backward, as Lightning's automatic
-    optimization does: they are alive through the forward).
+    optimization does: they are alive through the forward). ``costs``: what the solver
+    weighs recompute by, ``"measured"`` (the profiled step's timings) or ``"counted"``
+    (FLOPs and bytes, :func:`~memfit.checkpoint.costs.counted_times`): the same plan for
+    the same model, batch and budget in every run, where timings a few percent apart
+    would pick between near-equal plans by noise.
 
     Example::
 
@@ -71,9 +80,13 @@ def make_plan(
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     check_zero_grad(zero_grad)
+    if costs not in ("measured", "counted"):
+        raise ConfigError(f"costs must be 'measured' or 'counted', got {costs!r}")
     policy, chosen = resolve_policy(precision, model, batch, loss_fn)
     profiled = profile_step(model, batch, loss_fn, policy, units)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
+    if costs == "counted":
+        profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
     layout = RankLayout.of(world_size, data_parallel)
     result = solve_profile(
         model,

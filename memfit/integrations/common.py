@@ -33,14 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.api import make_plan
+from memfit.checkpoint.api import Costs, make_plan
 from memfit.checkpoint.apply import apply_plan, planned
 from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
 from memfit.checkpoint.planner import Budget, PlanResult
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers.fixed import parse_strategy
 from memfit.checkpoint.step_memory import ZeroGrad
-from memfit.errors import ConfigError
+from memfit.errors import BudgetError, ConfigError
+from memfit.integrations.terms import LoopTerms
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
 from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
@@ -184,13 +185,16 @@ def plan_model(
     optimizer: torch.optim.Optimizer | None,
     measure_memory: bool = True,
     zero_grad: ZeroGrad = "before_forward",
+    costs: Costs = "counted",
 ) -> PlannedRun:
     """Plan ``loss_fn(model, batch)`` under ``budget`` (:func:`make_plan`), its step
     measured on ``batch`` and the plan made again from the measurement when it missed
     (``measure_memory``: :func:`~memfit.checkpoint.closed_loop.verify_plan`, the Engine's
     closed loop), and apply the plan to ``model``. ``zero_grad``: where the loop frees
     the last step's gradients (``"before_backward"`` in Lightning's automatic
-    optimization).
+    optimization). ``costs``: what recompute is weighed by (:func:`make_plan`); counted
+    FLOPs and bytes by default, so that the same model, batch and budget get the same plan
+    in every run.
 
     Parameters, gradients, buffers and the random state are as before; only the plan is
     new. Example::
@@ -213,6 +217,7 @@ def plan_model(
             frontier=False,
             verify=measure_memory,
             zero_grad=zero_grad,
+            costs=costs,
         )
         report = None
         if measure_memory:
@@ -281,7 +286,8 @@ class RunMetrics:
     steps it is told about; names as in docs/monitoring.md, under :data:`PREFIX`.
 
     ``verbose``: every metric; else the :data:`DEFAULT_KEYS` measured (the health checks
-    see every metric either way).
+    see every metric either way). ``terms``: the loop's own settings, which the health
+    checks' remedies are said in.
 
     Example::
 
@@ -297,9 +303,11 @@ class RunMetrics:
         thresholds: HealthThresholds | None = None,
         window: int = 100,
         verbose: bool = False,
+        terms: LoopTerms | None = None,
     ) -> None:
         self.run = run
         self.verbose = verbose
+        self.terms = terms
         self.thresholds = thresholds or HealthThresholds()
         self.watcher = ScaleWatcher(scaler)
         self.window = OverflowWindow(window)
@@ -363,7 +371,8 @@ class RunMetrics:
             if check.name not in self._warned and is_rank_zero():
                 self._warned.add(check.name)
                 said = f"{check.name} ({check.detail})" if check.detail else check.name
-                log.warning("memfit health: %s: %s", said, check.remedy)
+                remedy = self.terms.say(check.remedy) if self.terms else check.remedy
+                log.warning("memfit health: %s: %s", said, remedy)
         metrics["health/warnings"] = float(len(warned))
         return {
             PREFIX + key: value
@@ -405,6 +414,9 @@ class CallbackCore:
                                accumulation_steps=1, optimizer=None)
     """
 
+    #: The framework's own settings, which the callback's advice is said in.
+    terms: LoopTerms | None = None
+
     def __init__(
         self,
         budget: Budget,
@@ -415,8 +427,15 @@ class CallbackCore:
         measure_memory: bool,
         thresholds: HealthThresholds | None,
         verbose: bool,
+        costs: Costs = "counted",
     ) -> None:
         check_settings(budget, strategy)
+        if costs not in ("measured", "counted"):
+            raise ConfigError(
+                f"costs={costs!r}: use 'counted' (FLOPs and bytes: the same plan in every "
+                "run) or 'measured' (the profiled step's timings)"
+            )
+        self.costs: Costs = costs
         self.budget = budget
         self.strategy = strategy
         self.loss_fn = loss_fn
@@ -458,19 +477,30 @@ class CallbackCore:
         """Plan and apply under the callback's budget and strategy (:func:`plan_model`),
         make the run's :class:`RunMetrics` (``scaler``: the loop's fp16 GradScaler, if
         any) and announce the plan. ``zero_grad``: where the loop frees the gradients."""
-        self.run = plan_model(
-            model,
-            batch,
-            loss_fn,
-            budget=self.budget,
-            strategy=self.strategy,
-            precision=precision,
-            accumulation_steps=accumulation_steps,
-            optimizer=optimizer,
-            measure_memory=self.measure_memory,
-            zero_grad=zero_grad,
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self.terms is not None:
+            self.terms.warn_if_slow(PrecisionPolicy.of(precision), device)
+        try:
+            self.run = plan_model(
+                model,
+                batch,
+                loss_fn,
+                budget=self.budget,
+                strategy=self.strategy,
+                precision=precision,
+                accumulation_steps=accumulation_steps,
+                optimizer=optimizer,
+                measure_memory=self.measure_memory,
+                zero_grad=zero_grad,
+                costs=self.costs,
+            )
+        except BudgetError as exc:
+            if self.terms is None:
+                raise
+            raise BudgetError(self.terms.say(str(exc))) from None
+        self.metrics = RunMetrics(
+            self.run, scaler, self.thresholds, verbose=self.verbose, terms=self.terms
         )
-        self.metrics = RunMetrics(self.run, scaler, self.thresholds, verbose=self.verbose)
         announce(self.run, self.verbose)
 
 

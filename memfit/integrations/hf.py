@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from memfit.checkpoint.api import Costs  # noqa: E402
 from memfit.checkpoint.planner import Budget  # noqa: E402
 from memfit.errors import ConfigError  # noqa: E402
 from memfit.integrations.common import (  # noqa: E402
@@ -40,6 +41,7 @@ from memfit.integrations.common import (  # noqa: E402
     loss_from,
     say_once,
 )
+from memfit.integrations.terms import HF_TERMS  # noqa: E402
 from memfit.monitor.health import HealthThresholds  # noqa: E402
 
 __all__ = ["MemfitCallback", "model_loss", "trainer_precision"]
@@ -82,7 +84,9 @@ class MemfitCallback(CallbackCore, TrainerCallback):
     handful of ``memfit/*`` keys (:data:`~memfit.integrations.common.DEFAULT_KEYS`: budget,
     predicted and measured peak, recompute overhead, fp16 skips, health warnings);
     ``verbose=True`` logs every metric and prints the plan's summary (it is logged to the
-    ``memfit.integrations`` logger either way).
+    ``memfit.integrations`` logger either way). ``costs``: what recompute is weighed by,
+    ``"counted"`` FLOPs and bytes (default: the same plan for the same model, batch and
+    budget in every run) or ``"measured"`` timings of the profiled step.
 
     Example::
 
@@ -91,6 +95,8 @@ class MemfitCallback(CallbackCore, TrainerCallback):
         trainer.train()
         print(callback.plan.summary())
     """
+
+    terms = HF_TERMS
 
     def __init__(
         self,
@@ -102,6 +108,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
         measure_memory: bool = True,
         thresholds: HealthThresholds | None = None,
         verbose: bool = False,
+        costs: Costs = "counted",
     ) -> None:
         super().__init__(
             budget,
@@ -111,6 +118,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
             measure_memory=measure_memory,
             thresholds=thresholds,
             verbose=verbose,
+            costs=costs,
         )
 
     def attach(self, trainer: Any) -> MemfitCallback:

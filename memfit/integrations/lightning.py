@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 from torch import nn  # noqa: E402
 
+from memfit.checkpoint.api import Costs  # noqa: E402
 from memfit.checkpoint.planner import Budget  # noqa: E402
 from memfit.errors import ConfigError  # noqa: E402
 from memfit.integrations.common import (  # noqa: E402
@@ -40,6 +41,7 @@ from memfit.integrations.common import (  # noqa: E402
     LossFn,
     loss_from,
 )
+from memfit.integrations.terms import LIGHTNING_TERMS  # noqa: E402
 from memfit.monitor.health import HealthThresholds  # noqa: E402
 from memfit.precision.policy import PrecisionPolicy, resolve_mode  # noqa: E402
 
@@ -116,7 +118,9 @@ class MemfitCallback(CallbackCore, Callback):
     instead of the first batch of the train dataloader. ``measure_memory``: measure one
     planned forward and backward at train start. Each log step gets a handful of
     ``memfit/*`` keys (:data:`~memfit.integrations.common.DEFAULT_KEYS`); ``verbose=True``
-    logs every metric and prints the plan's summary.
+    logs every metric and prints the plan's summary. ``costs``: what recompute is weighed
+    by, ``"counted"`` FLOPs and bytes (default: the same plan in every run) or
+    ``"measured"`` timings of the profiled step.
 
     Example::
 
@@ -124,6 +128,8 @@ class MemfitCallback(CallbackCore, Callback):
         lightning.pytorch.Trainer(callbacks=[callback]).fit(module, loader)
         print(callback.plan.summary())
     """
+
+    terms = LIGHTNING_TERMS
 
     def __init__(
         self,
@@ -136,6 +142,7 @@ class MemfitCallback(CallbackCore, Callback):
         measure_memory: bool = True,
         thresholds: HealthThresholds | None = None,
         verbose: bool = False,
+        costs: Costs = "counted",
     ) -> None:
         super().__init__(
             budget,
@@ -145,6 +152,7 @@ class MemfitCallback(CallbackCore, Callback):
             measure_memory=measure_memory,
             thresholds=thresholds,
             verbose=verbose,
+            costs=costs,
         )
         self.module = module
         self._observed_step = 0
