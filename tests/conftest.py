@@ -20,6 +20,15 @@ if os.environ.get("ONEDNN_MAX_CPU_ISA"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
+@pytest.fixture(autouse=True)
+def own_plan_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test keeps the callbacks' plans (``plan_cache="auto"``) in a directory of its
+    own: a plan one test made is never read back by another, nor from the user's cache."""
+    monkeypatch.setenv("MEMFIT_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Run a module's tests on one thread: on tiny models, thread start-up and contention

@@ -497,3 +497,50 @@ def test_health_remedies_are_said_in_the_loops_settings() -> None:
         "check that outputs are not cast to float early"
     )
     assert "dtype=torch.bfloat16" in said and "*-master mode" not in said
+
+
+def test_a_second_run_reads_its_plan_back_and_a_changed_model_plans_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memfit.integrations import common
+
+    first = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=tmp_path)
+    _fit(_Blocks(), [first], steps=1)
+    kept = list(tmp_path.glob("*.json"))
+    assert first.run is not None and first.run.result is not None
+    assert kept == [first.run.kept_in]
+
+    def no_planning(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("planned again although the plan was kept")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "plan_model", no_planning)
+        second = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=tmp_path)
+        module = _Blocks()
+        _fit(module, [second], steps=1)
+    assert second.run is not None and second.run.result is None
+    assert second.run.kept_in == first.run.kept_in
+    assert applied_plan(module) == first.plan
+    assert second.run.measured_peak_bytes == first.run.measured_peak_bytes
+    # Another budget, or another model, is another plan.
+    other = mf_lightning.MemfitCallback(strategy="sqrt", verbose=False, plan_cache=tmp_path)
+    _fit(_Blocks(), [other], steps=1)
+    assert other.run is not None and other.run.result is not None
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_damaged_kept_plan_is_planned_again_with_a_warning(tmp_path: Path) -> None:
+    first = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=tmp_path)
+    _fit(_Blocks(), [first], steps=1)
+    assert first.run is not None and first.run.kept_in is not None
+    first.run.kept_in.write_text("{not json", encoding="utf-8")
+    again = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=tmp_path)
+    with pytest.warns(UserWarning, match="ignoring the kept plan"):
+        _fit(_Blocks(), [again], steps=1)
+    assert again.run is not None and again.run.result is not None  # planned
+    assert again.plan == first.plan
+    text = first.run.kept_in.read_text(encoding="utf-8")
+    assert text.startswith("{") and "plan" in text  # written anew
+    none = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=None)
+    _fit(_Blocks(), [none], steps=1)
+    assert none.run is not None and none.run.kept_in is None

@@ -68,7 +68,9 @@ def _docs_example_plan(budget: str) -> Any:
     """The plan the docs' Lightning example makes at ``budget`` (two steps trained)."""
     written = 'callbacks=[MemfitCallback(budget="19MiB")]'
     source = _doc_block("class Stack(pl.LightningModule)")
-    source = source.replace(written, f'callbacks=[MemfitCallback(budget="{budget}")]')
+    # plan_cache=None: each run plans (a kept plan would be read back, the same trivially).
+    fresh = f'callbacks=[MemfitCallback(budget="{budget}", plan_cache=None)]'
+    source = source.replace(written, fresh)
     source = source.replace("max_steps=4,", "max_steps=2,")
     namespace: dict[str, Any] = {"__name__": "docs_example"}
     exec(compile(source, DOC, "exec"), namespace)
@@ -80,5 +82,6 @@ def test_the_same_model_and_budget_get_the_same_plan_in_two_runs() -> None:
     # longer pick between near-equal plans from one run to the next.
     first, second = _docs_example_plan("19MiB"), _docs_example_plan("19MiB")
     assert first.recompute_flops > 0
+    assert first is not second
     assert (first.decisions, first.segments) == (second.decisions, second.segments)
     assert first.predicted_peak_bytes == second.predicted_peak_bytes

@@ -23,11 +23,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +39,19 @@ from torch import nn
 from memfit.checkpoint.api import Costs, make_plan
 from memfit.checkpoint.apply import apply_plan, planned
 from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
+from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import Budget, PlanResult
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.checkpoint.solvers.fixed import parse_strategy
 from memfit.checkpoint.step_memory import ZeroGrad
-from memfit.errors import BudgetError, ConfigError
+from memfit.errors import BudgetError, ConfigError, PlanError
+from memfit.integrations.plan_cache import (
+    CachedPlan,
+    cache_dir,
+    plan_key,
+    read_cached,
+    write_cached,
+)
 from memfit.integrations.terms import LoopTerms
 from memfit.memory import MemoryReport, measure
 from memfit.monitor.health import HealthCheck, HealthThresholds, check_health
@@ -144,13 +155,15 @@ def example_batch(dataloader: Any, device: torch.device) -> Any:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """A plan made at train begin and what was measured under it."""
+    """A plan made (or read back) at train begin and what was measured under it."""
 
-    result: PlanResult
-    """The plan and the profile, step memory and precision it came from."""
+    plan: Plan
+    """The plan applied to the model."""
+    policy: PrecisionPolicy
+    """The precision it was planned under."""
     report: MemoryReport | None
     """One forward and backward of the example batch under the plan, by kind and dtype
-    (``memfit.measure``), or None when not measured."""
+    (``memfit.measure``), or None when not measured (or read back)."""
     measured_peak_bytes: float | None
     """The plan's step as measured on the example batch: the allocator's count of one
     forward and backward over the step's static bytes as counted (the optimizer state
@@ -163,6 +176,11 @@ class PlannedRun:
     """That forward and backward judged against the plan's prediction and budget
     (:func:`~memfit.checkpoint.measured_fit.judge_fit`), or None when not measured. Its
     action is always ``"keep"``: the plan was made again from the measurement already."""
+    result: PlanResult | None = None
+    """The profile, step memory and solve the plan came from; None for a plan read back
+    from the plan cache (:mod:`memfit.integrations.plan_cache`)."""
+    kept_in: Path | None = None
+    """The plan cache's file the plan was read from or written to, if any."""
 
 
 @contextlib.contextmanager
@@ -229,7 +247,7 @@ def plan_model(
     verdict = None
     if peak is not None:
         verdict = judge_fit(result.plan.predicted_peak_bytes, peak, result.plan.budget_bytes)
-    return PlannedRun(result, report, peak, flops, device, verdict)
+    return PlannedRun(result.plan, result.policy, report, peak, flops, device, verdict, result)
 
 
 def _memory_by_kind(
@@ -326,7 +344,7 @@ class RunMetrics:
     def plan_metrics(self) -> dict[str, float]:
         """The plan's prediction and cost, and the planned forward and backward measured at
         train begin. No tensor is read."""
-        plan = self.run.result.plan
+        plan = self.run.plan
         out = plan_metrics(plan)
         if self.run.step_flops > 0:
             out["recompute/overhead"] = recompute_overhead_from_flops(
@@ -363,9 +381,7 @@ class RunMetrics:
         checked = dict(metrics)
         if loss is not None:
             checked["loss"] = float(loss)
-        self.checks = check_health(
-            checked, self.run.result.policy, self.thresholds, {"has_plan": True}
-        )
+        self.checks = check_health(checked, self.run.policy, self.thresholds, {"has_plan": True})
         warned = [c for c in self.checks if c.status == "warn"]
         for check in warned:
             if check.name not in self._warned and is_rank_zero():
@@ -386,12 +402,15 @@ def announce(run: PlannedRun, verbose: bool) -> None:
     logger, and printed when ``verbose``."""
     if not is_rank_zero():
         return
-    text = run.result.plan.summary()
+    text = run.plan.summary()
     if run.measured_peak_bytes is not None:
         text += (
             f"\nmeasured at train begin (the planned step on the example batch, in the "
             f"loop's order): {format_bytes(run.measured_peak_bytes)}"
         )
+    if run.kept_in is not None:
+        how = "read from" if run.result is None else "kept in"
+        text += f"\nplan {how} {run.kept_in} (plan_cache=None plans every run)"
     log.info("memfit plan:\n%s", text)
     if verbose:
         print(text)
@@ -428,8 +447,10 @@ class CallbackCore:
         thresholds: HealthThresholds | None,
         verbose: bool,
         costs: Costs = "counted",
+        plan_cache: str | os.PathLike[str] | None = "auto",
     ) -> None:
         check_settings(budget, strategy)
+        self.plan_cache = plan_cache
         if costs not in ("measured", "counted"):
             raise ConfigError(
                 f"costs={costs!r}: use 'counted' (FLOPs and bytes: the same plan in every "
@@ -449,7 +470,7 @@ class CallbackCore:
     @property
     def plan(self) -> Any:
         """The plan applied at the start of training (None before)."""
-        return None if self.run is None else self.run.result.plan
+        return None if self.run is None else self.run.plan
 
     def health(self) -> list[HealthCheck]:
         """The health checks of the last log step (empty before one)."""
@@ -478,30 +499,96 @@ class CallbackCore:
         make the run's :class:`RunMetrics` (``scaler``: the loop's fp16 GradScaler, if
         any) and announce the plan. ``zero_grad``: where the loop frees the gradients."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        policy = PrecisionPolicy.of(precision)
         if self.terms is not None:
-            self.terms.warn_if_slow(PrecisionPolicy.of(precision), device)
-        try:
-            self.run = plan_model(
-                model,
-                batch,
-                loss_fn,
-                budget=self.budget,
-                strategy=self.strategy,
-                precision=precision,
-                accumulation_steps=accumulation_steps,
-                optimizer=optimizer,
-                measure_memory=self.measure_memory,
-                zero_grad=zero_grad,
-                costs=self.costs,
+            self.terms.warn_if_slow(policy, device)
+        directory = cache_dir(self.plan_cache)
+        settings = _planning_settings(self, policy, accumulation_steps, optimizer, zero_grad)
+        key = plan_key(model, batch, loss_fn, settings) if directory is not None else ""
+        cached = read_cached(directory, key)
+        if cached is not None and not _applied(model, cached.plan):
+            cached = None
+        if cached is not None:
+            plan, peak = cached.plan, cached.measured_peak_bytes
+            verdict = None
+            if peak is not None:
+                verdict = judge_fit(plan.predicted_peak_bytes, peak, plan.budget_bytes)
+            kept = None if directory is None else directory / f"{key}.json"
+            self.run = PlannedRun(
+                plan, policy, None, peak, cached.step_flops, device, verdict, None, kept
             )
-        except BudgetError as exc:
-            if self.terms is None:
-                raise
-            raise BudgetError(self.terms.say(str(exc))) from None
+        else:
+            try:
+                run = plan_model(
+                    model,
+                    batch,
+                    loss_fn,
+                    budget=self.budget,
+                    strategy=self.strategy,
+                    precision=policy,
+                    accumulation_steps=accumulation_steps,
+                    optimizer=optimizer,
+                    measure_memory=self.measure_memory,
+                    zero_grad=zero_grad,
+                    costs=self.costs,
+                )
+            except BudgetError as exc:
+                if self.terms is None:
+                    raise
+                raise BudgetError(self.terms.say(str(exc))) from None
+            kept = write_cached(
+                directory, key, CachedPlan(run.plan, run.measured_peak_bytes, run.step_flops)
+            )
+            self.run = dataclasses.replace(run, kept_in=kept)
         self.metrics = RunMetrics(
             self.run, scaler, self.thresholds, verbose=self.verbose, terms=self.terms
         )
         announce(self.run, self.verbose)
+
+
+def _applied(model: nn.Module, plan: Plan) -> bool:
+    """Apply a plan read back from the cache; False (with a warning) where it does not
+    fit the model after all, which is then planned again."""
+    try:
+        apply_plan(model, plan)
+    except PlanError as exc:
+        warnings.warn(
+            f"the kept plan does not fit this model ({exc}); planning again", stacklevel=4
+        )
+        return False
+    return True
+
+
+def _planning_settings(
+    core: CallbackCore,
+    policy: PrecisionPolicy,
+    accumulation_steps: int,
+    optimizer: torch.optim.Optimizer | None,
+    zero_grad: str,
+) -> dict[str, Any]:
+    """Everything besides the model, batch and loss that a plan depends on (the plan
+    cache's key): the callback's settings, the precision, the loop and the optimizer's
+    class and hyperparameters."""
+    groups = []
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            hyper = {k: repr(v) for k, v in group.items() if k != "params"}
+            groups.append([len(group["params"]), hyper])
+    return {
+        "budget": repr(core.budget),
+        "strategy": core.strategy,
+        "measure_memory": core.measure_memory,
+        "costs": core.costs,
+        "precision": [
+            policy.mode,
+            policy.autocast_cache,
+            sorted(f"{t.__module__}.{t.__qualname__}" for t in policy.fp32_islands),
+        ],
+        "accumulation_steps": int(accumulation_steps),
+        "zero_grad": zero_grad,
+        "optimizer": None if optimizer is None else type(optimizer).__qualname__,
+        "param_groups": groups,
+    }
 
 
 def say_once(message: str) -> None:

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,7 +87,10 @@ class MemfitCallback(CallbackCore, TrainerCallback):
     ``verbose=True`` logs every metric and prints the plan's summary (it is logged to the
     ``memfit.integrations`` logger either way). ``costs``: what recompute is weighed by,
     ``"counted"`` FLOPs and bytes (default: the same plan for the same model, batch and
-    budget in every run) or ``"measured"`` timings of the profiled step.
+    budget in every run) or ``"measured"`` timings of the profiled step. ``plan_cache``:
+    where plans are kept across runs (:mod:`memfit.integrations.plan_cache`; ``"auto"``:
+    ``plans/`` under ``$MEMFIT_CACHE`` or ``~/.cache/memfit``); the same training run
+    again reads its plan back instead of planning. None keeps none.
 
     Example::
 
@@ -109,6 +113,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
         thresholds: HealthThresholds | None = None,
         verbose: bool = False,
         costs: Costs = "counted",
+        plan_cache: str | os.PathLike[str] | None = "auto",
     ) -> None:
         super().__init__(
             budget,
@@ -119,6 +124,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
             thresholds=thresholds,
             verbose=verbose,
             costs=costs,
+            plan_cache=plan_cache,
         )
 
     def attach(self, trainer: Any) -> MemfitCallback:

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,7 +121,9 @@ class MemfitCallback(CallbackCore, Callback):
     ``memfit/*`` keys (:data:`~memfit.integrations.common.DEFAULT_KEYS`); ``verbose=True``
     logs every metric and prints the plan's summary. ``costs``: what recompute is weighed
     by, ``"counted"`` FLOPs and bytes (default: the same plan in every run) or
-    ``"measured"`` timings of the profiled step.
+    ``"measured"`` timings of the profiled step. ``plan_cache``: where plans are kept
+    across runs (``"auto"``: ``plans/`` under ``$MEMFIT_CACHE`` or ``~/.cache/memfit``;
+    None keeps none): the same training again reads its plan back instead of planning.
 
     Example::
 
@@ -143,6 +146,7 @@ class MemfitCallback(CallbackCore, Callback):
         thresholds: HealthThresholds | None = None,
         verbose: bool = False,
         costs: Costs = "counted",
+        plan_cache: str | os.PathLike[str] | None = "auto",
     ) -> None:
         super().__init__(
             budget,
@@ -153,6 +157,7 @@ class MemfitCallback(CallbackCore, Callback):
             thresholds=thresholds,
             verbose=verbose,
             costs=costs,
+            plan_cache=plan_cache,
         )
         self.module = module
         self._observed_step = 0
