@@ -544,3 +544,34 @@ def test_a_damaged_kept_plan_is_planned_again_with_a_warning(tmp_path: Path) -> 
     none = mf_lightning.MemfitCallback(strategy="full", verbose=False, plan_cache=None)
     _fit(_Blocks(), [none], steps=1)
     assert none.run is not None and none.run.kept_in is None
+
+
+def _tuned(precision: str, checkpoint: str = "optimal", world_size: int = 1) -> SimpleNamespace:
+    from memfit.candidates import Candidate
+    from memfit.tuning.result import TuneRow
+
+    best = Candidate(precision, checkpoint, 8, 4, 2e6, 0.1, 0.05, True)
+    return SimpleNamespace(best=TuneRow(best, 0), budget=3 * 2**20, world_size=world_size)
+
+
+def test_a_tuned_choice_is_said_in_each_frameworks_arguments(tmp_path: Path) -> None:
+    from memfit.integrations.tuned import tuned_loop
+
+    loop = tuned_loop(_tuned("bf16-mixed"), "hf")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **loop.arguments)
+    assert (args.bf16, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
+        True,
+        8,
+        4,
+    )
+    assert loop.callback == {"strategy": "optimal", "budget": 3 * 2**20}
+    hf.MemfitCallback(**loop.callback)  # the callback takes its settings as they are
+    light = tuned_loop(_tuned("fp32", "sqrt"), "lightning")
+    trainer = pl.Trainer(accelerator="cpu", logger=False, **light.arguments)
+    assert trainer.accumulate_grad_batches == 4 and str(trainer.precision) == "32-true"
+    assert light.batch_size == 8 and light.callback == {"strategy": "sqrt", "budget": None}
+    mf_lightning.MemfitCallback(**light.callback)
+    with pytest.raises(ConfigError, match="precisions=memfit.integrations.tuned.LOOP_PRECISIONS"):
+        tuned_loop(_tuned("bf16-master"), "hf")
+    with pytest.raises(ConfigError, match="tuned for several ranks"):
+        tuned_loop(_tuned("fp32", world_size=2), "lightning")
