@@ -42,9 +42,11 @@ class _MeterCallback(pl.Callback):
         self.meter = StepMeter(pl_module, trainer.optimizers[0])
 
 
-@pytest.mark.parametrize("budget", ["19MiB", "17.5MiB", "21MiB"])
+@pytest.mark.parametrize("budget", ["19MiB", "20MiB", "21MiB"])
 def test_lightning_steps_of_the_docs_example_are_within_the_budget(budget: str) -> None:
-    # docs/integrations.md's Lightning example as written ("19MiB"), and at two more budgets.
+    # docs/integrations.md's Lightning example as written ("19MiB"), and at two more budgets
+    # (Lightning 2.4's autocast keeps its weight cache, 2 MiB more at the end of forward:
+    # its least plan measures 18.86 MiB, 2.5's 17.2 MiB).
     written = 'callbacks=[MemfitCallback(budget="19MiB")]'
     source = _doc_block("class Stack(pl.LightningModule)")
     assert written in source

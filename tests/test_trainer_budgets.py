@@ -14,6 +14,7 @@ kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -215,8 +216,13 @@ def runs(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if kind == "unplanned":
             run = _train(out, precision)
         elif kind == "hf":
-            # `gradient_checkpointing=True` is this argument's deprecated alias.
-            run = _train(out, precision, activation_checkpointing=True)
+            # From transformers 5.x on, `gradient_checkpointing=True` is the deprecated alias
+            # of `activation_checkpointing`; the older releases know only the first.
+            fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+            name = next(
+                n for n in ("activation_checkpointing", "gradient_checkpointing") if n in fields
+            )
+            run = _train(out, precision, **{name: True})
         elif kind == "full":
             run = _train(out, precision, MemfitCallback(strategy="full"))
         elif kind == "below-hf":

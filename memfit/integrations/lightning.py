@@ -178,8 +178,9 @@ class MemfitCallback(CallbackCore, Callback):
             model,
             batch,
             self.loss_fn or training_step_loss(pl_module),
-            # Lightning's autocast keeps no weight cache (cache_enabled=False).
-            precision=PrecisionPolicy(lightning_precision(trainer.precision), autocast_cache=False),
+            precision=PrecisionPolicy(
+                lightning_precision(trainer.precision), autocast_cache=_autocast_caches(trainer)
+            ),
             accumulation_steps=int(trainer.accumulate_grad_batches),
             optimizer=optimizers[0] if optimizers else None,
             scaler=getattr(trainer, "scaler", None),
@@ -206,6 +207,18 @@ class MemfitCallback(CallbackCore, Callback):
             # One host sync per log step, for the loss check of the health table.
             loss = float(loss_from(outputs, "training_step").detach().float().item())
         pl_module.log_dict(self.metrics.log_metrics(loss=loss), on_step=True, on_epoch=False)
+
+
+def _autocast_caches(trainer: Any) -> bool:
+    """Whether the autocast of ``trainer``'s precision plugin keeps its weight cache:
+    Lightning 2.5 and later turn it off (``cache_enabled=False``), earlier ones keep
+    torch's default (on)."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    make = getattr(plugin, "autocast_context_manager", None)
+    if make is None:  # no autocast: nothing cached either way
+        return True
+    cache = getattr(make(), "_cache_enabled", None)
+    return True if cache is None else bool(cache)
 
 
 def _automatic(pl_module: Any) -> bool:

@@ -106,3 +106,13 @@ LIGHTNING_TERMS = LoopTerms(
     micro_batch="DataLoader batch_size",
     half_weights="Trainer(precision='bf16-true')",
 )
+
+ACCELERATE_TERMS = LoopTerms(
+    framework="accelerate",
+    fp32="Accelerator(mixed_precision='no')",
+    bf16="Accelerator(mixed_precision='bf16')",
+    accumulation="Accelerator(gradient_accumulation_steps=...)",
+    micro_batch="DataLoader batch_size",
+    half_weights="the model cast to bf16 before accelerator.prepare, model.to(torch.bfloat16), "
+    "with Accelerator(mixed_precision='no')",
+)
