@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from cpu_kind import native_bf16
+from hf_cases import Tokens, tiny_gpt2
 
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.errors import BudgetError, ConfigError
@@ -53,38 +54,10 @@ PRECISIONS = {"no": "fp32", "bf16": "bf16-mixed"}
 TOLERANCE = 0.03
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Fixed token windows with labels: the model computes its own loss."""
-
-    def __init__(self, rows: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _gpt2() -> torch.nn.Module:
     """Four decoder blocks, so that the budgets below leave one, two or three of them to
-    recompute; no key/value cache (a cached block does other work when recomputed)."""
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=4,
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    recompute."""
+    return tiny_gpt2(4, SEQ, VOCAB)
 
 
 def _accelerator(mixed_precision: str, accumulation: int = 1, **kwargs: Any) -> Accelerator:
@@ -144,7 +117,9 @@ def _train(
     accelerator = _accelerator(mixed_precision, accumulation)
     model = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(_Tokens(BATCH * accumulation * STEPS), batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(
+        Tokens(BATCH * accumulation * STEPS, SEQ, VOCAB), batch_size=BATCH
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # Drawn before measuring: the loader's collation is not the step's memory.
     batches = list(loader)
@@ -284,7 +259,7 @@ def test_fp16_on_a_cpu_is_planned_as_the_fp32_it_computes() -> None:
 def test_a_slow_bf16_cpu_is_said_in_accelerates_settings() -> None:
     accelerator = _accelerator("bf16")
     model = accelerator.prepare(_gpt2())
-    ids = _Tokens(BATCH).ids
+    ids = Tokens(BATCH, SEQ, VOCAB).ids
     with assumed_speed("cpu", {torch.bfloat16: 0.2}):
         with pytest.warns(UserWarning, match=r"0\.20x .* use Accelerator\(mixed_precision='no'\)"):
             with pytest.raises(BudgetError):  # warned before planning; no plan needed here
@@ -301,7 +276,7 @@ def test_a_precision_memfit_does_not_plan_is_a_config_error() -> None:
 def test_a_batch_without_labels_is_a_config_error() -> None:
     accelerator = _accelerator("no")
     model = accelerator.prepare(_gpt2())
-    batch = {"input_ids": _Tokens(BATCH).ids}
+    batch = {"input_ids": Tokens(BATCH, SEQ, VOCAB).ids}
     with pytest.raises(ConfigError, match="put labels in the batch .* to plan_accelerated"):
         plan_accelerated(accelerator, model, batch, budget=None, strategy="none")
 
@@ -313,7 +288,7 @@ def test_a_budget_too_small_is_said_in_accelerates_settings(
     model = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
-    ids = _Tokens(BATCH).ids
+    ids = Tokens(BATCH, SEQ, VOCAB).ids
     batch = {"input_ids": ids, "labels": ids}
     # Below what the optimizer step alone holds: 16-bit weights, accelerate's way.
     with pytest.raises(BudgetError) as raised:

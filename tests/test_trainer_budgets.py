@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from cpu_kind import native_bf16
+from hf_cases import Tokens, tiny_gpt2
 
 from memfit.allocator import allocator_peak, optimizer_tensors
 
@@ -46,37 +47,10 @@ PRECISIONS = ["fp32", "bf16-mixed"]
 TOLERANCE = 0.03
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Fixed token windows with labels: the model computes its own loss."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _gpt2() -> torch.nn.Module:
     """Four decoder blocks, so that the budgets below leave one, two or three of them to
     recompute."""
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=4,
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(4, SEQ, VOCAB)
 
 
 @dataclass(frozen=True)
@@ -167,7 +141,7 @@ def _train(
     trainer = transformers.Trainer(
         model=_gpt2(),
         args=args,
-        train_dataset=_Tokens(),
+        train_dataset=Tokens(BATCH * STEPS, SEQ, VOCAB),
         callbacks=[callback] if callback is not None else [],
     )
     trainer.remove_callback(PrinterCallback)  # the logs are not what is tested
