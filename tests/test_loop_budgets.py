@@ -87,3 +87,66 @@ def test_the_same_model_and_budget_get_the_same_plan_in_two_runs() -> None:
     assert first is not second
     assert (first.decisions, first.segments) == (second.decisions, second.segments)
     assert first.predicted_peak_bytes == second.predicted_peak_bytes
+
+
+class _HFInLightning(pl.LightningModule):
+    """A Hugging Face GPT-2 trained by Lightning: its own loss, AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from hf_cases import tiny_gpt2
+
+        self.model = tiny_gpt2(4, 64, 64)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _hf_in_lightning_steps(
+    precision: str, accumulation: int, budget: int | None, strategy: str = "optimal"
+) -> tuple[list[int], Any]:
+    """The measured steps of the GPT-2 trained 3 optimizer steps by Lightning under
+    memfit's callback, and the plan."""
+    from hf_cases import Tokens
+
+    from memfit.integrations.lightning import MemfitCallback
+
+    module = _HFInLightning()
+    meter = _MeterCallback()
+    callback = MemfitCallback(budget=budget, strategy=strategy, plan_cache=None)
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        precision=precision,
+        accumulate_grad_batches=accumulation,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, meter],
+    )
+    data = torch.utils.data.DataLoader(Tokens(8 * 3 * accumulation, 64, 64), batch_size=8)
+    trainer.fit(module, data)
+    assert meter.meter is not None
+    return meter.meter.peaks, callback.plan
+
+
+@pytest.mark.parametrize(("precision", "accumulation"), [("32-true", 1), ("bf16-mixed", 2)])
+def test_a_hugging_face_model_in_lightning_holds_its_budgets(
+    precision: str, accumulation: int
+) -> None:
+    # A model nobody here wrote, in Lightning's own loop, with and without accumulation:
+    # budgets a third and two thirds of the way from the least plan's step to the
+    # unplanned step, each measured step within its budget.
+    unplanned, _ = _hf_in_lightning_steps(precision, accumulation, None, "none")
+    least, _ = _hf_in_lightning_steps(precision, accumulation, None, "full")
+    low, high = max(least[1:]), max(unplanned[1:])
+    assert low < high
+    for share in (1 / 3, 2 / 3):
+        budget = int(low + share * (high - low))
+        peaks, plan = _hf_in_lightning_steps(precision, accumulation, budget)
+        assert any(d != "keep" for d in plan.decisions.values()), plan.decisions
+        assert max(peaks[1:]) <= budget, (precision, accumulation, budget, peaks)
