@@ -6,7 +6,11 @@ budget; a Trainer or Lightning user sets those with the framework's own argument
 gives, and the ``MemfitCallback`` settings that plan the checkpoint part at train begin.
 The frameworks train in fp32 or 16-bit mixed precision (no fp32 master copy beside
 16-bit weights), so tune with ``precisions=LOOP_PRECISIONS``; a ``*-master`` choice is
-refused with that remedy.
+refused with that remedy. The tuner's trials run memfit's own step, which frees the
+gradients before the forward; Lightning holds the last step's through its forward (and
+its autocast keeps no weight cache), so a choice at the very edge of the budget can be
+refused there at train begin, with the loop's settings to change
+(``MemfitCallback`` plans and measures in the loop's own order).
 
 Example::
 
