@@ -19,6 +19,7 @@ from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.profile_stage import profile_step
 from memfit.checkpoint.step_memory import _cast_bytes
 from memfit.engine import split_batch
+from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy
 
@@ -383,5 +384,5 @@ def test_zero_grad_names_where_the_loop_frees_the_gradients() -> None:
     model, loss_fn, batch_fn = build_model(
         "gpt", data="synthetic", n_layer=1, n_embd=16, n_head=2, block_size=8
     )
-    with pytest.raises(memfit.ConfigError, match="zero_grad='after_step' is not a place"):
+    with pytest.raises(ConfigError, match="zero_grad='after_step' is not a place"):
         memfit.plan(model, batch_fn(2, generator=0), loss_fn, zero_grad="after_step")

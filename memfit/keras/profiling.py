@@ -32,7 +32,7 @@ import numpy as np
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import ConfigError
 from memfit.keras.backend import keras, tensorflow
-from memfit.keras.memory import AllocatorMeter, allocator_meter
+from memfit.keras.memory import AllocatorMeter, allocator_meter, collection_paused
 from memfit.keras.policy import precision_of
 
 __all__ = [
@@ -334,7 +334,7 @@ def profile(
         return call
 
     variables = list(model.variables)
-    with _Restored(variables):
+    with _Restored(variables), collection_paused():
         graph.functional._run_through_graph(
             keras.tree.flatten(x) if isinstance(x, (list, tuple)) else [x],
             operation_fn=measured,
@@ -550,9 +550,9 @@ def measure_step(
     that allocator does not count every tensor (:mod:`memfit.keras.memory`).
 
     Eagerly by default, as the profile measures (the plan's prediction is of this step).
-    ``compiled=True`` runs it as a ``tf.function``, as ``model.fit`` does, traced and run
-    once before the measured run: TensorFlow's graph frees activations sooner, so its peak
-    is lower than the eager one.
+    ``compiled=True`` runs it as a ``tf.function``, as ``model.fit`` does: TensorFlow's
+    graph frees activations sooner, so its peak is lower than the eager one. Either way the
+    step runs once before the measured run (traced there when compiled).
 
     Example::
 
@@ -584,12 +584,15 @@ def measure_step(
     run = tf.function(step) if compiled else step
     everything = list(model.variables) + (list(optimizer.variables) if optimizer else [])
     with _Restored(everything):
-        if compiled:
-            run(x, y)  # traced here, measured below
-        meter.reset_peak()
-        baseline = meter.current()
+        # A first run, not measured: traced there when compiled, and, eager or not, what
+        # runs allocate once (TensorFlow's and its kernels' caches) is made there, so the
+        # measured run is the same whatever ran in the process before.
         run(x, y)
-        peak = meter.peak()
+        with collection_paused():
+            meter.reset_peak()
+            baseline = meter.current()
+            run(x, y)
+            peak = meter.peak()
     static = (
         _variable_bytes(model.variables)
         + (_variable_bytes(optimizer.variables) if optimizer else 0.0)
