@@ -575,3 +575,22 @@ def test_a_tuned_choice_is_said_in_each_frameworks_arguments(tmp_path: Path) -> 
         tuned_loop(_tuned("bf16-master"), "hf")
     with pytest.raises(ConfigError, match="tuned for several ranks"):
         tuned_loop(_tuned("fp32", world_size=2), "lightning")
+
+
+def test_the_plan_key_tells_a_changed_forward_even_without_a_source_file() -> None:
+    # Classes made with exec (a notebook, generated code) have no source to read: their
+    # compiled code names them, so an edited forward is another plan.
+    from memfit.integrations.plan_cache import plan_key
+
+    def made(step: int) -> nn.Module:
+        namespace: dict[str, Any] = {"nn": nn}
+        code = "class Net(nn.Linear):\n    def forward(self, x):\n        return super().forward(x) + {}\n"
+        exec(code.format(step), namespace)
+        torch.manual_seed(0)
+        return namespace["Net"](4, 4)
+
+    batch = torch.zeros(2, 4)
+    first, same, edited = made(1), made(1), made(2)
+    assert plan_key(first, batch, None, {}) == plan_key(same, batch, None, {})
+    assert plan_key(first, batch, None, {}) != plan_key(edited, batch, None, {})
+    assert plan_key(first, batch, None, {}) != plan_key(first, torch.zeros(3, 4), None, {})

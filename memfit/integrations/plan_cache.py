@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import json
 import logging
+import marshal
 import os
 import tempfile
 import warnings
@@ -79,12 +80,22 @@ def cache_dir(setting: str | os.PathLike[str] | None) -> Path | None:
 
 def _source_digest(obj: Any) -> str:
     """A digest of the source of a function or a class (a module class's ``forward``,
-    ``training_step`` and the rest), or its qualified name where there is no source (a
-    builtin, code made at run time)."""
+    ``training_step`` and the rest), or of its compiled code where there is no source."""
     try:
         return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
     except (OSError, TypeError):
-        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+        pass
+    # No source file (code run with exec, a notebook without its cells): the compiled code
+    # of the function, or of the class's functions, tells a change as well.
+    functions = [obj] if hasattr(obj, "__code__") else list(getattr(obj, "__dict__", {}).values())
+    digest = hashlib.sha256(
+        f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}".encode()
+    )
+    for f in functions:
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            digest.update(marshal.dumps(code))
+    return digest.hexdigest()[:16]
 
 
 @functools.cache
