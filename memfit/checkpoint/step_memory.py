@@ -56,7 +56,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 ZeroGrad = Literal["before_forward", "before_backward"]
 """Where a training loop frees the gradients of the last step (module docstring)."""
-ZERO_GRAD_ORDERS: tuple[str, ...] = ("before_forward", "before_backward")
+ZERO_GRAD_ORDERS: tuple[str, ...] = get_args(ZeroGrad)
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
 _STATE_ELEMENTS = {
