@@ -130,6 +130,29 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [*params, *tensors(list(optimizer.state.values()))]
 
 
+@contextlib.contextmanager
+def collection_paused(collect_first: bool = True) -> Iterator[None]:
+    """No automatic run of Python's cycle collector inside the block (and one run before
+    it with ``collect_first``): garbage of earlier work (tensors in reference cycles)
+    freed during a measurement would read as a change of the level the work made, at
+    random.
+
+    Example::
+
+        with collection_paused():
+            before = meter.current(); run_step(); peak = meter.peak()
+    """
+    collecting = gc.isenabled()
+    if collect_first:
+        gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def allocator_peak(
     fn: Callable[[], Any],
     live: Iterable[Any] = (),
@@ -179,17 +202,14 @@ def allocator_peak(
     # raising the start and the peak by the garbage's size, at random: a 2.5 MiB tensor of
     # an earlier test once did. No automatic collection runs inside the window (one run
     # before it would cost a quarter of a second in a large process, at every call).
-    collecting = gc.isenabled()
-    gc.disable()
-    with _quiet_stderr():  # the profiler's C++ side announces its start and stop there
-        prof.__enter__()
-    try:
-        result = fn()
-    finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
-        if collecting:
-            gc.enable()
+    with collection_paused(collect_first=False):
+        with _quiet_stderr():  # the profiler's C++ side announces its start and stop there
+            prof.__enter__()
+        try:
+            result = fn()
+        finally:
+            with _quiet_stderr():
+                prof.__exit__(None, None, None)
     everything = list(prof.profiler.kineto_results.events())
     events = [
         e

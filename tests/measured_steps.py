@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.allocator import AllocatorPeak, allocator_peak, optimizer_tensors
 
 
 def planned_step_peak(
@@ -36,6 +36,31 @@ def planned_step_peak(
         memfit.remove_plan(model)
 
 
+def training_state_peak(
+    work: Callable[[], Any], model: nn.Module, optimizer: torch.optim.Optimizer, *extra: Any
+) -> AllocatorPeak:
+    """The allocator's peak of ``work`` from the training state alive when it starts: the
+    parameters, buffers, gradients, optimizer state and ``extra`` (a batch), named inline
+    and complete (``live_complete``), so that what the work frees (the gradients
+    ``zero_grad`` sets to None) can go and is counted as freed.
+
+    Example::
+
+        training_state_peak(lambda: optimizer.step(closure), model, optimizer).peak_bytes
+    """
+    return allocator_peak(
+        work,
+        live=[
+            *model.parameters(),
+            *model.buffers(),
+            *[p.grad for p in model.parameters() if p.grad is not None],
+            *optimizer_tensors(optimizer),
+            *extra,
+        ],
+        live_complete=True,
+    )
+
+
 class StepMeter:
     """The allocator's peak of each call of ``optimizer.step`` (wrapped in place), from
     the parameters, buffers, gradients and optimizer state alive when it starts: under a
@@ -54,17 +79,7 @@ class StepMeter:
         step = optimizer.step
 
         def measured(*args: Any, **kwargs: Any) -> Any:
-            # Named inline, so that what the step frees (zero_grad's gradients) can go.
-            peak = allocator_peak(
-                lambda: step(*args, **kwargs),
-                live=[
-                    *model.parameters(),
-                    *model.buffers(),
-                    *[p.grad for p in model.parameters() if p.grad is not None],
-                    *optimizer_tensors(optimizer),
-                ],
-                live_complete=True,
-            )
+            peak = training_state_peak(lambda: step(*args, **kwargs), model, optimizer)
             self.peaks.append(peak.peak_bytes)
             return peak.result
 

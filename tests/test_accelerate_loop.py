@@ -27,9 +27,9 @@ import torch
 from cpu_kind import native_bf16
 from hf_cases import Tokens, tiny_gpt2
 
-from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.errors import BudgetError, ConfigError
 from memfit.precision.speed import assumed_speed
+from tests.measured_steps import training_state_peak
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -142,17 +142,8 @@ def _train(
     steps = []
     for i in range(STEPS):
         micro_batches = batches[i * accumulation : (i + 1) * accumulation]
-        # Named inline, so that nothing here holds a tensor the step frees.
-        peak = allocator_peak(
-            functools.partial(step, micro_batches),
-            live=[
-                *model.parameters(),
-                *model.buffers(),
-                *[p.grad for p in model.parameters() if p.grad is not None],
-                *optimizer_tensors(optimizer.optimizer),
-                micro_batches,
-            ],
-            live_complete=True,
+        peak = training_state_peak(
+            functools.partial(step, micro_batches), model, optimizer.optimizer, micro_batches
         )
         steps.append(peak.peak_bytes)
     assert accelerator.step == STEPS * accumulation  # every micro-batch ran

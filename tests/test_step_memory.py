@@ -22,6 +22,7 @@ from memfit.engine import split_batch
 from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy
+from tests.measured_steps import training_state_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -324,18 +325,9 @@ def _loop_step_peak(model, opt, batch, loss_fn, zero_grad: str) -> int:
 
     # A first step under the allocator's profiler, so that the gradients it leaves are
     # known to its reporter with their sizes: a free of a block allocated outside any
-    # profiling goes unreported. Named inline, the gradients zero_grad frees are free to go.
+    # profiling goes unreported.
     allocator_peak(step)
-    return allocator_peak(
-        step,
-        live=[
-            *model.parameters(),
-            *[p.grad for p in model.parameters() if p.grad is not None],
-            *optimizer_tensors(opt),
-            batch,
-        ],
-        live_complete=True,
-    ).peak_bytes
+    return training_state_peak(step, model, opt, batch).peak_bytes
 
 
 @pytest.mark.parametrize("strategy", ["none", "full"])

@@ -26,7 +26,7 @@ import torch
 from cpu_kind import native_bf16
 from hf_cases import Tokens, tiny_gpt2
 
-from memfit.allocator import allocator_peak, optimizer_tensors
+from tests.measured_steps import training_state_peak
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -104,18 +104,7 @@ class _StepMeter(transformers.TrainerCallback):
         model = self.trainer.model
         optimizer = self.trainer.optimizer
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-        # Named inline, so that nothing here holds a tensor the work frees.
-        peak = allocator_peak(
-            work,
-            live=[
-                *model.parameters(),
-                *model.buffers(),
-                *[p.grad for p in model.parameters() if p.grad is not None],
-                *optimizer_tensors(optimizer),
-                self.batch,
-            ],
-            live_complete=True,
-        )
+        peak = training_state_peak(work, model, optimizer, self.batch)
         step = self.trainer.state.global_step + 1  # counted once the optimizer has stepped
         self.peaks.setdefault(step, []).append(peak.peak_bytes)
         return peak.result

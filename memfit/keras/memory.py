@@ -18,11 +18,8 @@ imports TensorFlow only inside :func:`allocator_meter`: ``memfit.keras`` itself 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,28 +82,6 @@ def request_counting_allocator() -> bool:
         return False
     os.environ.setdefault(BFC_VARIABLE, "true")
     return True
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Python's cycle collector run before the block and not inside it: garbage of earlier
-    work (tensors in reference cycles) collected during a measurement would lower the
-    allocator's level under its starting point, and a rise would read low by its size, at
-    random.
-
-    Example::
-
-        with collection_paused():
-            meter.reset_peak(); before = meter.current(); run_step(); peak = meter.peak()
-    """
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from memfit.allocator import collection_paused
 from memfit.checkpoint.costs import UnitCost
 from memfit.errors import ConfigError
 from memfit.keras.backend import keras, tensorflow
-from memfit.keras.memory import AllocatorMeter, allocator_meter, collection_paused
+from memfit.keras.memory import AllocatorMeter, allocator_meter
 from memfit.keras.policy import precision_of
 
 __all__ = [
