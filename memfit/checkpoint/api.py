@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -31,6 +31,18 @@ from memfit.precision.policy import PrecisionPolicy
 
 Costs = Literal["measured", "counted"]
 """What the solver weighs a recompute by: the profiled step's timings, or FLOPs and bytes."""
+
+
+def check_costs(costs: str) -> None:
+    """Raise a ConfigError for a ``costs`` that is not ``"measured"`` or ``"counted"``.
+
+    >>> check_costs("counted")
+    """
+    if costs not in get_args(Costs):
+        raise ConfigError(
+            f"costs={costs!r}: use 'counted' (FLOPs and bytes: the same plan in every run) "
+            "or 'measured' (the profiled step's timings)"
+        )
 
 
 def make_plan(
@@ -80,8 +92,7 @@ def make_plan(
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     check_zero_grad(zero_grad)
-    if costs not in ("measured", "counted"):
-        raise ConfigError(f"costs must be 'measured' or 'counted', got {costs!r}")
+    check_costs(costs)
     policy, chosen = resolve_policy(precision, model, batch, loss_fn)
     profiled = profile_step(model, batch, loss_fn, policy, units)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))

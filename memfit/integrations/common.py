@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.api import Costs, make_plan
+from memfit.checkpoint.api import Costs, check_costs, make_plan
 from memfit.checkpoint.apply import apply_plan, planned
 from memfit.checkpoint.measured_fit import FitVerdict, judge_fit
 from memfit.checkpoint.plan import Plan
@@ -243,11 +243,17 @@ def plan_model(
     apply_plan(model, result.plan)
     flops = 3.0 * result.profile.profile.root.fwd_flops
     peak = result.measured_peak_bytes
-    # No tolerance: the plan was made again from this measurement already (verify_plan).
-    verdict = None
-    if peak is not None:
-        verdict = judge_fit(result.plan.predicted_peak_bytes, peak, result.plan.budget_bytes)
+    verdict = _verdict(result.plan, peak)
     return PlannedRun(result.plan, result.policy, report, peak, flops, device, verdict, result)
+
+
+def _verdict(plan: Plan, measured_peak_bytes: float | None) -> FitVerdict | None:
+    """The plan's measured step judged against its prediction and budget, None when not
+    measured. No tolerance: the plan was made again from this measurement already
+    (verify_plan)."""
+    if measured_peak_bytes is None:
+        return None
+    return judge_fit(plan.predicted_peak_bytes, measured_peak_bytes, plan.budget_bytes)
 
 
 def _memory_by_kind(
@@ -451,11 +457,7 @@ class CallbackCore:
     ) -> None:
         check_settings(budget, strategy)
         self.plan_cache = plan_cache
-        if costs not in ("measured", "counted"):
-            raise ConfigError(
-                f"costs={costs!r}: use 'counted' (FLOPs and bytes: the same plan in every "
-                "run) or 'measured' (the profiled step's timings)"
-            )
+        check_costs(costs)
         self.costs: Costs = costs
         self.budget = budget
         self.strategy = strategy
@@ -510,9 +512,7 @@ class CallbackCore:
             cached = None
         if cached is not None:
             plan, peak = cached.plan, cached.measured_peak_bytes
-            verdict = None
-            if peak is not None:
-                verdict = judge_fit(plan.predicted_peak_bytes, peak, plan.budget_bytes)
+            verdict = _verdict(plan, peak)
             kept = None if directory is None else directory / f"{key}.json"
             self.run = PlannedRun(
                 plan, policy, None, peak, cached.step_flops, device, verdict, None, kept
