@@ -40,14 +40,18 @@ def _rebuilt(unit: UnitCost) -> float:
     return _total(unit) + unit.recompute_extra_bytes
 
 
-def _rebuild(first: UnitCost, rebuilt: float, workspace: float, hold: float) -> float:
+def _rebuild(
+    first: UnitCost, rebuilt: float, workspace: float, hold: float, back_workspace: float
+) -> float:
     """A rebuild starting with ``first`` above what is kept: its input, what it rebuilds
     less the part of the input ``first`` saves, then the larger of its forward's moment
-    (gradients made by then, and a kernel's workspace or the input's gradient) and its
-    backward's measured hold with a kernel's workspace."""
+    (gradients made by then, and a forward kernel's workspace or the input's gradient) and
+    its backward's measured hold with the smaller of the two kernels' workspaces."""
     inp = first.input_bytes
     again = min(first.input_saved_bytes, inp)
-    moment = max(first.grads_from_bytes + max(workspace, inp), hold + workspace)
+    moment = max(
+        first.grads_from_bytes + max(workspace, inp), hold + min(workspace, back_workspace)
+    )
     return inp + max(0.0, rebuilt - again) + moment
 
 
@@ -93,6 +97,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                     sum(_rebuilt(c) for c in members),
                                     max(c.forward_workspace_bytes for c in members),
                                     max(c.backward_hold_bytes for c in members),
+                                    max(c.backward_workspace_bytes for c in members),
                                 ),
                             ),
                             # A rebuild stops early: the last member's tail is skipped;
@@ -113,7 +118,11 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     }
     if not is_root and unit.can_recompute:
         rebuild = _rebuild(
-            unit, _rebuilt(unit), unit.forward_workspace_bytes, unit.backward_hold_bytes
+            unit,
+            _rebuilt(unit),
+            unit.forward_workspace_bytes,
+            unit.backward_hold_bytes,
+            unit.backward_workspace_bytes,
         )
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
@@ -187,6 +196,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.backward_hold_bytes = draw(st.integers(0, 40).map(float))
         if draw(st.booleans()):
             unit.forward_workspace_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.backward_workspace_bytes = draw(small)
         if draw(st.booleans()):
             unit.own_saved_after_children_bytes = float(
                 draw(st.integers(0, int(unit.own_saved_bytes)))

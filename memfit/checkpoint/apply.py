@@ -30,7 +30,9 @@ By default (``early_stop=True``, torch's default too) a recompute stops once eve
 the piece saves is rebuilt: the trailing ops whose outputs backward does not need, often a
 block's last projection and residual add, are not run again. The profiler measures that
 tail per unit and the planner counts it, so a plan's recompute FLOPs are exactly what runs.
-``early_stop=False`` re-runs each piece's whole forward (its tail included).
+``early_stop=False`` re-runs each piece's whole forward (its tail included). A selective
+piece always runs its whole forward again: stopped early, it would leave the matmul
+outputs cached for its tail held until its backward ends.
 
 ``torch.compile``: a plan is applied to the model inside the compile wrapper (the same
 names), before or after compiling; Dynamo traces the patched forwards, each piece becomes
@@ -174,13 +176,18 @@ def _planned_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     patch: _Patch = self.__dict__[_PATCH]
     if patch.decision == KEEP or not torch.is_grad_enabled():
         return _base_forward(self, patch, *args, **kwargs)
+    selective = patch.decision == SELECTIVE
     return run_checkpointed(
         functools.partial(_base_forward, self, patch),
         args,
         kwargs,
         [self],
-        selective=patch.decision == SELECTIVE,
-        early_stop=patch.early_stop,
+        selective=selective,
+        # A selective piece never stops early: a stop leaves the matmul outputs cached for
+        # the ops after it in the cache until the unit's backward ends (a Llama layer held
+        # its last projection's output, 32 KiB above the plan, through the rebuild). Its
+        # cost is counted as its whole non-matmul forward anyway.
+        early_stop=patch.early_stop and not selective,
         label=f"unit {patch.name!r}",
     )
 

@@ -274,6 +274,10 @@ class ProbeResult:
     """For the others (on CPU): the most one op of the unit's forward, run again with
     autograd on as a rebuild runs it, held inside itself beyond every tensor (a kernel's
     own workspace, :attr:`memfit.allocator.AllocatorPeak.op_workspace_bytes`)."""
+    backward_workspace: dict[str, int] = field(default_factory=dict)
+    """For the same units: the most one op of that rerun's backward held inside itself
+    beyond every tensor (a convolution's unfolded input, an attention kernel's fp32
+    accumulators; what a rebuild's backward may hold that no dispatch-level count sees)."""
 
 
 def unstable_units(
@@ -318,7 +322,7 @@ def probe_units(
     """
     modules = {n: model.get_submodule(n) for n in names if n}
     if not modules or any(p.device.type == "meta" for p in model.parameters()):
-        return ProbeResult({}, {})
+        return ProbeResult({}, {}, {})
     rec = _Recording()
     tokens = _Tokens()
     log = _OpLog(rec.ops, tokens)
@@ -326,6 +330,7 @@ def probe_units(
     handles = _record_calls(modules, rec, log, cuda)
     reasons: dict[str, str] = {}
     workspaces: dict[str, int] = {}
+    backward_workspaces: dict[str, int] = {}
     try:
         with torch.random.fork_rng(devices=cuda), _restored_buffers(model), torch.no_grad():
             weights = tokens.of([*model.parameters(), *model.buffers()])
@@ -339,11 +344,11 @@ def probe_units(
                 if why is not None:
                     reasons[call.name] = why
             if workspace:  # buffers and the random state are restored after these too
-                workspaces = _forward_workspaces(model, rec.calls, reasons)
+                workspaces, backward_workspaces = _workspaces(model, rec.calls, reasons)
     finally:
         for handle in handles:
             handle.remove()
-    return ProbeResult(reasons, workspaces)
+    return ProbeResult(reasons, workspaces, backward_workspaces)
 
 
 def _record_calls(
@@ -441,23 +446,27 @@ def _rerun_with_grad(
         return module(*args, **kwargs)  # returned: what it saves stays alive to the end
 
 
-def _forward_workspaces(
+def _workspaces(
     model: nn.Module, calls: list[_Call], unstable: dict[str, str]
-) -> dict[str, int]:
-    """Each stable CPU unit's forward run again with autograd on, under the allocator."""
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Each stable CPU unit's forward run again with autograd on, then its backward, under
+    the allocator: the forward's and the backward's op workspaces, by unit."""
 
     out: dict[str, int] = {}
+    back: dict[str, int] = {}
     params = list(model.parameters())
     grads = [p.grad for p in params]  # kept as they were, whatever a rerun does
     try:
-        _workspaces_of(calls, unstable, out)
+        _workspaces_of(calls, unstable, out, back)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    return out
+    return out, back
 
 
-def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, int]) -> None:
+def _workspaces_of(
+    calls: list[_Call], unstable: dict[str, str], out: dict[str, int], back: dict[str, int]
+) -> None:
     for call in calls:
         device = call.autocast[0]
         if call.name in unstable or call.end < 0 or device != "cpu":
@@ -479,4 +488,26 @@ def _workspaces_of(calls: list[_Call], unstable: dict[str, str], out: dict[str, 
         # emulated) comes before most of what the unit saves exists, not on top of it.
         above_end = peak.peak_bytes - (peak.end_bytes or 0)
         out[call.name] = max(out.get(call.name, 0), min(peak.op_workspace_bytes, above_end))
-        del peak  # the rerun's graph and output, before the next call's rerun
+        roots = [t for t in tensors(peak.result) if t.requires_grad and t.is_floating_point()]
+        del peak  # the rerun's graph and output go with ``roots``, before the next rerun
+        try:
+            backward = _backward_workspace(roots, (args, kwargs))
+        except Exception:  # as above: a failure only loses the term
+            continue
+        finally:
+            del roots
+        back[call.name] = max(back.get(call.name, 0), backward)
+
+
+def _backward_workspace(roots: list[torch.Tensor], inputs: Any) -> int:
+    """The most one op of the backward from ``roots`` (gradients of ones) held inside
+    itself; the gradients it leaves on ``inputs`` are dropped (the parameters' are restored
+    by the caller)."""
+    if not roots:
+        return 0
+    seeds = [torch.ones_like(t) for t in roots]
+    with torch.enable_grad():
+        peak = allocator_peak(lambda: torch.autograd.backward(roots, seeds), device="cpu")
+    for t in tensors(inputs):
+        t.grad = None
+    return peak.op_workspace_bytes

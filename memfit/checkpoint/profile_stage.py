@@ -144,8 +144,8 @@ def _without_unstable(
 ) -> ModelProfile:
     """``profiled`` with the units whose forward does other work when run again (state
     kept between calls, e.g. a key/value cache) marked as not recomputable, with the
-    reason in ``profile.reasons``, and each other unit's forward workspace (what a kernel
-    of its rebuild holds for itself; :mod:`memfit.checkpoint.probe`)."""
+    reason in ``profile.reasons``, and each other unit's forward and backward workspaces
+    (what a kernel of its rebuild holds for itself; :mod:`memfit.checkpoint.probe`)."""
     names = [u.name for u in profiled.root.walk() if u.name and u.can_recompute]
     device = next((p.device.type for p in model.parameters()), "cpu")
     with suspended(model):
@@ -168,6 +168,7 @@ def _without_unstable(
             children=children,
             can_recompute=stable,
             forward_workspace_bytes=float(probed.forward_workspace.get(unit.name, 0)),
+            backward_workspace_bytes=float(probed.backward_workspace.get(unit.name, 0)),
         )
 
     return dataclasses.replace(profiled, root=mark(profiled.root), unstable=found)
