@@ -67,6 +67,8 @@ _PARAMS, _GRADS, _OPTIMIZER, _ACTIVATIONS, _TEMP = range(5)
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; rounding tracked sizes
 # the same way makes the tracker agree with ``memory_allocated``.
 _CUDA_BLOCK = 512
+# The trackers of the measure() calls now running, innermost last (tracked_bytes).
+_RUNNING: list[_StorageTracker] = []
 
 _LOW_PRECISION_DTYPES = frozenset(
     str(value)
@@ -254,6 +256,11 @@ class _StorageTracker:
     def mark_serial(self, serial: int, rank: int) -> None:
         if rank < self._rank.get(serial, _TEMP):
             self._rank[serial] = rank
+
+    def live_bytes(self) -> int:
+        """The bytes of every storage seen and alive now."""
+        # A copy of the values first: a free during the sum would change the dict.
+        return sum(self._nbytes[ref.serial] for ref in list(self._live.values()))
 
     def stop(self) -> None:
         # Dropping the weak references also drops their callbacks: nothing is recorded after.
@@ -521,6 +528,7 @@ def _track(
     try:
         roles.install()
         tracker.started = True
+        _RUNNING.append(tracker)
         try:
             with saved, _TrackingMode(tracker):
                 result = fn()
@@ -534,6 +542,8 @@ def _track(
             raise
         roles.refresh()
     finally:
+        if _RUNNING and _RUNNING[-1] is tracker:
+            _RUNNING.pop()
         roles.remove()
         tracker.stop()
     return result, tracker
@@ -601,6 +611,24 @@ def measure(
     peak = torch.cuda.max_memory_allocated(device)
     end = torch.cuda.memory_allocated(device)
     return _tracker_report(tracker, device, result, _AllocatorBytes(start, peak, end))
+
+
+def tracked_bytes() -> int | None:
+    """The bytes of every tensor the innermost running :func:`measure` sees alive at this
+    moment (those alive at its start included); None outside ``measure``. For marking a
+    moment of the measured work: the allocator's level then, less this, is what kernels
+    hold that no tensor shows.
+
+    Example::
+
+        def step():
+            loss = model(x).sum()
+            at_forward_end.append(tracked_bytes())
+            loss.backward()
+
+        measure(step, model=model)
+    """
+    return _RUNNING[-1].live_bytes() if _RUNNING else None
 
 
 class _AllocatorBytes(NamedTuple):

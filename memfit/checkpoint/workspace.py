@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from torch import nn
 from memfit.allocator import Timeline, allocator_peak, storage_bytes
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.profiler.runner import preserved
-from memfit.memory import measure
+from memfit.memory import measure, tracked_bytes
 from memfit.nested import tensors
 from memfit.precision.policy import PrecisionPolicy
 
@@ -68,6 +69,11 @@ class StepEdges:
     the ops after the last unit) held above what was held when forward ended: the
     gradients it makes less the loss's saved tensors it frees, kernels' buffers included.
     The same ops run there under any plan, with everything kept held. None when not seen."""
+    forward_end_untracked_bytes: int | None = None
+    """What the allocator held at the end of forward beyond every tensor the storage
+    tracker saw alive then: kernels' buffers that outlive their op (an LSTM's, kept for its
+    backward). The moments of the loss hold this much of the kernels' workspace, not the
+    whole of the units' (a transient of some unit's backward). None when not seen."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +115,12 @@ def step_workspace(
         # measures the allocator there and corrects the plan instead.
         return StepWorkspace(0, None)
 
+    forward_end: list[int | None] = []
+
     def step() -> None:
         with policy.autocast(device.type):
             value = loss()
+        forward_end.append(tracked_bytes())  # no allocation between this and the mark
         with torch.profiler.record_function(_FORWARD_DONE):
             pass
         value.backward()
@@ -127,6 +136,12 @@ def step_workspace(
         grads = storage_bytes([p.grad for p in params if p.grad is not None])
     timeline = peak.timeline
     edges = _edges(timeline, int(grads)) if timeline is not None else None
+    if edges is not None and forward_end and forward_end[0] is not None:
+        done = timeline.marks.get(_FORWARD_DONE)
+        if done:
+            held = peak.start_bytes + timeline.highest(done[0], done[0])
+            untracked = max(0, int(held - forward_end[0]))
+            edges = dataclasses.replace(edges, forward_end_untracked_bytes=untracked)
     units_peak = peak.peak_bytes
     if timeline is not None and edges is not None:
         begin, done = timeline.marks[_BEGIN][0], timeline.marks[_BACKWARD_DONE][-1]
