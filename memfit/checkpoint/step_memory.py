@@ -8,7 +8,8 @@ checkpointing cannot change, the *static* bytes, is counted from the model and o
   modes, since the low-precision ones are freed as they arrive);
 * optimizer state: measured if the optimizer already has state, else its known size
   (Adam/AdamW two fp32 buffers per parameter element and a step count per parameter,
-  SGD with momentum and Adagrad one buffer);
+  SGD with momentum and Adagrad one buffer; an optimizer made to keep its state in 8 bits
+  or bf16 by :func:`memfit.precision.optimizer_state.low_bit_state`, that state's size);
 * fp32 master weights in the master modes;
 * during the optimizer step only: what the step allocates for itself (a ``foreach``
   optimizer's temporaries, about one parameter-sized tensor per group for AdamW), measured
@@ -67,6 +68,8 @@ from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
 from memfit.fake import optimizer_step_temp_bytes
 from memfit.nested import tensors
+from memfit.precision.optimizer_state import predicted_state_bytes as predicted_low_bit_state_bytes
+from memfit.precision.optimizer_state import step_temp_bytes as low_bit_step_temp_bytes
 from memfit.precision.policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,8 @@ def optimizer_state_bytes(
 
     ``predict``: an optimizer with no state yet (before its first step) gets the state it
     will make, by type (Adam/AdamW two fp32 buffers per parameter element and a step count
-    per parameter, SGD with momentum and Adagrad one buffer); False counts what is there
+    per parameter, SGD with momentum and Adagrad one buffer; 8-bit or bf16 state for an
+    optimizer :func:`~memfit.precision.optimizer_state.low_bit_state` converted); False counts what is there
     now, 0. ``storages``: count each tensor's whole storage, once per storage (what the
     allocator holds: a view holds all of its base) instead of the tensor's own elements.
 
@@ -109,7 +113,10 @@ def optimizer_state_bytes(
     if optimizer is None:
         return 0
     if not optimizer.state:
-        return _predicted_state_bytes(optimizer) if predict else 0
+        if not predict:
+            return 0
+        low_bit = predicted_low_bit_state_bytes(optimizer)  # 8-bit or bf16 moments
+        return _predicted_state_bytes(optimizer) if low_bit is None else low_bit
     seen: dict[int, int] = {}
     for value in tensors(list(optimizer.state.values())):
         if storages:
@@ -503,6 +510,9 @@ def _gathered_bytes(
 def _optimizer_temp_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
+    low_bit = low_bit_step_temp_bytes(optimizer)  # its own step, one parameter at a time
+    if low_bit is not None:
+        return low_bit
     try:
         return optimizer_step_temp_bytes(optimizer)
     except Exception as exc:  # an optimizer fake tensors cannot run: plan without the term

@@ -37,6 +37,7 @@ from memfit.distributed.collectives import from_rank0
 from memfit.distributed.parallel import local_module
 from memfit.distributed.world import current_world
 from memfit.errors import ConfigError, DistributedError, StateFileError
+from memfit.precision.optimizer_state import fp32_state_dict
 from memfit.savefile import atomic_save, safe_load
 
 META = "engine.pt"
@@ -219,7 +220,8 @@ def load_weights(
         )
     if not sharded:
         local_module(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # Saved with 8-bit or bf16 state, resumed with torch's own: its moments decoded.
+        optimizer.load_state_dict(fp32_state_dict(optimizer, state["optimizer"]))
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

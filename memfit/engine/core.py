@@ -64,6 +64,7 @@ from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
 from memfit.precision.kernels import module_device
+from memfit.precision.optimizer_state import low_bit_state
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.units import parse_bytes
@@ -89,7 +90,9 @@ class Engine(FirstBatchStage):
     those :func:`memfit.checkpoint.find_units` finds, for models whose blocks it cannot find.
     ``precision="auto"`` and ``micro_batch="auto"`` choose the precision and the split of
     the global batch on the first batch, before the plan (:meth:`_first_batch_choices`
-    holds every first-batch choice, in order).
+    holds every first-batch choice, in order). ``optimizer_state``: ``"8bit"`` or
+    ``"bf16"`` make an Adam, AdamW or SGD optimizer keep its moments in fewer bits
+    (:mod:`memfit.precision.optimizer_state`: 2 or 4 bytes a parameter for AdamW, not 8).
 
     A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
     (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
@@ -125,6 +128,7 @@ class Engine(FirstBatchStage):
         flops_per_sample: float | None = None,
         units: Sequence[str | nn.Module] | None = None,
         micro_batch: str | None = None,
+        optimizer_state: str = "fp32",
     ) -> None:
         check_arguments(
             accumulation_steps=accumulation_steps,
@@ -151,12 +155,15 @@ class Engine(FirstBatchStage):
             clip_grad_norm=clip_grad_norm,
             log_every=int(log_every),
             max_consecutive_skips=int(max_consecutive_skips),
+            optimizer_state=optimizer_state,
         )
         self.scaler = scaler if scaler is not None else default_scaler(self.policy)
         # DDP or FSDP2 (memfit/engine/data_parallel.py); None on one process.
         self.parallel = EngineParallel.of(model, optimizer, self.policy, self.scaler, checkpoint)
         owned = self.parallel is not None and self.parallel.owns_masters  # FSDP2 keeps its own
         self.master = fp32_masters(model, optimizer, self.policy, owned)
+        # The state of what the optimizer updates (the masters, where there are masters).
+        low_bit_state(optimizer, optimizer_state, self.parallel.kind if self.parallel else None)
         self._apply_policy()
         log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None

@@ -33,6 +33,9 @@ class EngineSettings:
     """Read metrics from the device every this many steps."""
     max_consecutive_skips: int = 50
     """Raise NonFiniteError after this many skipped steps in a row."""
+    optimizer_state: str = "fp32"
+    """How the optimizer keeps its state: "fp32" (as torch makes it), "bf16" or "8bit"
+    (:mod:`memfit.precision.optimizer_state`)."""
     kernel_islands: tuple[str, ...] = ()
     """Modules trained as fp32 islands because their kind has no kernel in the precision's
     dtype on this device (an LSTM in bf16 on an AVX2-only CPU): found on the machine that
