@@ -16,7 +16,10 @@ Flags (defaults: the numbers in docs/benchmarks.md):
 * ``--n-layer``, ``--n-embd``, ``--n-head``, ``--block-size``, ``--batch-size`` (4, 256, 4,
   128, 16: ``memfit train``'s defaults): the shape and batch of the three modes' GPT (the
   tiny model's stay 2 x 32, block 32, batch 8);
-* ``--eval-batches N`` (32): validation batches behind each final loss.
+* ``--eval-batches N`` (32): validation batches behind each final loss;
+* ``--optimizer-state``: instead of the precision modes, AdamW's state kept in fp32, bf16
+  and 8 bits (``memfit train --optimizer-state``), on the GPT and on the built-in LSTM,
+  both in fp32: the numbers in docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -27,8 +30,39 @@ import tempfile
 from pathlib import Path
 
 from memfit.cli.main import main as memfit_main
+from memfit.units import format_bytes
 
 from gpt_setup import add_gpt_arguments
+
+
+def optimizer_states(args: argparse.Namespace, shape: list[str]) -> None:
+    """Final validation losses with AdamW's state in fp32, bf16 and 8 bits, the GPT and
+    the LSTM trained in fp32 from the same seed (limit: 2% from fp32 state)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, extra in (("gpt", shape), ("lstm", ["--model", "lstm"])):
+            results = {
+                bits: train(
+                    Path(tmp) / f"{model}-{bits}",
+                    "fp32",
+                    args.steps,
+                    args.eval_batches,
+                    [*extra, "--optimizer-state", bits],
+                )
+                for bits in ("fp32", "bf16", "8bit")
+            }
+            ref = results["fp32"]["final_val_loss"]
+            for bits, summary in results.items():
+                loss = summary["final_val_loss"]
+                diff = (loss - ref) / ref
+                ok = "yes" if abs(diff) <= 0.02 else "NO"
+                rows.append(
+                    f"| {model}, {args.steps} steps | {bits} | {loss:.4f} | {diff * 100:+.2f}% "
+                    f"| {ok} (limit 2%) | {format_bytes(summary['peak_memory_bytes'])} |"
+                )
+    print("| run | optimizer state | final val loss | vs fp32 state | within limit | peak memory |")
+    print("|---|---|---:|---:|---|---:|")
+    print("\n".join(rows))
 
 
 def train(out: Path, precision: str, steps: int, eval_batches: int, extra: list[str]) -> dict:
@@ -64,6 +98,11 @@ def main() -> None:
     # memfit train's own defaults, so that the default run is memfit train's model.
     add_gpt_arguments(parser, n_layer=4, n_embd=256, n_head=4, block_size=128, batch_size=16)
     parser.add_argument("--eval-batches", type=int, default=32, help="(default: 32)")
+    parser.add_argument(
+        "--optimizer-state",
+        action="store_true",
+        help="compare AdamW's state in fp32, bf16 and 8 bits instead of the precisions",
+    )
     args = parser.parse_args()
     shape = [
         "--set",
@@ -77,6 +116,9 @@ def main() -> None:
         "--batch-size",
         str(args.batch_size),
     ]
+    if args.optimizer_state:
+        optimizer_states(args, shape)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)

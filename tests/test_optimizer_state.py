@@ -312,3 +312,17 @@ def test_a_low_bit_run_resumes_with_torchs_own_state(tmp_path: Path) -> None:
     # fresh moments it read 4.25 against 4.17), the next rounds no more (within 0.1%).
     assert losses[:2] == whole[3:5]
     assert losses[2] == pytest.approx(whole[5], rel=1e-3)
+
+
+def test_the_callbacks_refuse_what_they_cannot_keep() -> None:
+    from memfit.integrations.common import check_optimizer_state, keep_optimizer_state
+
+    with pytest.raises(ConfigError, match="optimizer_state must be one of"):
+        check_optimizer_state("4bit")
+    with pytest.raises(ConfigError, match="has none"):
+        keep_optimizer_state(None, "8bit")
+    keep_optimizer_state(None, "fp32")  # nothing to convert, nothing asked
+    model, _, _ = _regression()
+    opt = torch.optim.AdamW(model.parameters())
+    keep_optimizer_state(opt, "bf16")
+    assert state_bits(opt) == "bf16"

@@ -168,8 +168,9 @@ def runs(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     ``runs(precision, kind)``, kind one of "unplanned" (no callback), "hf" (Hugging Face's
     own activation checkpointing, no callback), "full" (memfit's full plan, the least peak
     its strategies reach here), "0.25", "0.5" or "0.75" (memfit's optimal plan under a
-    budget that far from the full plan's step to the unplanned one) and "below-hf"
-    (memfit's optimal plan under a budget a byte below HF's step)."""
+    budget that far from the full plan's step to the unplanned one), "below-hf"
+    (memfit's optimal plan under a budget a byte below HF's step) and "below-hf-8bit"
+    (the same with 8-bit optimizer state, further below)."""
     made: dict[tuple[str, str], TrainerRun] = {}
 
     def get(precision: str, kind: str) -> TrainerRun:
@@ -191,6 +192,13 @@ def runs(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         elif kind == "below-hf":
             budget = get(precision, "hf").peak - 1
             run = _train(out, precision, MemfitCallback(budget=budget, strategy="optimal"))
+        elif kind == "below-hf-8bit":
+            # Half of what 8-bit AdamW state saves (6 of its 8 bytes a parameter) below
+            # HF's checkpointed step: a budget no block plan reaches.
+            params = sum(p.numel() for p in _gpt2().parameters())
+            budget = get(precision, "hf").peak - 3 * params
+            callback = MemfitCallback(budget=budget, optimizer_state="8bit")
+            run = _train(out, precision, callback)
         else:
             unplanned, least = get(precision, "unplanned"), get(precision, "full")
             assert least.peak < unplanned.peak, (least.steps, unplanned.steps)
@@ -249,5 +257,17 @@ def test_memfit_holds_a_budget_below_hf_checkpointing_fp32(runs: Runs) -> None:
     # In bf16 its least step is HF's (the test above): there is no budget below HF's for it.
     run = runs("fp32", "below-hf")
     assert run.budget is not None and run.budget < runs("fp32", "hf").peak
+    assert run.peak <= run.budget, (run.budget, run.steps, run.recomputed)
+    assert abs(_error(run)) <= TOLERANCE, (run.budget, run.predicted_peak_bytes, run.steps)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_eight_bit_state_holds_a_budget_below_hf_checkpointing(precision: str, runs: Runs) -> None:
+    # With the Trainer's AdamW keeping 8-bit moments (the callback's optimizer_state), a
+    # budget below Hugging Face's checkpointed step, which every block plan's least step
+    # meets at best, is held, as predicted.
+    run = runs(precision, "below-hf-8bit")
+    hf, full = runs(precision, "hf"), runs(precision, "full")
+    assert run.budget is not None and run.budget < min(hf.peak, full.peak)
     assert run.peak <= run.budget, (run.budget, run.steps, run.recomputed)
     assert abs(_error(run)) <= TOLERANCE, (run.budget, run.predicted_peak_bytes, run.steps)

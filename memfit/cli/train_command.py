@@ -105,6 +105,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     **MODEL_DEFAULTS,
     "factory": None,  # MODULE:FUNCTION or file.py:FUNCTION returning a memfit.Workload
     "precision": "auto",  # measured on the machine: bf16-mixed where it is faster
+    "optimizer_state": "fp32",  # AdamW's moments as torch keeps them
     "tune": False,
     "data": None,
     "steps": 300,
@@ -141,6 +142,11 @@ def add_parser(sub: Any) -> None:
         shown = "" if default is None else f" (default: {default})"
         p.add_argument(name, default=argparse.SUPPRESS, help=text + shown, **kwargs)
 
+    setting(
+        "--optimizer-state",
+        "how AdamW keeps its moments: fp32 (8 bytes a parameter) | bf16 (4) | 8bit (about 2)",
+        choices=["fp32", "bf16", "8bit"],
+    )
     setting("--data", "corpus | synthetic (default: the model's first)")
     setting("--steps", "optimizer steps in all", type=_positive_int)
     setting("--batch-size", "samples per optimizer step", type=_positive_int)
@@ -552,6 +558,7 @@ def _engine(
         clip_grad_norm=s["clip"],
         lr_scheduler=scheduler,
         log_every=s["log_every"],
+        optimizer_state=s.get("optimizer_state", "fp32"),
         **monitoring,
     )
     return engine, None, []

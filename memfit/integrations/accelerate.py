@@ -37,7 +37,9 @@ from memfit.integrations.common import (  # noqa: E402
     LossFn,
     PlannedRun,
     announce,
+    check_optimizer_state,
     check_settings,
+    keep_optimizer_state,
     loss_from,
     plan_model,
     say_once,
@@ -123,6 +125,7 @@ def plan_accelerated(
     optimizer: Any = None,
     zero_grad: ZeroGrad = "before_forward",
     costs: Costs = "counted",
+    optimizer_state: str = "fp32",
 ) -> PlannedRun:
     """Plan activation checkpointing for a loop written with accelerate and apply the plan
     to ``model``; call it after ``accelerator.prepare`` and before the loop.
@@ -146,7 +149,9 @@ def plan_accelerated(
     ``optimizer.zero_grad()`` after backward: each forward of a new step starts without
     gradients. A loop that calls ``zero_grad()`` between the forward and
     ``accelerator.backward(loss)`` holds the last step's gradients through the forward:
-    pass ``zero_grad="before_backward"``.
+    pass ``zero_grad="before_backward"``. ``optimizer_state``: ``"8bit"`` or ``"bf16"``
+    make the loop's Adam/AdamW or SGD keep its state in fewer bits
+    (:mod:`memfit.precision.optimizer_state`), before planning.
 
     The step is measured once on ``batch`` by the allocator and the plan made again from
     the measurement when it missed (as the callbacks do: :func:`~memfit.integrations.
@@ -170,12 +175,14 @@ def plan_accelerated(
     """
     policy = accelerate_precision(accelerator)
     check_settings(budget, strategy)
+    check_optimizer_state(optimizer_state)
     module = accelerator.unwrap_model(model)
     if optimizer is None:
         prepared = list(getattr(accelerator, "_optimizers", []))
         optimizer = prepared[0] if len(prepared) == 1 else None
     # accelerate wraps the optimizer; the planner reads the optimizer's own class and state.
     optimizer = getattr(optimizer, "optimizer", optimizer)
+    keep_optimizer_state(optimizer, optimizer_state)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     ACCELERATE_TERMS.warn_if_slow(policy, device)
     try:

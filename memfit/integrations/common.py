@@ -59,6 +59,7 @@ from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
 from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
 from memfit.nested import to_device
+from memfit.precision.optimizer_state import OPTIMIZER_STATES, low_bit_state, state_bits
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -102,6 +103,38 @@ def require(modules: Sequence[str], feature: str) -> None:
             f"{feature} needs {' and '.join(missing)}, not installed here; install memfit's "
             f"'{EXTRA}' extra: pip install 'memfit[{EXTRA}]'"
         )
+
+
+def check_optimizer_state(optimizer_state: str) -> None:
+    """Raise ConfigError for an ``optimizer_state`` memfit does not keep.
+
+    >>> check_optimizer_state("8bit")
+    """
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, got "
+            f"{optimizer_state!r}"
+        )
+
+
+def keep_optimizer_state(optimizer: torch.optim.Optimizer | None, optimizer_state: str) -> None:
+    """Make the loop's ``optimizer`` keep its state as ``optimizer_state`` says
+    (:func:`~memfit.precision.optimizer_state.low_bit_state`); a ConfigError when a low-bit
+    state is asked for and the loop has no optimizer to keep it.
+
+    Example::
+
+        keep_optimizer_state(trainer_optimizer, "8bit")
+    """
+    if optimizer_state == "fp32":
+        return
+    if optimizer is None:
+        raise ConfigError(
+            f"optimizer_state={optimizer_state!r} converts the loop's optimizer, and this loop "
+            "has none (or more than one) at train start; use optimizer_state='fp32', or convert "
+            "it yourself with memfit.precision.optimizer_state.low_bit_state"
+        )
+    low_bit_state(optimizer, optimizer_state)
 
 
 def check_settings(budget: Budget, strategy: str) -> None:
@@ -454,8 +487,11 @@ class CallbackCore:
         verbose: bool,
         costs: Costs = "counted",
         plan_cache: str | os.PathLike[str] | None = "auto",
+        optimizer_state: str = "fp32",
     ) -> None:
         check_settings(budget, strategy)
+        check_optimizer_state(optimizer_state)
+        self.optimizer_state = optimizer_state
         self.plan_cache = plan_cache
         check_costs(costs)
         self.costs: Costs = costs
@@ -504,6 +540,8 @@ class CallbackCore:
         policy = PrecisionPolicy.of(precision)
         if self.terms is not None:
             self.terms.warn_if_slow(policy, device)
+        # Before planning: the plan is made for the state the optimizer will keep.
+        keep_optimizer_state(optimizer, self.optimizer_state)
         directory = cache_dir(self.plan_cache)
         settings = _planning_settings(self, policy, accumulation_steps, optimizer, zero_grad)
         key = plan_key(model, batch, loss_fn, settings) if directory is not None else ""
@@ -587,6 +625,7 @@ def _planning_settings(
         "accumulation_steps": int(accumulation_steps),
         "zero_grad": zero_grad,
         "optimizer": None if optimizer is None else type(optimizer).__qualname__,
+        "optimizer_state": state_bits(optimizer),
         "param_groups": groups,
     }
 

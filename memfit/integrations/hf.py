@@ -90,7 +90,10 @@ class MemfitCallback(CallbackCore, TrainerCallback):
     budget in every run) or ``"measured"`` timings of the profiled step. ``plan_cache``:
     where plans are kept across runs (:mod:`memfit.integrations.plan_cache`; ``"auto"``:
     ``plans/`` under ``$MEMFIT_CACHE`` or ``~/.cache/memfit``); the same training run
-    again reads its plan back instead of planning. None keeps none.
+    again reads its plan back instead of planning. None keeps none. ``optimizer_state``:
+    ``"8bit"`` or ``"bf16"`` make the Trainer's Adam/AdamW keep its moments in fewer bits
+    (:mod:`memfit.precision.optimizer_state`; 2 or 4 bytes a parameter, not 8), before the
+    plan is made, so a budget below what the Trainer's own options reach can fit.
 
     Example::
 
@@ -114,6 +117,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
         verbose: bool = False,
         costs: Costs = "counted",
         plan_cache: str | os.PathLike[str] | None = "auto",
+        optimizer_state: str = "fp32",
     ) -> None:
         super().__init__(
             budget,
@@ -125,6 +129,7 @@ class MemfitCallback(CallbackCore, TrainerCallback):
             verbose=verbose,
             costs=costs,
             plan_cache=plan_cache,
+            optimizer_state=optimizer_state,
         )
 
     def attach(self, trainer: Any) -> MemfitCallback:

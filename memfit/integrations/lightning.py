@@ -124,6 +124,8 @@ class MemfitCallback(CallbackCore, Callback):
     ``"measured"`` timings of the profiled step. ``plan_cache``: where plans are kept
     across runs (``"auto"``: ``plans/`` under ``$MEMFIT_CACHE`` or ``~/.cache/memfit``;
     None keeps none): the same training again reads its plan back instead of planning.
+    ``optimizer_state``: ``"8bit"`` or ``"bf16"`` make the module's Adam/AdamW or SGD keep
+    its state in fewer bits (:mod:`memfit.precision.optimizer_state`), before planning.
 
     Example::
 
@@ -147,6 +149,7 @@ class MemfitCallback(CallbackCore, Callback):
         verbose: bool = False,
         costs: Costs = "counted",
         plan_cache: str | os.PathLike[str] | None = "auto",
+        optimizer_state: str = "fp32",
     ) -> None:
         super().__init__(
             budget,
@@ -158,6 +161,7 @@ class MemfitCallback(CallbackCore, Callback):
             verbose=verbose,
             costs=costs,
             plan_cache=plan_cache,
+            optimizer_state=optimizer_state,
         )
         self.module = module
         self._observed_step = 0
