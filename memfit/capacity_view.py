@@ -37,6 +37,7 @@ from torch import nn
 from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.errors import ConfigError
 from memfit.estimator import STRATEGIES, LossFn, estimate, meta_model, rich_table
+from memfit.precision.optimizer_state import kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -269,6 +270,7 @@ def capacity(
     strategies: Sequence[str] | None = None,
     world_size: int = 1,
     data_parallel: str | None = None,
+    optimizer_state: str = "fp32",
 ) -> Capacity:
     """The largest model and batch that fit ``device_memory``, per precision and strategy,
     over a family of sizes.
@@ -286,6 +288,8 @@ def capacity(
         world_size, data_parallel: one rank of a data-parallel run (``"ddp"``, ``"fsdp"``),
             as :func:`memfit.estimator.estimate` takes them; the memory and the batch are
             then per rank, and under FSDP2 a model fits when its shard does.
+        optimizer_state: the optimizer's state in ``"fp32"``, ``"bf16"`` or ``"8bit"``,
+            as :func:`memfit.estimator.estimate` takes it.
 
     Raises:
         ConfigError: no sizes, a size that is not two positive ints, or what
@@ -311,7 +315,7 @@ def capacity(
     for s in chosen:
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
-    make_optimizer = optimizer_fn or torch.optim.AdamW
+    make_optimizer = kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state)
     layout = RankLayout.of(world_size, data_parallel)  # refuses a bad kind or size here
     rows: list[CapacityRow] = []
     for depth, width in sizes:

@@ -60,6 +60,7 @@ from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
 from memfit.interpolate import NotAffine, affine_profile
 from memfit.nested import map_tensors
+from memfit.precision.optimizer_state import kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions
 from memfit.units import format_bytes, parse_bytes
@@ -403,6 +404,7 @@ def estimate(
     device_memory: str | int | None = None,
     world_size: int = 1,
     data_parallel: str | None = None,
+    optimizer_state: str = "fp32",
 ) -> Estimate:
     """Estimate an ``Engine.train_step`` at every precision and strategy, on fake tensors.
 
@@ -433,6 +435,8 @@ def estimate(
             ``1/world_size`` of the weights, gradients and optimizer state;
             :meth:`~memfit.checkpoint.step_memory.RankLayout.of`); ``batch_size`` and
             ``device_memory`` are then per rank.
+        optimizer_state: how the optimizer keeps its state, as ``Engine(optimizer_state=)``
+            takes it: ``"fp32"`` (torch's own), ``"bf16"`` or ``"8bit"`` (docs/tiers.md).
 
     Raises:
         ConfigError: an unknown precision or strategy, a model that cannot be built or
@@ -471,7 +475,7 @@ def estimate(
         model_fn,
         inputs_fn,
         loss_fn or default_step_loss,
-        optimizer_fn or torch.optim.AdamW,
+        kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state),
         int(accumulation_steps),
         RankLayout.of(world_size, data_parallel),
     )

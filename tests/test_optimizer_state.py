@@ -326,3 +326,45 @@ def test_the_callbacks_refuse_what_they_cannot_keep() -> None:
     opt = torch.optim.AdamW(model.parameters())
     keep_optimizer_state(opt, "bf16")
     assert state_bits(opt) == "bf16"
+
+
+def test_the_estimate_counts_the_state_it_is_told() -> None:
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+
+    def batch(n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n, 65))
+
+    rows = {
+        bits: memfit.estimate(
+            lambda: GPT(config),
+            batch,
+            gpt_loss,
+            batch_size=4,
+            precisions=["fp32"],
+            strategies=["none"],
+            optimizer_state=bits,
+        ).rows[0]
+        for bits in ("fp32", "8bit")
+    }
+    params = sum(p.numel() for p in GPT(config).parameters())
+    assert rows["fp32"].parts["optimizer"] >= 8 * params
+    assert rows["8bit"].parts["optimizer"] <= 2.5 * params
+    # The fake step's estimate against the real step, allocator-measured (the GPT case of
+    # the test above): within 10%.
+    model, data, _ = _gpt()
+    opt = low_bit_state(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        gpt_loss(model, data).backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    measured = allocator_peak(
+        step, live=[*model.parameters(), *model.buffers(), *optimizer_tensors(opt), data]
+    ).peak_bytes
+    assert abs(rows["8bit"].peak_bytes - measured) <= 0.10 * measured, (
+        rows["8bit"].peak_bytes,
+        measured,
+    )

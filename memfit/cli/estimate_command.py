@@ -112,6 +112,13 @@ def add_parser(sub: Any) -> None:
         choices=("ddp", "fsdp"),
         help="estimate one rank of a DDP or FSDP2 run (--batch-size per rank)",
     )
+    p.add_argument(
+        "--optimizer-state",
+        default="fp32",
+        choices=("fp32", "bf16", "8bit"),
+        help="how AdamW keeps its moments: fp32 (8 bytes a parameter) | bf16 (4) | 8bit "
+        "(about 2) (default: fp32)",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
 
@@ -299,6 +306,7 @@ def compute(args: argparse.Namespace) -> Any:
             strategies=args.strategies,
             world_size=args.world_size,
             data_parallel=args.data_parallel,
+            optimizer_state=args.optimizer_state,
         )
     if args.plot:
         raise UsageError("--plot draws the capacity view: add --scale")
@@ -320,6 +328,7 @@ def compute(args: argparse.Namespace) -> Any:
         device_memory=args.device_memory,
         world_size=args.world_size,
         data_parallel=args.data_parallel,
+        optimizer_state=args.optimizer_state,
     )
 
 

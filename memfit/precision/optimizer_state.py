@@ -57,6 +57,7 @@ __all__ = [
     "low_bit_state",
     "predicted_state_bytes",
     "fp32_state_dict",
+    "kept_as",
     "state_bits",
     "step_temp_bytes",
 ]
@@ -358,6 +359,32 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.register_load_state_dict_pre_hook(before)
     optimizer.register_load_state_dict_post_hook(after)
+
+
+def kept_as(
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer | None], optimizer_state: str
+) -> Callable[[Any], torch.optim.Optimizer | None]:
+    """``optimizer_fn`` (``params -> optimizer``, or None) with each optimizer it makes
+    keeping its state as ``optimizer_state`` says, for the estimator and the capacity view.
+
+    Example::
+
+        make = kept_as(torch.optim.AdamW, "8bit")
+        state_bits(make(model.parameters()))   # "8bit"
+    """
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, "
+            f"got {optimizer_state!r}"
+        )
+    if optimizer_state == "fp32":
+        return optimizer_fn
+
+    def make(params: Any) -> torch.optim.Optimizer | None:
+        optimizer = optimizer_fn(params)
+        return None if optimizer is None else low_bit_state(optimizer, optimizer_state)
+
+    return make
 
 
 def state_bits(optimizer: torch.optim.Optimizer | None) -> str:
