@@ -22,7 +22,7 @@ from memfit.errors import ConfigError
 from memfit.memory import _CUDA_BLOCK, MemoryReport, _track, _tracker_report
 from memfit.nested import call_model, first_floating
 
-__all__ = ["estimate_step_memory", "optimizer_step_temp_bytes"]
+__all__ = ["estimate_step_memory", "one_tensor_step_temp_bytes", "optimizer_step_temp_bytes"]
 
 
 def estimate_step_memory(
@@ -140,6 +140,24 @@ def optimizer_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
         del _TEMP_BYTES[key]  # moved to the end: the newest
     _TEMP_BYTES[key] = known
     return known
+
+
+def one_tensor_step_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """What ``optimizer.step()`` allocates for itself when only its largest trained tensor
+    has a gradient (an update applied in backward, :mod:`memfit.engine.release`): that of
+    an optimizer of the same class and settings over that tensor alone
+    (:func:`optimizer_step_temp_bytes`).
+
+    Example::
+
+        one_tensor_step_temp_bytes(torch.optim.AdamW(model.parameters()))
+    """
+    found = [(g, p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not found:
+        return 0
+    group, largest = max(found, key=lambda gp: gp[1].numel())
+    settings = {k: v for k, v in group.items() if k != "params"}
+    return optimizer_step_temp_bytes(type(optimizer)([{**settings, "params": [largest]}]))
 
 
 #: :func:`optimizer_step_temp_bytes`'s answers by optimizer signature, oldest first.

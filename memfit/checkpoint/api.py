@@ -77,7 +77,10 @@ def make_plan(
     ``zero_grad``: where the training loop frees the last step's gradients:
     ``"before_forward"`` (after the optimizer step or before the forward), or
     ``"before_backward"`` (between forward and backward, as Lightning's automatic
-    optimization does: they are alive through the forward). ``costs``: what the solver
+    optimization does: they are alive through the forward), or ``"in_backward"`` (each
+    freed as its update is applied in backward, ``Engine(release_gradients=True)``; the
+    prediction is not verified by a measured step, which would hold them all).
+    ``costs``: what the solver
     weighs recompute by, ``"measured"`` (the profiled step's timings) or ``"counted"``
     (FLOPs and bytes, :func:`~memfit.checkpoint.costs.counted_times`): the same plan for
     the same model, batch and budget in every run, where timings a few percent apart
@@ -111,7 +114,10 @@ def make_plan(
         layout=layout,
         zero_grad=zero_grad,
     )
-    return verify_plan(result, model, optimizer) if verify else result
+    # The measured step is a usual one: it cannot stand for a loop that releases each
+    # gradient in backward (the Engine measures its own first step instead).
+    released = zero_grad == "in_backward"
+    return verify_plan(result, model, optimizer) if verify and not released else result
 
 
 def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -169,8 +175,9 @@ def plan(
     ``batch`` by the allocator (``plan.measured_peak_bytes``), and made again from the
     measurement when it missed the prediction (:func:`verify_plan`); False skips the
     measurement. ``zero_grad``: where the training loop frees the last step's gradients,
-    ``"before_forward"`` (default) or ``"before_backward"`` (Lightning's order: alive
-    through the forward; :func:`make_plan`). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
+    ``"before_forward"`` (default), ``"before_backward"`` (Lightning's order: alive
+    through the forward) or ``"in_backward"`` (released as their updates are applied:
+    ``Engine(release_gradients=True)``; :func:`make_plan`). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
     measured.
 
     Kept for one release, each with a DeprecationWarning: a ``loss_fn(output)`` (a

@@ -274,7 +274,14 @@ def _measured_fallback(
         )
         return _with_measured(unplanned, peak, result.plan)
     tried.append(f"{format_bytes(peak)} measured without recompute")
-    root = cost_tree(model, result.profile, result.policy, result.accumulation_steps, result.layout)
+    root = cost_tree(
+        model,
+        result.profile,
+        result.policy,
+        result.accumulation_steps,
+        result.layout,
+        result.zero_grad,
+    )
     least = measured_least_plan(run, root, result.strategy, budget_bytes, frontier=False)
     if least is not None:
         if least.verdict.fits:

@@ -209,14 +209,17 @@ def solve_profile(
             "plan can fit it. Raise the budget, use a smaller micro-batch (more accumulation "
             "steps), or name units that include those layers (units=[...])."
         )
-    root = cost_tree(model, profiled, policy, accumulation_steps, layout)
+    root = cost_tree(model, profiled, policy, accumulation_steps, layout, zero_grad)
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
     optimal = parse_strategy(strategy)[0] == "optimal"
     # With a budget, a step to measure decides what the prediction cannot: for any
     # strategy the plan at the budget's edge, for ``optimal`` also a cheaper one within it.
-    run = step_run(model, profiled, mem, policy, optimizer) if budget_bytes is not None else None
+    # A measured step is a usual one, which holds every gradient: it cannot judge a plan
+    # for a loop that releases them in backward (the prediction decides there).
+    measurable = budget_bytes is not None and zero_grad != "in_backward"
+    run = step_run(model, profiled, mem, policy, optimizer) if measurable else None
     try:
         # With a step to measure, the solve also finds the plan within the budget itself
         # (its ``edge``), which a measurement may accept in place of the reserve.
@@ -361,9 +364,11 @@ def cost_tree(
     policy: PrecisionPolicy,
     accumulation_steps: int,
     layout: RankLayout | None,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> UnitCost:
     """The profiled cost tree with each unit's backward costs for this step (what its
-    rebuild casts again, the gradients made by then), as the solver sees it.
+    rebuild casts again, the gradients made by then, none where the loop releases each in
+    backward: ``zero_grad="in_backward"``), as the solver sees it.
 
     Example::
 
@@ -376,6 +381,7 @@ def cost_tree(
         accumulating=accumulation_steps > 1,
         layout=layout,
         sparse_grads=sparse_grad_sizes(profiled.profile, accumulation_steps),
+        released=zero_grad == "in_backward",
     )
 
 

@@ -38,7 +38,11 @@ Trainer, most plain loops) starts each forward without them. Lightning's automat
 optimization runs ``training_step`` first and ``zero_grad`` between it and the backward
 (``"before_backward"``): the previous step's gradients are alive through the whole
 forward, so the end of forward holds them too (``StepMemory.forward_grad_bytes``), and
-backward does not.
+backward does not. A loop that applies each update in backward and frees the gradient
+at once (``"in_backward"``: ``Engine(release_gradients=True)``, :mod:`memfit.engine.release`)
+never holds them all: each moment of backward may hold one trained tensor's gradient and
+its update's temporaries (``StepMemory.released_bytes``), and no rebuild holds the
+gradients made before it.
 
 :func:`static_bytes` counts the weights, buffers, gradients, masters and optimizer state
 (:func:`optimizer_state_bytes`) for every caller: the step memory, the estimator's rows and
@@ -66,7 +70,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler import Profile
 from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
-from memfit.fake import optimizer_step_temp_bytes
+from memfit.fake import one_tensor_step_temp_bytes, optimizer_step_temp_bytes
 from memfit.nested import tensors
 from memfit.precision.optimizer_state import predicted_state_bytes as predicted_low_bit_state_bytes
 from memfit.precision.optimizer_state import step_temp_bytes as low_bit_step_temp_bytes
@@ -74,8 +78,10 @@ from memfit.precision.policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
 
-ZeroGrad = Literal["before_forward", "before_backward"]
-"""Where a training loop frees the gradients of the last step (module docstring)."""
+ZeroGrad = Literal["before_forward", "before_backward", "in_backward"]
+"""Where a training loop frees the gradients (module docstring): of the last step, before
+the forward or between forward and backward; or each one in backward, as soon as its
+update is applied (``Engine(release_gradients=True)``)."""
 ZERO_GRAD_ORDERS: tuple[str, ...] = get_args(ZeroGrad)
 
 #: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
@@ -317,6 +323,12 @@ class StepMemory:
     before the first unit. 0 when accumulating (``accumulated_grad_bytes`` holds them
     all step)."""
 
+    released_bytes: float = 0.0
+    """With gradients released in backward (``zero_grad="in_backward"``): the largest
+    trained tensor's gradient and its update's temporaries, which any moment of backward
+    may hold (in ``held_bytes``); then ``grad_bytes`` and ``optimizer_temp_bytes`` are
+    those of that one tensor. 0 otherwise."""
+
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
     Function's ``ctx.x``, hidden states appended to a list), measured on the profiled
@@ -344,6 +356,7 @@ class StepMemory:
             + self.in_flight_bytes
             + self.accumulated_grad_bytes
             + self.retained_bytes
+            + self.released_bytes
         )
 
     @property
@@ -415,6 +428,13 @@ def step_memory(
     made = prof.head_backward_bytes if head_backward_bytes is None else head_backward_bytes
     head = max(loss_saved + output, made - in_flight)
     accumulated = accumulation_steps > 1 or layout.kind == "ddp"
+    released = zero_grad == "in_backward"
+    if released and (accumulated or layout.kind == "fsdp"):
+        raise ConfigError(
+            "zero_grad='in_backward' (each update applied as its gradient is made) cannot "
+            "be planned with gradient accumulation or a data-parallel run, which need every "
+            "gradient before the update; plan with zero_grad='before_forward'"
+        )
     # The last step's gradients, alive through the forward where the loop frees them only
     # before backward: every moment of forward holds them, the head of backward does not.
     forward_grads = (
@@ -433,29 +453,54 @@ def step_memory(
     # The held bytes count the gradient in flight between units in backward; the end of
     # forward has none yet (an EmbeddingBag recommender's 4 MiB one over-predicted the
     # forward's end, its peak, by 3%).
-    loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
-    uncast = max(uncast_end + forward_grads - in_flight, backward_head)
+    # Released gradients, counted in the held bytes, are made in backward only.
+    one_grad, one_temp = _released_bytes(optimizer, static) if released else (0.0, 0.0)
+    early = in_flight + one_grad + one_temp
+    loss_bytes = max(forward_end + forward_grads - early, backward_head)
+    uncast = max(uncast_end + forward_grads - early, backward_head)
     if loss_spike_bytes:
         # Measured: the loss's transients above the end of forward, with what the loss
         # saves and autocast's copies (a loss inside the model spikes while they are still
         # held). The model's output was freed by then, so the spike holds it if it was
         # alive at its moment; no gradient is in flight yet, which the held bytes count.
-        spike = loss_saved + cast_cache + loss_spike_bytes - in_flight
+        spike = loss_saved + cast_cache + loss_spike_bytes - early
         loss_bytes = max(loss_bytes, spike + forward_grads)
+    temp = float(_optimizer_temp_bytes(optimizer))
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
-        loss_bytes=float(loss_bytes),
+        loss_bytes=float(max(0.0, loss_bytes)),
         cast_bytes=float(cast_cache),
-        loss_uncast_bytes=float(uncast),
-        grad_bytes=float(static.grads),
+        loss_uncast_bytes=float(max(0.0, uncast)),
+        grad_bytes=one_grad if released else float(static.grads),
         in_flight_bytes=in_flight + block_grads,
-        optimizer_temp_bytes=float(_optimizer_temp_bytes(optimizer)) / layout.world_size
+        optimizer_temp_bytes=one_temp
+        if released
+        else temp / layout.world_size
         if layout.kind == "fsdp"
-        else float(_optimizer_temp_bytes(optimizer)),
+        else temp,
         accumulated_grad_bytes=float(static.grads) if accumulated else 0.0,
         forward_grad_bytes=forward_grads,
         retained_bytes=float(sum(prof.retained_bytes.values())),
+        released_bytes=one_grad + one_temp,
     )
+
+
+def _released_bytes(
+    optimizer: torch.optim.Optimizer | None, static: StaticBytes
+) -> tuple[float, float]:
+    """With gradients released in backward: the largest trained tensor's gradient (as the
+    optimizer sees it: fp32 for a master) and the temporaries of an update of that tensor
+    alone (:func:`memfit.fake.one_tensor_step_temp_bytes`)."""
+    if optimizer is None:
+        return 0.0, 0.0
+    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    largest = max(trained, key=lambda p: p.numel(), default=None)
+    if largest is None:
+        return 0.0, 0.0
+    width = 4 if static.masters else largest.element_size()
+    low_bit = low_bit_step_temp_bytes(optimizer)
+    temp = low_bit if low_bit is not None else one_tensor_step_temp_bytes(optimizer)
+    return float(largest.numel() * width), float(temp)
 
 
 def check_zero_grad(zero_grad: str) -> None:
@@ -577,6 +622,7 @@ def with_backward_costs(
     accumulating: bool = False,
     layout: RankLayout | None = None,
     sparse_grads: Mapping[str, float] | None = None,
+    released: bool = False,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -588,7 +634,9 @@ def with_backward_costs(
     * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
-      they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``).
+      they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``);
+      with ``released`` (gradients freed in backward as their updates are applied) too:
+      none is held by then (``StepMemory.released_bytes``).
 
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
@@ -631,7 +679,12 @@ def with_backward_costs(
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own
         # new gradients are made beside the accumulated ones before they are added in.
-        held_grads = grads - subtree_grads[unit.name] if accumulating else 0.0
+        # Released in backward, the unit's own gradients are not held as its backward
+        # makes them (one at a time, in StepMemory.released_bytes).
+        if accumulating:
+            held_grads = grads - subtree_grads[unit.name]
+        else:
+            held_grads = subtree_grads[unit.name] if released else 0.0
         hold = unit.backward_peak_bytes - unit.total_saved_bytes() - in_flight - held_grads
         return dataclasses.replace(
             unit,
@@ -641,7 +694,7 @@ def with_backward_costs(
                 0.0,
                 float(_cast_bytes(model.get_submodule(unit.name), policy)) - unit.saved_cast_bytes,
             ),
-            grads_from_bytes=0.0 if accumulating else grads,
+            grads_from_bytes=0.0 if accumulating or released else grads,
             backward_hold_bytes=max(0.0, hold),
         )
 

@@ -40,6 +40,7 @@ from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_me
 from memfit.engine.first_batch import FirstBatchStage
 from memfit.engine.plan_stage import EnginePlan, check_first_step
 from memfit.engine.precision_stage import default_scaler, fp32_masters
+from memfit.engine.release import gradient_release
 from memfit.engine.run_files import RunRecord
 from memfit.engine.settings import (
     EngineSettings,
@@ -93,6 +94,8 @@ class Engine(FirstBatchStage):
     holds every first-batch choice, in order). ``optimizer_state``: ``"8bit"`` or
     ``"bf16"`` make an Adam, AdamW or SGD optimizer keep its moments in fewer bits
     (:mod:`memfit.precision.optimizer_state`: 2 or 4 bytes a parameter for AdamW, not 8).
+    ``release_gradients``: each update applied as its gradient is made in backward, so
+    the gradients are never all held (:mod:`memfit.engine.release`; ``"auto"``: where legal).
 
     A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
     (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
@@ -129,6 +132,7 @@ class Engine(FirstBatchStage):
         units: Sequence[str | nn.Module] | None = None,
         micro_batch: str | None = None,
         optimizer_state: str = "fp32",
+        release_gradients: bool | str = False,
     ) -> None:
         check_arguments(
             accumulation_steps=accumulation_steps,
@@ -164,6 +168,20 @@ class Engine(FirstBatchStage):
         self.master = fp32_masters(model, optimizer, self.policy, owned)
         # The state of what the optimizer updates (the masters, where there are masters).
         low_bit_state(optimizer, optimizer_state, self.parallel.kind if self.parallel else None)
+        # After the masters' hooks: the release's hooks run once a master has its gradient.
+        self.release = gradient_release(
+            release_gradients,
+            model,
+            optimizer,
+            self.master,
+            self.settings,
+            self.auto.precision,
+            self.auto.micro_batch,
+            self.policy,
+            self.scaler,
+            self.parallel is not None,
+            self.device,
+        )
         self._apply_policy()
         log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -298,6 +316,8 @@ class Engine(FirstBatchStage):
         config = self.monitor.config
         check, self._plan_to_check = self._plan_to_check, None
         self._run_record.step_began()
+        if self.release is not None:
+            self.release.begin(self.device)
         return Window(
             reference=size * self.settings.accumulation_steps,
             loss_sum=torch.zeros((), dtype=torch.float32, device=self.device),
@@ -320,7 +340,8 @@ class Engine(FirstBatchStage):
             with self.policy.autocast(self.device.type):
                 loss = checked_loss(loss_fn(self.model, micro))
             weighted = loss * window.weight(size)
-            self.scaler.scale(weighted).backward()
+            with self.release.releasing() if self.release else contextlib.nullcontext():
+                self.scaler.scale(weighted).backward()
         window.loss_sum += weighted.detach()
         window.count += 1
         window.samples += size
@@ -396,6 +417,8 @@ class Engine(FirstBatchStage):
             self.parallel.finish(self.params)  # a step whose last backward did not reduce
             self._last_loss = self.parallel.mean(self._last_loss)
         self.scaler.unscale_(self.optimizer)
+        if self.release is not None:  # the updates were applied in backward
+            self.scaler.note_non_finite(self.optimizer, self.release.found_inf())
         rescale_gradients(self.params, factor)
         # Gradient statistics describe the unscaled gradients before clipping.
         grad_metrics = (
@@ -405,7 +428,7 @@ class Engine(FirstBatchStage):
             if log_now
             else {}
         )
-        self._grad_norm = None
+        self._grad_norm = None if self.release is None else self.release.grad_norm()
         if self.settings.clip_grad_norm is not None:
             self._grad_norm = clip_gradients(self.params, self.settings.clip_grad_norm)
         applied = self.scaler.step(self.optimizer)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memfit.checkpoint.step_memory import ZeroGrad
 from memfit.engine.settings import EngineSettings, default_memory_budget
 from memfit.errors import BudgetError
 from memfit.precision.policy import PrecisionPolicy
@@ -40,6 +41,7 @@ def make_engine_plan(
     budget: int | None,
     accumulation_steps: int,
     units: list[str] | None = None,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> EnginePlan:
     """The plan under ``budget``; where the model predicts none fits, the ``full`` plan,
     whose first step the closed loop then measures against the budget: a budget the
@@ -55,7 +57,7 @@ def make_engine_plan(
 
     profiled = profile_step(model, batch, loss_fn, policy, units)
     return plan_from_profile(
-        model, profiled, policy, optimizer, strategy, budget, accumulation_steps
+        model, profiled, policy, optimizer, strategy, budget, accumulation_steps, zero_grad
     )
 
 
@@ -97,6 +99,8 @@ def strategy_plan(
         budget,
         settings.accumulation_steps,
         units,
+        # With gradients released in backward no moment holds them all.
+        "in_backward" if settings.release_gradients else "before_forward",
     )
     optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
@@ -111,6 +115,7 @@ def plan_from_profile(
     strategy: str,
     budget: int | None,
     accumulation_steps: int,
+    zero_grad: ZeroGrad = "before_forward",
 ) -> EnginePlan:
     """:func:`make_engine_plan` from a profile already made (``profile_step`` of the
     micro-batch under ``policy``): the timed splits plan several strategies on one.
@@ -124,7 +129,15 @@ def plan_from_profile(
     # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
     try:
         result = solve_profile(
-            model, profiled, policy, optimizer, strategy, budget, accumulation_steps, False
+            model,
+            profiled,
+            policy,
+            optimizer,
+            strategy,
+            budget,
+            accumulation_steps,
+            False,
+            zero_grad=zero_grad,
         )
         # The least plan accepted on a measured forward and backward is judged again on
         # the first whole training step, as the ``full`` fallback is.
@@ -134,7 +147,15 @@ def plan_from_profile(
         if strategy != "optimal" or budget is None:
             raise
         full = solve_profile(
-            model, profiled, policy, optimizer, "full", None, accumulation_steps, False
+            model,
+            profiled,
+            policy,
+            optimizer,
+            "full",
+            None,
+            accumulation_steps,
+            False,
+            zero_grad=zero_grad,
         )
         if full.memory.floor_bytes > budget:
             raise  # the optimizer step or the step's edges alone hold more: no plan can help

@@ -36,6 +36,9 @@ class EngineSettings:
     optimizer_state: str = "fp32"
     """How the optimizer keeps its state: "fp32" (as torch makes it), "bf16" or "8bit"
     (:mod:`memfit.precision.optimizer_state`)."""
+    release_gradients: bool = False
+    """Each update applied as its gradient is made in backward (:mod:`memfit.engine.release`);
+    ``"auto"`` given to the Engine is resolved to where it is legal."""
     kernel_islands: tuple[str, ...] = ()
     """Modules trained as fp32 islands because their kind has no kernel in the precision's
     dtype on this device (an LSTM in bf16 on an AVX2-only CPU): found on the machine that

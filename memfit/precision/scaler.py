@@ -339,6 +339,24 @@ class LossScaler:
         state["found_inf"] = found_inf
         state["stage"] = OptState.UNSCALED
 
+    def note_non_finite(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Add ``found_inf`` (a 0-dim device tensor, nonzero where a gradient was
+        non-finite) to what :meth:`unscale_` recorded for ``optimizer``: for gradients
+        checked and freed before it ran (released in backward,
+        :mod:`memfit.engine.release`), so :meth:`step` skips and the statistics count the
+        step. No host sync.
+
+        Example::
+
+            scaler.unscale_(optimizer); scaler.note_non_finite(optimizer, flag)
+        """
+        state = self._state_of(optimizer)
+        if state["stage"] is not OptState.UNSCALED:
+            raise ScalerStateError(
+                "note_non_finite() belongs between unscale_() and step(); call unscale_() first"
+            )
+        state["found_inf"] = state["found_inf"] + found_inf.to(state["found_inf"].device)
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Apply ``optimizer.step()`` unless a gradient was non-finite.
 
