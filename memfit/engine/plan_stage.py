@@ -126,9 +126,9 @@ def plan_from_profile(
     """
     from memfit.checkpoint.planner import solve_profile
 
-    # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
-    try:
-        result = solve_profile(
+    def solve(strategy: str, budget: int | None) -> Any:
+        # Training needs the plan, not the frontier `memfit plan` shows (start-up time).
+        return solve_profile(
             model,
             profiled,
             policy,
@@ -136,9 +136,12 @@ def plan_from_profile(
             strategy,
             budget,
             accumulation_steps,
-            False,
+            frontier=False,
             zero_grad=zero_grad,
         )
+
+    try:
+        result = solve(strategy, budget)
         # The least plan accepted on a measured forward and backward is judged again on
         # the first whole training step, as the ``full`` fallback is.
         verify = int(budget) if budget is not None and result.measured_is_least else None
@@ -146,17 +149,7 @@ def plan_from_profile(
     except BudgetError as exc:
         if strategy != "optimal" or budget is None:
             raise
-        full = solve_profile(
-            model,
-            profiled,
-            policy,
-            optimizer,
-            "full",
-            None,
-            accumulation_steps,
-            False,
-            zero_grad=zero_grad,
-        )
+        full = solve("full", None)
         if full.memory.floor_bytes > budget:
             raise  # the optimizer step or the step's edges alone hold more: no plan can help
         full.plan.notes.append(
