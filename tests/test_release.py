@@ -87,10 +87,10 @@ def test_the_released_step_is_lower_and_never_under_predicted() -> None:
     # A small batch, whose usual peak is the optimizer step with every gradient: lower.
     assert released < usual, (released, usual)
     assert abs(usual_predicted - usual) <= 0.03 * usual
-    # The release's cost model holds a tensor's gradient and its update's temporaries at
-    # every moment of backward: over, never under (measured +9% to +18% on a GPT and a
-    # ResNet; docs/tiers.md).
-    assert released <= predicted <= 1.25 * released, (released, predicted)
+    # The release's cost model holds the largest tensor's gradient and its update's
+    # temporaries at every moment of backward: over, never under (measured +0.4% here,
+    # up to +10.8% where the gradients are not at the peak; docs/tiers.md).
+    assert released <= predicted <= 1.05 * released, (released, predicted)
 
 
 def test_a_non_finite_gradient_leaves_its_parameter_and_counts_as_skipped() -> None:

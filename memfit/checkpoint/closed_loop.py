@@ -280,7 +280,7 @@ def _measured_fallback(
         result.policy,
         result.accumulation_steps,
         result.layout,
-        result.zero_grad,
+        result.memory.released_bytes if result.zero_grad == "in_backward" else None,
     )
     least = measured_least_plan(run, root, result.strategy, budget_bytes, frontier=False)
     if least is not None:

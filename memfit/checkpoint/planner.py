@@ -209,7 +209,8 @@ def solve_profile(
             "plan can fit it. Raise the budget, use a smaller micro-batch (more accumulation "
             "steps), or name units that include those layers (units=[...])."
         )
-    root = cost_tree(model, profiled, policy, accumulation_steps, layout, zero_grad)
+    released = mem.released_bytes if zero_grad == "in_backward" else None
+    root = cost_tree(model, profiled, policy, accumulation_steps, layout, released)
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
@@ -364,11 +365,12 @@ def cost_tree(
     policy: PrecisionPolicy,
     accumulation_steps: int,
     layout: RankLayout | None,
-    zero_grad: ZeroGrad = "before_forward",
+    released_bytes: float | None = None,
 ) -> UnitCost:
     """The profiled cost tree with each unit's backward costs for this step (what its
-    rebuild casts again, the gradients made by then, none where the loop releases each in
-    backward: ``zero_grad="in_backward"``), as the solver sees it.
+    rebuild casts again, the gradients made by then; where the loop releases each in
+    backward, none, and ``released_bytes`` instead: ``StepMemory.released_bytes``), as the
+    solver sees it.
 
     Example::
 
@@ -381,7 +383,7 @@ def cost_tree(
         accumulating=accumulation_steps > 1,
         layout=layout,
         sparse_grads=sparse_grad_sizes(profiled.profile, accumulation_steps),
-        released=zero_grad == "in_backward",
+        released_bytes=released_bytes,
     )
 
 

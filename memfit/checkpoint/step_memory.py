@@ -326,8 +326,9 @@ class StepMemory:
     released_bytes: float = 0.0
     """With gradients released in backward (``zero_grad="in_backward"``): the largest
     trained tensor's gradient and its update's temporaries, which any moment of backward
-    may hold (in ``held_bytes``); then ``grad_bytes`` and ``optimizer_temp_bytes`` are
-    those of that one tensor. 0 otherwise."""
+    may hold (counted in each unit's backward hold, :func:`with_backward_costs`, and in
+    the head of backward's moment, ``loss_bytes``; not at the end of forward); then
+    ``grad_bytes`` and ``optimizer_temp_bytes`` are those of that one tensor. 0 otherwise."""
 
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
@@ -356,7 +357,6 @@ class StepMemory:
             + self.in_flight_bytes
             + self.accumulated_grad_bytes
             + self.retained_bytes
-            + self.released_bytes
         )
 
     @property
@@ -453,17 +453,17 @@ def step_memory(
     # The held bytes count the gradient in flight between units in backward; the end of
     # forward has none yet (an EmbeddingBag recommender's 4 MiB one over-predicted the
     # forward's end, its peak, by 3%).
-    # Released gradients, counted in the held bytes, are made in backward only.
+    # A gradient released in backward: the head's backward may update a tensor.
     one_grad, one_temp = _released_bytes(optimizer, static) if released else (0.0, 0.0)
-    early = in_flight + one_grad + one_temp
-    loss_bytes = max(forward_end + forward_grads - early, backward_head)
-    uncast = max(uncast_end + forward_grads - early, backward_head)
+    backward_head += one_grad + one_temp
+    loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
+    uncast = max(uncast_end + forward_grads - in_flight, backward_head)
     if loss_spike_bytes:
         # Measured: the loss's transients above the end of forward, with what the loss
         # saves and autocast's copies (a loss inside the model spikes while they are still
         # held). The model's output was freed by then, so the spike holds it if it was
         # alive at its moment; no gradient is in flight yet, which the held bytes count.
-        spike = loss_saved + cast_cache + loss_spike_bytes - early
+        spike = loss_saved + cast_cache + loss_spike_bytes - in_flight
         loss_bytes = max(loss_bytes, spike + forward_grads)
     temp = float(_optimizer_temp_bytes(optimizer))
     return StepMemory(
@@ -622,7 +622,7 @@ def with_backward_costs(
     accumulating: bool = False,
     layout: RankLayout | None = None,
     sparse_grads: Mapping[str, float] | None = None,
-    released: bool = False,
+    released_bytes: float | None = None,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -635,8 +635,10 @@ def with_backward_costs(
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
       they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``);
-      with ``released`` (gradients freed in backward as their updates are applied) too:
-      none is held by then (``StepMemory.released_bytes``).
+      with ``released_bytes`` (gradients freed in backward as their updates are applied)
+      too: none is held by then, and each unit's backward holds instead the one being
+      released with its update's temporaries, ``released_bytes``
+      (``StepMemory.released_bytes``).
 
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
@@ -679,12 +681,14 @@ def with_backward_costs(
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own
         # new gradients are made beside the accumulated ones before they are added in.
-        # Released in backward, the unit's own gradients are not held as its backward
-        # makes them (one at a time, in StepMemory.released_bytes).
+        # Released in backward, none of the gradients made by then is held (the profiled
+        # step held them all), but the one being released, with its update's temporaries.
         if accumulating:
             held_grads = grads - subtree_grads[unit.name]
+        elif released_bytes is not None:
+            held_grads = grads - released_bytes
         else:
-            held_grads = subtree_grads[unit.name] if released else 0.0
+            held_grads = 0.0
         hold = unit.backward_peak_bytes - unit.total_saved_bytes() - in_flight - held_grads
         return dataclasses.replace(
             unit,
@@ -694,7 +698,7 @@ def with_backward_costs(
                 0.0,
                 float(_cast_bytes(model.get_submodule(unit.name), policy)) - unit.saved_cast_bytes,
             ),
-            grads_from_bytes=0.0 if accumulating or released else grads,
+            grads_from_bytes=0.0 if accumulating or released_bytes is not None else grads,
             backward_hold_bytes=max(0.0, hold),
         )
 
