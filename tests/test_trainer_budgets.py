@@ -34,6 +34,7 @@ pytest.importorskip("accelerate")
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 from memfit.integrations.hf import MemfitCallback  # noqa: E402
+from memfit.precision.optimizer_state import state_bits  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +66,8 @@ class TrainerRun:
     """The units the plan does not keep whole (none without a callback)."""
     budget: int | None = None
     """The budget the plan was made for (None without one)."""
+    optimizer_state: str = "fp32"
+    """How the Trainer's optimizer kept its state (memfit's ``state_bits``)."""
 
     @property
     def peak(self) -> int:
@@ -137,6 +140,7 @@ def _train(
     meter = _StepMeter(trainer)
     trainer.add_callback(meter)
     trainer.train()
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     # Every step measured: its forward and backward, then its optimizer step.
     assert sorted(meter.peaks) == list(range(1, STEPS + 1)), meter.peaks
     assert all(len(calls) == 2 for calls in meter.peaks.values()), meter.peaks
@@ -146,7 +150,7 @@ def _train(
     plan = callback.plan
     recomputed = tuple(name for name, d in plan.decisions.items() if d != "keep")
     budget = None if callback.budget is None else int(callback.budget)
-    return TrainerRun(steps, plan.predicted_peak_bytes, recomputed, budget)
+    return TrainerRun(steps, plan.predicted_peak_bytes, recomputed, budget, state_bits(inner))
 
 
 def _error(run: TrainerRun) -> float:
@@ -170,7 +174,8 @@ def runs(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     its strategies reach here), "0.25", "0.5" or "0.75" (memfit's optimal plan under a
     budget that far from the full plan's step to the unplanned one), "below-hf"
     (memfit's optimal plan under a budget a byte below HF's step) and "below-hf-8bit"
-    (the same with 8-bit optimizer state, further below)."""
+    (further below, with optimizer_state="auto") and "auto-fits" (the "0.5" budget with
+    optimizer_state="auto")."""
     made: dict[tuple[str, str], TrainerRun] = {}
 
     def get(precision: str, kind: str) -> TrainerRun:
@@ -197,8 +202,12 @@ def runs(one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             # HF's checkpointed step: a budget no block plan reaches.
             params = sum(p.numel() for p in _gpt2().parameters())
             budget = get(precision, "hf").peak - 3 * params
-            callback = MemfitCallback(budget=budget, optimizer_state="8bit")
+            callback = MemfitCallback(budget=budget, optimizer_state="auto")
             run = _train(out, precision, callback)
+        elif kind == "auto-fits":
+            # A budget the fp32 state meets: "auto" keeps it.
+            budget = get(precision, "0.5").budget
+            run = _train(out, precision, MemfitCallback(budget=budget, optimizer_state="auto"))
         else:
             unplanned, least = get(precision, "unplanned"), get(precision, "full")
             assert least.peak < unplanned.peak, (least.steps, unplanned.steps)
@@ -263,10 +272,12 @@ def test_memfit_holds_a_budget_below_hf_checkpointing_fp32(runs: Runs) -> None:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_eight_bit_state_holds_a_budget_below_hf_checkpointing(precision: str, runs: Runs) -> None:
-    # With the Trainer's AdamW keeping 8-bit moments (the callback's optimizer_state), a
-    # budget below Hugging Face's checkpointed step, which every block plan's least step
-    # meets at best, is held, as predicted.
+    # Below Hugging Face's checkpointed step, which every block plan's least step meets
+    # at best, the callback with optimizer_state="auto" keeps AdamW's moments in 8 bits,
+    # and the budget is held, as predicted. Where fp32 state fits, "auto" keeps it.
+    assert runs(precision, "auto-fits").optimizer_state == "fp32"
     run = runs(precision, "below-hf-8bit")
+    assert run.optimizer_state == "8bit"
     hf, full = runs(precision, "hf"), runs(precision, "full")
     assert run.budget is not None and run.budget < min(hf.peak, full.peak)
     assert run.peak <= run.budget, (run.budget, run.steps, run.recomputed)

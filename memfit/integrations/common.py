@@ -59,7 +59,12 @@ from memfit.monitor.metrics import OverflowWindow, memory_metrics, plan_metrics
 from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
 from memfit.nested import to_device
-from memfit.precision.optimizer_state import OPTIMIZER_STATES, low_bit_state, state_bits
+from memfit.precision.optimizer_state import (
+    OPTIMIZER_STATES,
+    can_keep,
+    low_bit_state,
+    state_bits,
+)
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -106,14 +111,15 @@ def require(modules: Sequence[str], feature: str) -> None:
 
 
 def check_optimizer_state(optimizer_state: str) -> None:
-    """Raise ConfigError for an ``optimizer_state`` memfit does not keep.
+    """Raise ConfigError for an ``optimizer_state`` memfit does not keep (the callbacks
+    also take ``"auto"``: 8-bit state only where the budget needs it).
 
     >>> check_optimizer_state("8bit")
     """
-    if optimizer_state not in OPTIMIZER_STATES:
+    if optimizer_state not in (*OPTIMIZER_STATES, "auto"):
         raise ConfigError(
-            f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, got "
-            f"{optimizer_state!r}"
+            "optimizer_state must be one of "
+            f"{', '.join(map(repr, (*OPTIMIZER_STATES, 'auto')))}, got {optimizer_state!r}"
         )
 
 
@@ -126,7 +132,7 @@ def keep_optimizer_state(optimizer: torch.optim.Optimizer | None, optimizer_stat
 
         keep_optimizer_state(trainer_optimizer, "8bit")
     """
-    if optimizer_state == "fp32":
+    if optimizer_state in ("fp32", "auto"):  # "auto" converts only when planning needs it
         return
     if optimizer is None:
         raise ConfigError(
@@ -542,7 +548,8 @@ class CallbackCore:
             self.terms.warn_if_slow(policy, device)
         # Before planning: the plan is made for the state the optimizer will keep.
         keep_optimizer_state(optimizer, self.optimizer_state)
-        directory = cache_dir(self.plan_cache)
+        # "auto" decides by planning, each run: a plan read back would not say the state.
+        directory = None if self.optimizer_state == "auto" else cache_dir(self.plan_cache)
         settings = _planning_settings(self, policy, accumulation_steps, optimizer, zero_grad)
         key = plan_key(model, batch, loss_fn, settings) if directory is not None else ""
         cached = read_cached(directory, key)
@@ -556,8 +563,9 @@ class CallbackCore:
                 plan, policy, None, peak, cached.step_flops, device, verdict, None, kept
             )
         else:
-            try:
-                run = plan_model(
+
+            def plan() -> PlannedRun:
+                return plan_model(
                     model,
                     batch,
                     loss_fn,
@@ -570,6 +578,22 @@ class CallbackCore:
                     zero_grad=zero_grad,
                     costs=self.costs,
                 )
+
+            try:
+                try:
+                    run = plan()
+                except BudgetError:
+                    if not _state_can_shrink(self.optimizer_state, optimizer):
+                        raise
+                    # No plan fits with the optimizer's own state: with 8-bit state, 6 of
+                    # AdamW's 8 bytes a parameter are free for the plan.
+                    low_bit_state(optimizer, "8bit")
+                    say_once(
+                        f"memfit: no checkpoint plan fits {format_bytes(parse_bytes(self.budget, device))} "
+                        "with the optimizer's fp32 state; its state is kept in 8 bits "
+                        "(optimizer_state='auto', docs/tiers.md)"
+                    )
+                    run = plan()
             except BudgetError as exc:
                 if self.terms is None:
                     raise
@@ -582,6 +606,13 @@ class CallbackCore:
             self.run, scaler, self.thresholds, verbose=self.verbose, terms=self.terms
         )
         announce(self.run, self.verbose)
+
+
+def _state_can_shrink(optimizer_state: str, optimizer: torch.optim.Optimizer | None) -> bool:
+    """``optimizer_state="auto"``, and an optimizer whose state 8 bits can keep."""
+    if optimizer_state != "auto" or optimizer is None or state_bits(optimizer) != "fp32":
+        return False
+    return can_keep(optimizer, "8bit")
 
 
 def _applied(model: nn.Module, plan: Plan) -> bool:

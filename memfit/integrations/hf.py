@@ -93,7 +93,9 @@ class MemfitCallback(CallbackCore, TrainerCallback):
     again reads its plan back instead of planning. None keeps none. ``optimizer_state``:
     ``"8bit"`` or ``"bf16"`` make the Trainer's Adam/AdamW keep its moments in fewer bits
     (:mod:`memfit.precision.optimizer_state`; 2 or 4 bytes a parameter, not 8), before the
-    plan is made, so a budget below what the Trainer's own options reach can fit.
+    plan is made, so a budget below what the Trainer's own options reach can fit;
+    ``"auto"`` keeps them in 8 bits only when no plan fits the budget with fp32 state
+    (planned each run: no plan is kept across runs).
 
     Example::
 

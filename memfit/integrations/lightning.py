@@ -125,7 +125,8 @@ class MemfitCallback(CallbackCore, Callback):
     across runs (``"auto"``: ``plans/`` under ``$MEMFIT_CACHE`` or ``~/.cache/memfit``;
     None keeps none): the same training again reads its plan back instead of planning.
     ``optimizer_state``: ``"8bit"`` or ``"bf16"`` make the module's Adam/AdamW or SGD keep
-    its state in fewer bits (:mod:`memfit.precision.optimizer_state`), before planning.
+    its state in fewer bits (:mod:`memfit.precision.optimizer_state`), before planning;
+    ``"auto"``: 8 bits only when no plan fits the budget with fp32 state.
 
     Example::
 

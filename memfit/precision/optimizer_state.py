@@ -53,6 +53,7 @@ from memfit.precision.state_codes import (
 
 __all__ = [
     "OPTIMIZER_STATES",
+    "can_keep",
     "OptimizerState",
     "low_bit_state",
     "predicted_state_bytes",
@@ -204,6 +205,21 @@ def _check(optimizer: torch.optim.Optimizer, bits: str) -> Callable[..., None]:
                 "tensor lr (for capturable steps): pass a float"
             )
     return _sgd_step if isinstance(optimizer, torch.optim.SGD) else _adam_step
+
+
+def can_keep(optimizer: torch.optim.Optimizer, bits: str) -> bool:
+    """Whether :func:`low_bit_state` takes ``optimizer`` for ``bits`` (its kind and
+    settings), without converting it.
+
+    Example::
+
+        can_keep(torch.optim.RMSprop(params), "8bit")   # False
+    """
+    try:
+        _check(optimizer, bits)
+    except ConfigError:
+        return False
+    return True
 
 
 def low_bit_state(
