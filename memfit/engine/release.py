@@ -172,10 +172,14 @@ class GradientRelease:
             if grad is None or not self._active:
                 return
             assert self._found_inf is not None and self._square_sum is not None
-            if not bool(torch.isfinite(grad).all()):  # the one host sync per tensor
+            # The norm, not an elementwise check: no temporary of the gradient's size (a
+            # non-finite element makes it non-finite; so would a finite overflow, 1e19+).
+            values = grad.coalesce()._values() if grad.is_sparse else grad
+            norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+            if not bool(torch.isfinite(norm)):  # the one host sync per tensor
                 self._found_inf.fill_(1.0)
             else:
-                self._square_sum += grad.float().square().sum()
+                self._square_sum += norm.square()
                 optimizer.step()  # only this tensor holds a gradient now
                 if target is not param:
                     param.data.copy_(target.data)

@@ -60,11 +60,11 @@ from memfit.monitor.sinks import is_rank_zero
 from memfit.monitor.throughput import recompute_overhead_from_flops
 from memfit.nested import to_device
 from memfit.precision.optimizer_state import (
-    OPTIMIZER_STATES,
     can_keep,
     low_bit_state,
     state_bits,
 )
+from memfit.precision.optimizer_state import check_optimizer_state as check_state
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -111,16 +111,13 @@ def require(modules: Sequence[str], feature: str) -> None:
 
 
 def check_optimizer_state(optimizer_state: str) -> None:
-    """Raise ConfigError for an ``optimizer_state`` memfit does not keep (the callbacks
-    also take ``"auto"``: 8-bit state only where the budget needs it).
+    """Raise ConfigError for an ``optimizer_state`` the callbacks do not take: memfit's
+    (:func:`memfit.precision.optimizer_state.check_optimizer_state`) or ``"auto"``, 8-bit
+    state only where the budget needs it.
 
-    >>> check_optimizer_state("8bit")
+    >>> check_optimizer_state("auto")
     """
-    if optimizer_state not in (*OPTIMIZER_STATES, "auto"):
-        raise ConfigError(
-            "optimizer_state must be one of "
-            f"{', '.join(map(repr, (*OPTIMIZER_STATES, 'auto')))}, got {optimizer_state!r}"
-        )
+    check_state(optimizer_state, also=("auto",))
 
 
 def keep_optimizer_state(optimizer: torch.optim.Optimizer | None, optimizer_state: str) -> None:

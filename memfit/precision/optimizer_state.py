@@ -54,6 +54,7 @@ from memfit.precision.state_codes import (
 __all__ = [
     "OPTIMIZER_STATES",
     "can_keep",
+    "check_optimizer_state",
     "OptimizerState",
     "low_bit_state",
     "predicted_state_bytes",
@@ -207,6 +208,19 @@ def _check(optimizer: torch.optim.Optimizer, bits: str) -> Callable[..., None]:
     return _sgd_step if isinstance(optimizer, torch.optim.SGD) else _adam_step
 
 
+def check_optimizer_state(value: str, also: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError for an ``optimizer_state`` that is not one of
+    :data:`OPTIMIZER_STATES` (or of ``also``: the callbacks take ``"auto"`` too).
+
+    >>> check_optimizer_state("8bit")
+    """
+    allowed = (*OPTIMIZER_STATES, *also)
+    if value not in allowed:
+        raise ConfigError(
+            f"optimizer_state must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        )
+
+
 def can_keep(optimizer: torch.optim.Optimizer, bits: str) -> bool:
     """Whether :func:`low_bit_state` takes ``optimizer`` for ``bits`` (its kind and
     settings), without converting it.
@@ -239,12 +253,9 @@ def low_bit_state(
 
         opt = low_bit_state(torch.optim.AdamW(model.parameters()), "8bit")
         loss.backward(); opt.step()
-        opt.state[p]["exp_avg"]   # {"codes": int8 tensor, "scale": fp32 tensor}
+        opt.state[p]["exp_avg"]   # {"codes": int8 tensor, "scale": its fp32 bits as int32}
     """
-    if bits not in OPTIMIZER_STATES:
-        raise ConfigError(
-            f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, got {bits!r}"
-        )
+    check_optimizer_state(bits)
     current = state_bits(optimizer)
     if current == bits:
         return optimizer
@@ -388,11 +399,7 @@ def kept_as(
         make = kept_as(torch.optim.AdamW, "8bit")
         state_bits(make(model.parameters()))   # "8bit"
     """
-    if optimizer_state not in OPTIMIZER_STATES:
-        raise ConfigError(
-            f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, "
-            f"got {optimizer_state!r}"
-        )
+    check_optimizer_state(optimizer_state)
     if optimizer_state == "fp32":
         return optimizer_fn
 
