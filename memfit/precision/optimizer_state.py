@@ -13,8 +13,9 @@ learning-rate scheduler):
 
 Each step reads a piece of one parameter's moments as fp32, applies torch's own update
 formula to it (the arithmetic of ``torch.optim.AdamW(foreach=False)``, so the first step
-is bitwise torch's), and stores them back with stochastic rounding. The random draws
-come from a generator seeded by the step count and the parameter's position, so a run
+is bitwise torch's), and stores them back with stochastic rounding. The random draws (one
+per element, shared by its two moments) come from a generator seeded by the step count
+and the parameter's position, so a run
 resumed from a saved state rounds bitwise as the uninterrupted one did. Pieces are at
 most :data:`~memfit.precision.state_codes.CHUNK` elements: the step's temporaries are a
 few fp32 copies of one piece (:func:`step_temp_bytes`), whatever the model's size.
@@ -44,6 +45,7 @@ from memfit.precision.state_codes import (
     BLOCK,
     CHUNK,
     bits_of,
+    draws,
     empty_like_state,
     is_kept,
     pieces,
@@ -125,6 +127,7 @@ def _adam_step(opt: torch.optim.Optimizer, bits: str) -> None:
             root2 = math.sqrt(1 - beta2**step)
             g = _generator(p.device, step, index)
             for start, stop in pieces(p.numel()):
+                draw = torch.rand(draws(stop - start), generator=g, device=p.device)
                 # torch's single-tensor Adam/AdamW on this piece, from fp32 moments.
                 piece = flat[start:stop]
                 grad_piece = grad[start:stop].float()
@@ -142,8 +145,8 @@ def _adam_step(opt: torch.optim.Optimizer, bits: str) -> None:
                 denom = (exp_avg_sq.sqrt() / root2).add_(eps)
                 piece.addcdiv_(exp_avg.to(p.dtype), denom.to(p.dtype), value=-lr / correction1)
                 del denom
-                write(state["exp_avg"], bits, start, exp_avg, g)
-                write(state["exp_avg_sq"], bits, start, exp_avg_sq, g)
+                write(state["exp_avg"], bits, start, exp_avg, draw)
+                write(state["exp_avg_sq"], bits, start, exp_avg_sq, draw)
 
 
 def _sgd_step(opt: torch.optim.Optimizer, bits: str) -> None:
@@ -179,7 +182,8 @@ def _sgd_step(opt: torch.optim.Optimizer, bits: str) -> None:
                         buf = read(state["momentum_buffer"], bits, start, stop)
                         buf.mul_(momentum).add_(step, alpha=1 - dampening)
                     step = step.add(buf, alpha=momentum) if nesterov else buf
-                    write(state["momentum_buffer"], bits, start, buf, g)
+                    draw = torch.rand(draws(stop - start), generator=g, device=p.device)
+                    write(state["momentum_buffer"], bits, start, buf, draw)
                 piece.add_(step.to(p.dtype), alpha=-lr)
 
 
@@ -321,7 +325,8 @@ def _convert_fp32_state(optimizer: torch.optim.Optimizer, bits: str) -> None:
             kept = empty_like_state(p, bits, signed=name != "exp_avg_sq")
             flat = value.reshape(-1)
             for start, stop in pieces(p.numel()):
-                write(kept, bits, start, flat[start:stop].float(), g)
+                draw = torch.rand(draws(stop - start), generator=g, device=p.device)
+                write(kept, bits, start, flat[start:stop].float(), draw)
             state[name] = kept
 
 

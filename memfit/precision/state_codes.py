@@ -13,7 +13,8 @@ A kept moment is one of:
 * **bf16**: an int16 tensor holding the bfloat16 bits (for the same reason).
 
 Values are stored with **stochastic rounding** between the two nearest codes (or bf16
-numbers), drawn from a given generator: unbiased, so a moment that moves by less than a
+numbers), with uniform draws the caller gives (one draw serves every moment of a piece:
+random numbers are the slowest part of a CPU step): unbiased, so a moment that moves by less than a
 code's width a step (Adam's second moment with ``beta2=0.999``) still moves on average.
 
 A parameter is coded in pieces of at most :data:`CHUNK` elements (:func:`read`,
@@ -22,7 +23,7 @@ A parameter is coded in pieces of at most :data:`CHUNK` elements (:func:`read`,
 Example::
 
     kept = empty_like_state(torch.zeros(1000), "8bit", signed=True)
-    write(kept, "8bit", 0, torch.randn(1000), generator)
+    write(kept, "8bit", 0, torch.randn(1000), torch.rand(draws(1000)))
     read(kept, "8bit", 0, 1000)   # close to what was written
 """
 
@@ -38,6 +39,7 @@ __all__ = [
     "FIRST_MOMENT_OCTAVES",
     "SECOND_MOMENT_OCTAVES",
     "dequantize",
+    "draws",
     "empty_like_state",
     "quantize",
     "read",
@@ -55,61 +57,63 @@ FIRST_MOMENT_OCTAVES = 20
 2**-20 (127 levels each side of 0)."""
 
 
-def _levels(count: int, octaves: int) -> torch.Tensor:
-    """The magnitudes of codes 0..count: 0, then ``count`` levels from 2**-octaves to 1."""
-    exponents = torch.linspace(-float(octaves), 0.0, count, dtype=torch.float64)
-    return torch.cat([torch.zeros(1, dtype=torch.float64), torch.exp2(exponents)]).float()
+def _step(signed: bool) -> tuple[float, int, int]:
+    """(octaves, the top code, octaves per code) of a signed or unsigned code."""
+    octaves = FIRST_MOMENT_OCTAVES if signed else SECOND_MOMENT_OCTAVES
+    top = 127 if signed else 255
+    return float(octaves), top, octaves / (top - 1)
 
 
-# Unsigned codes 0..255 for the second moment, magnitudes 0..127 for signed ones.
-_UNSIGNED = _levels(255, SECOND_MOMENT_OCTAVES)
-_SIGNED = _levels(127, FIRST_MOMENT_OCTAVES)
+def _level(code: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The magnitude (of 1, the block's scale) that codes 0..top stand for: 0, then
+    ``2 ** ((code - 1) * per - octaves)``. Computed, not looked up: a gather from a table
+    is the slowest op of a CPU step."""
+    octaves, _, per = _step(signed)
+    magnitude = torch.exp2(code.float().sub(1).mul_(per).sub_(octaves))
+    return magnitude.masked_fill_(code == 0, 0.0)
 
 
 def _padded(numel: int) -> int:
     return -(-numel // BLOCK) * BLOCK
 
 
-def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator | None) -> dict[str, Any]:
+def quantize(x: torch.Tensor, signed: bool, draw: torch.Tensor | None) -> dict[str, Any]:
     """``x`` (fp32) as 8-bit codes and one scale per block, rounded stochastically between
-    the two nearest levels (to the nearest without a ``generator``).
+    the two nearest levels with ``draw`` (uniform in [0, 1), at least :func:`draws` of
+    ``x``'s size), to the nearest without.
 
     Example::
 
-        q = quantize(torch.randn(1000), signed=True, generator=None)
+        q = quantize(torch.randn(1000), signed=True, draw=None)
         dequantize(q, (1000,))   # close to the input, within one level
     """
     flat = x.reshape(-1).float()
     pad = _padded(flat.numel()) - flat.numel()
     blocks = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True)
-    negative = blocks < 0 if signed else None
-    unit = blocks.abs().div_(torch.where(scale > 0, scale, torch.ones_like(scale)))
-    levels = (_SIGNED if signed else _UNSIGNED).to(x.device)
-    top = levels.numel() - 1
-    octaves = FIRST_MOMENT_OCTAVES if signed else SECOND_MOMENT_OCTAVES
-    # The level at or below each value, from its logarithm (float codes: no int64 index
-    # tensors, which would be the step's largest temporaries), then corrected by one where
-    # the logarithm's rounding missed.
-    low = torch.log2(unit.clamp_min(2.0**-octaves)).add_(octaves).mul_((top - 1) / octaves)
-    low = low.add_(1).floor_().clamp_(1, top)
-    low = torch.where(unit < levels[low.int()], low - 1, low)
-    up_one = (low + 1).clamp_(max=top)
-    low = torch.where(unit >= levels[up_one.int()], up_one, low)
-    del up_one
-    low = torch.where(unit < levels[1], torch.zeros_like(low), low)
-    high = (low + 1).clamp_(max=top)
-    below = levels[low.int()]
-    fraction = (unit - below).div_((levels[high.int()] - below).clamp_(min=1e-38)).clamp_(0, 1)
-    del below, unit
-    if generator is None:
-        code = torch.where(fraction >= 0.5, high, low)
+    unit = blocks.abs()
+    scale = unit.amax(dim=1, keepdim=True)
+    unit = unit.div_(torch.where(scale > 0, scale, torch.ones_like(scale)))
+    octaves, top, per = _step(signed)
+    # Each value's place on the codes' scale, continuous: code - 1 (code 1 is 2**-octaves,
+    # the top code the block's scale). Two neighbouring levels are 2**per apart, so the
+    # linear fraction of the way from the lower to the upper is (2**(per*f) - 1) /
+    # (2**per - 1), f the fractional part of the place: no level is looked up or computed.
+    place = torch.log2(unit).add_(octaves).div_(per)
+    low = place.floor()
+    fraction = place.sub_(low).mul_(per).exp2_().sub_(1.0).div_(2.0**per - 1.0)
+    # Below code 1, between 0 (code 0) and code 1's level: linear.
+    below = low < 0
+    fraction = torch.where(below, unit.mul_(2.0**octaves), fraction)
+    del place, unit
+    low = low.clamp_(min=-1.0).add_(1.0)  # the lower code: 0 for 0 and tiny values
+    if draw is None:
+        up = fraction >= 0.5
     else:
-        draw = torch.rand(fraction.shape, generator=generator, device=x.device)
-        code = torch.where(draw < fraction, high, low)
-    del fraction, high, low
+        up = draw[: fraction.numel()].view(fraction.shape) < fraction
+    code = low.add_(up).clamp_(max=top)
+    del fraction, up, below
     if signed:
-        code = torch.where(negative, -code, code).to(torch.int8)
+        code = code.mul_(blocks.sign()).to(torch.int8)
     else:
         code = code.to(torch.uint8)
     return {"codes": code.reshape(-1), "scale": scale.reshape(-1).view(torch.int32)}
@@ -119,10 +123,9 @@ def dequantize(q: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> torch.
     """The fp32 tensor of ``shape`` that :func:`quantize`'s codes and scales stand for."""
     codes = q["codes"]
     signed = codes.dtype == torch.int8
-    levels = (_SIGNED if signed else _UNSIGNED).to(codes.device)
-    values = levels[codes.abs().int() if signed else codes.int()]
+    values = _level(codes.abs() if signed else codes, signed)
     if signed:
-        values = torch.where(codes < 0, -values, values)
+        values = values.mul_(codes.sign())
     values = values.view(-1, BLOCK).mul_(q["scale"].view(torch.float32).view(-1, 1))
     numel = 1
     for n in shape:
@@ -130,13 +133,12 @@ def dequantize(q: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> torch.
     return values.reshape(-1)[:numel].reshape(shape)
 
 
-def round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``x`` (fp32) in bfloat16, rounded stochastically (random bits added below bf16's
-    mantissa before the low 16 bits are cut), as its bits in an int16 tensor."""
+def round_bf16(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32, flat) in bfloat16, rounded stochastically (16 random bits from
+    ``draw``, uniform in [0, 1), added below bf16's mantissa before the low 16 bits are
+    cut), as its bits in an int16 tensor."""
     bits = x.float().contiguous().view(torch.int32)
-    noise = torch.randint(
-        0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32
-    )
+    noise = draw[: x.numel()].mul(65536.0).to(torch.int32).view(x.shape)
     cut = (bits + noise) & ~0xFFFF
     # Inf and NaN keep their bits (adding noise could turn an inf into a NaN).
     cut = torch.where(torch.isfinite(x), cut, bits & ~0xFFFF)
@@ -179,18 +181,21 @@ def read(kept: Any, bits: str, start: int, stop: int) -> torch.Tensor:
     return kept[start:stop].view(torch.bfloat16).float()
 
 
-def write(
-    kept: Any, bits: str, start: int, values: torch.Tensor, generator: torch.Generator
-) -> None:
+def draws(numel: int) -> int:
+    """How many uniform draws :func:`write` takes for ``numel`` values (whole blocks)."""
+    return _padded(numel)
+
+
+def write(kept: Any, bits: str, start: int, values: torch.Tensor, draw: torch.Tensor) -> None:
     """Store fp32 ``values`` as elements ``start:`` of a kept moment (``start`` a
-    multiple of BLOCK), rounded stochastically."""
+    multiple of BLOCK), rounded stochastically with ``draw`` (:func:`draws` of them)."""
     if bits == "8bit":
-        q = quantize(values, kept["codes"].dtype == torch.int8, generator)
+        q = quantize(values, kept["codes"].dtype == torch.int8, draw)
         n = q["codes"].numel()
         kept["codes"][start : start + n] = q["codes"]
         kept["scale"][start // BLOCK : (start + n) // BLOCK] = q["scale"]
         return
-    kept[start : start + values.numel()] = round_bf16(values, generator)
+    kept[start : start + values.numel()] = round_bf16(values, draw)
 
 
 def pieces(numel: int) -> list[tuple[int, int]]:
