@@ -129,3 +129,21 @@ def test_where_it_is_not_legal_it_says_why(settings: dict, why: str) -> None:
     assert auto.settings.release_gradients is False  # "auto": on only where legal
     with pytest.raises(ConfigError, match="release_gradients must be"):
         memfit.Engine(*_gpt()[:1], opt, release_gradients="yes", precision="fp32")
+
+
+def test_a_refused_engine_leaves_the_model_and_the_optimizer_as_they_were() -> None:
+    model, _ = _gpt()
+    before = [p.dtype for p in model.parameters()]
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="gradient accumulation"):
+        memfit.Engine(
+            model, adamw, precision="bf16-master", release_gradients=True, accumulation_steps=2
+        )
+    rmsprop = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(ConfigError, match="RMSprop keeps other state"):
+        memfit.Engine(model, rmsprop, precision="bf16-master", optimizer_state="8bit")
+    # No fp32 masters were made, no weight was cast, no step was replaced.
+    for opt in (adamw, rmsprop):
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+        assert "step" not in vars(opt)
+    assert [p.dtype for p in model.parameters()] == before

@@ -40,7 +40,7 @@ from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_me
 from memfit.engine.first_batch import FirstBatchStage
 from memfit.engine.plan_stage import EnginePlan, check_first_step
 from memfit.engine.precision_stage import default_scaler, fp32_masters
-from memfit.engine.release import gradient_release
+from memfit.engine.release import GradientRelease, release_choice
 from memfit.engine.run_files import RunRecord
 from memfit.engine.settings import (
     EngineSettings,
@@ -65,7 +65,7 @@ from memfit.monitor.metrics import plan_check_metrics
 from memfit.monitor.monitor import Monitor, MonitorConfig
 from memfit.monitor.sinks import Sink
 from memfit.precision.kernels import module_device
-from memfit.precision.optimizer_state import low_bit_state
+from memfit.precision.optimizer_state import check_keepable, low_bit_state
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.units import parse_bytes
@@ -141,6 +141,7 @@ class Engine(FirstBatchStage):
             max_consecutive_skips=max_consecutive_skips,
             checkpoint=checkpoint,
             memory_budget=memory_budget,
+            optimizer_state=optimizer_state,
         )
         checkpoint = resolve_checkpoint(checkpoint, memory_budget)
         self.units = unit_names(model, units)
@@ -164,16 +165,12 @@ class Engine(FirstBatchStage):
         self.scaler = scaler if scaler is not None else default_scaler(self.policy)
         # DDP or FSDP2 (memfit/engine/data_parallel.py); None on one process.
         self.parallel = EngineParallel.of(model, optimizer, self.policy, self.scaler, checkpoint)
-        owned = self.parallel is not None and self.parallel.owns_masters  # FSDP2 keeps its own
-        self.master = fp32_masters(model, optimizer, self.policy, owned)
-        # The state of what the optimizer updates (the masters, where there are masters).
-        low_bit_state(optimizer, optimizer_state, self.parallel.kind if self.parallel else None)
-        # After the masters' hooks: the release's hooks run once a master has its gradient.
-        self.release = gradient_release(
+        kind = self.parallel.kind if self.parallel else None
+        # Refused before the model or the optimizer is changed (a failed start leaves them).
+        if optimizer_state != "fp32":
+            check_keepable(optimizer, optimizer_state, kind)
+        released = release_choice(
             release_gradients,
-            model,
-            optimizer,
-            self.master,
             self.settings,
             self.auto.precision,
             self.auto.micro_batch,
@@ -182,6 +179,12 @@ class Engine(FirstBatchStage):
             self.parallel is not None,
             self.device,
         )
+        owned = self.parallel is not None and self.parallel.owns_masters  # FSDP2 keeps its own
+        self.master = fp32_masters(model, optimizer, self.policy, owned)
+        # The state of what the optimizer updates (the masters, where there are masters).
+        low_bit_state(optimizer, optimizer_state, kind)
+        # After the masters' hooks: the release's hooks run once a master has its gradient.
+        self.release = GradientRelease(model, optimizer, self.master) if released else None
         self._apply_policy()
         log_dir = self.parallel.log_dir(log_dir) if self.parallel else log_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None

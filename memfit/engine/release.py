@@ -49,7 +49,7 @@ from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.precision.speed import auto_candidates
 
-__all__ = ["GradientRelease", "check_release", "gradient_release", "resolve_release"]
+__all__ = ["GradientRelease", "check_release", "release_choice", "resolve_release"]
 
 _WHY = {
     "accumulation": "gradient accumulation (an update needs every micro-batch's gradient)",
@@ -205,11 +205,8 @@ class GradientRelease:
         self._handles.clear()
 
 
-def gradient_release(
+def release_choice(
     release: Any,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    master: MasterWeights | None,
     settings: Any,
     auto_precision: bool,
     auto_micro_batch: bool,
@@ -217,21 +214,22 @@ def gradient_release(
     scaler: LossScaler,
     parallel: bool,
     device: torch.device,
-) -> GradientRelease | None:
-    """The Engine's :class:`GradientRelease` for ``release_gradients=release``, or None;
-    the resolved choice is kept in ``settings.release_gradients``. With
-    ``precision="auto"`` the loss is scaled where one of the modes it may choose scales it
-    (fp16, on a GPU without bf16); a scaler given with a dynamic scale scales it too.
+) -> bool:
+    """Whether the Engine releases gradients for ``release_gradients=release`` (a
+    ConfigError where True is not legal), kept in ``settings.release_gradients``; decided
+    before the Engine changes the model or the optimizer. With ``precision="auto"`` the
+    loss is scaled where one of the modes it may choose scales it (fp16, on a GPU without
+    bf16); a scaler given with a dynamic scale scales it too; ``micro_batch="auto"`` may
+    choose to accumulate.
 
     Example::
 
-        release = gradient_release(True, model, opt, None, settings, False, False,
-                                   PrecisionPolicy("fp32"), scaler, False, device)
+        release_choice("auto", settings, False, False, PrecisionPolicy("fp32"), scaler,
+                       False, torch.device("cpu"))
     """
     modes = auto_candidates(device) if auto_precision else (policy.mode,)
     scaling = scaler.dynamic or any(PrecisionPolicy(m).loss_scaling for m in modes)
-    # micro_batch="auto" may choose to accumulate: counted as accumulating.
     accumulation = 2 if auto_micro_batch else settings.accumulation_steps
     on = resolve_release(release, accumulation, settings.clip_grad_norm, scaling, parallel)
     settings.release_gradients = on
-    return GradientRelease(model, optimizer, master) if on else None
+    return on

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.precision.optimizer_state import check_optimizer_state
 from memfit.units import device_memory_bytes
 
 
@@ -53,9 +54,11 @@ def check_arguments(
     max_consecutive_skips: Any,
     checkpoint: Any,
     memory_budget: Any,
+    optimizer_state: Any = "fp32",
 ) -> None:
     """Raise ConfigError for an Engine argument no training could use, when the Engine is
     made rather than at the first step."""
+    check_optimizer_state(optimizer_state)
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     if clip_grad_norm is not None and not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):

@@ -56,6 +56,7 @@ from memfit.precision.state_codes import (
 __all__ = [
     "OPTIMIZER_STATES",
     "can_keep",
+    "check_keepable",
     "check_optimizer_state",
     "OptimizerState",
     "low_bit_state",
@@ -225,6 +226,26 @@ def check_optimizer_state(value: str, also: tuple[str, ...] = ()) -> None:
         )
 
 
+def check_keepable(
+    optimizer: torch.optim.Optimizer, bits: str, data_parallel: str | None = None
+) -> Callable[..., None]:
+    """Raise ConfigError where :func:`low_bit_state` cannot make ``optimizer`` keep its
+    state in ``bits`` (its kind, its settings, FSDP2's sharded parameters), without
+    converting it; else return the step function it would use.
+
+    Example::
+
+        check_keepable(torch.optim.AdamW(params), "8bit")   # no error
+    """
+    if data_parallel == "fsdp":
+        raise ConfigError(
+            f"optimizer_state={bits!r} does not take FSDP2's sharded parameters yet; use "
+            "optimizer_state='fp32' with fully_shard (its state is sharded over the ranks "
+            "already), or data-parallel with DDP"
+        )
+    return _check(optimizer, bits)
+
+
 def can_keep(optimizer: torch.optim.Optimizer, bits: str) -> bool:
     """Whether :func:`low_bit_state` takes ``optimizer`` for ``bits`` (its kind and
     settings), without converting it.
@@ -270,13 +291,7 @@ def low_bit_state(
         )
     if bits == "fp32":
         return optimizer
-    if data_parallel == "fsdp":
-        raise ConfigError(
-            f"optimizer_state={bits!r} does not take FSDP2's sharded parameters yet; use "
-            "optimizer_state='fp32' with fully_shard (its state is sharded over the ranks "
-            "already), or data-parallel with DDP"
-        )
-    update = _check(optimizer, bits)
+    update = check_keepable(optimizer, bits, data_parallel)
 
     @torch.no_grad()
     def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
