@@ -24,6 +24,7 @@ from memfit.integrations.common import (
     example_batch,
     require,
 )
+from memfit.precision.optimizer_state import state_bits
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -594,3 +595,24 @@ def test_the_plan_key_tells_a_changed_forward_even_without_a_source_file() -> No
     assert plan_key(first, batch, None, {}) == plan_key(same, batch, None, {})
     assert plan_key(first, batch, None, {}) != plan_key(edited, batch, None, {})
     assert plan_key(first, batch, None, {}) != plan_key(first, torch.zeros(3, 4), None, {})
+
+
+class _AdamBlocks(_Blocks):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_lightning_trains_with_eight_bit_state() -> None:
+    # Lightning steps the optimizer with its closure (training_step and backward inside):
+    # the 8-bit step runs it, then updates.
+    planned = _AdamBlocks()
+    callback = mf_lightning.MemfitCallback(
+        strategy="full", measure_memory=False, optimizer_state="8bit"
+    )
+    trainer = _fit(planned, [callback], steps=3)
+    optimizer = trainer.optimizers[0]
+    assert state_bits(optimizer) == "8bit"
+    assert len(optimizer.state) == len(list(planned.parameters()))
+    assert all(isinstance(s["exp_avg"], dict) for s in optimizer.state.values())
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert trainer.global_step == 3
