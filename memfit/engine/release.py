@@ -16,7 +16,7 @@ groups, learning rates, scheduler and state are the ones a usual step uses, and 
 ``*-master`` modes the hook runs after the fp32 master has taken the gradient, steps the
 master and copies it into the 16-bit weight.
 
-**Where it is not legal** (:func:`check_release`): gradient accumulation (an update needs
+**Where it is not legal** (:func:`resolve_release`): gradient accumulation (an update needs
 every micro-batch's gradient), clipping by the global norm (it needs every gradient
 first), fp16's loss scaling (an overflow must skip the whole step), and data-parallel
 runs (the hook would update before the gradients are reduced). ``release_gradients="auto"``
@@ -49,7 +49,7 @@ from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
 from memfit.precision.speed import auto_candidates
 
-__all__ = ["GradientRelease", "check_release", "release_choice", "resolve_release"]
+__all__ = ["GradientRelease", "release_choice", "resolve_release"]
 
 _WHY = {
     "accumulation": "gradient accumulation (an update needs every micro-batch's gradient)",
@@ -74,31 +74,6 @@ def _illegal(
     return reasons
 
 
-def check_release(
-    release: Any,
-    accumulation_steps: int,
-    clip_grad_norm: float | None,
-    loss_scaling: bool,
-    parallel: bool,
-) -> None:
-    """Raise ConfigError for ``release_gradients=True`` where it is not legal, saying why
-    and what to change; and for a value that is not True, False or ``"auto"``.
-    ``loss_scaling``: the precision scales the loss (fp16; for ``precision="auto"``, where
-    one of the modes it may choose does)."""
-    if release not in (True, False, "auto"):
-        raise ConfigError(f"release_gradients must be True, False or 'auto', got {release!r}")
-    if release is not True:
-        return
-    reasons = _illegal(accumulation_steps, clip_grad_norm, loss_scaling, parallel)
-    if reasons:
-        raise ConfigError(
-            "release_gradients=True applies each update as its gradient is made, which "
-            f"{' and '.join(_WHY[r] for r in reasons)} does not allow; use "
-            "release_gradients='auto' (on only where legal), or train with "
-            "accumulation_steps=1, clip_grad_norm=None, a bf16 or fp32 precision and one process"
-        )
-
-
 def resolve_release(
     release: Any,
     accumulation_steps: int,
@@ -106,17 +81,26 @@ def resolve_release(
     loss_scaling: bool,
     parallel: bool,
 ) -> bool:
-    """Whether gradients are released: True/False as given (checked by
-    :func:`check_release`), ``"auto"`` where legal.
+    """Whether gradients are released: False as given; True, or a ConfigError saying why
+    and what to change where it is not legal; ``"auto"`` where legal. Any other value is a
+    ConfigError. ``loss_scaling``: the precision scales the loss (fp16; for
+    ``precision="auto"``, where one of the modes it may choose does).
 
     Example::
 
         resolve_release("auto", 4, None, False, False)   # False: accumulating
     """
-    check_release(release, accumulation_steps, clip_grad_norm, loss_scaling, parallel)
-    if release == "auto":
-        return not _illegal(accumulation_steps, clip_grad_norm, loss_scaling, parallel)
-    return bool(release)
+    if release not in (True, False, "auto"):
+        raise ConfigError(f"release_gradients must be True, False or 'auto', got {release!r}")
+    reasons = _illegal(accumulation_steps, clip_grad_norm, loss_scaling, parallel)
+    if release is True and reasons:
+        raise ConfigError(
+            "release_gradients=True applies each update as its gradient is made, which "
+            f"{' and '.join(_WHY[r] for r in reasons)} does not allow; use "
+            "release_gradients='auto' (on only where legal), or train with "
+            "accumulation_steps=1, clip_grad_norm=None, a bf16 or fp32 precision and one process"
+        )
+    return release is True or (release == "auto" and not reasons)
 
 
 class GradientRelease:

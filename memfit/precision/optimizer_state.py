@@ -84,6 +84,11 @@ def _generator(device: torch.device, step: int, index: int) -> torch.Generator:
     return g
 
 
+def _draw(g: torch.Generator, numel: int, device: torch.device) -> torch.Tensor:
+    """The uniform draws that store a piece of ``numel`` elements (every moment of it)."""
+    return torch.rand(draws(numel), generator=g, device=device)
+
+
 def _dense_grad(p: torch.Tensor, bits: str) -> torch.Tensor:
     """``p``'s gradient, flattened; a sparse one is refused."""
     if p.grad.is_sparse:
@@ -128,7 +133,7 @@ def _adam_step(opt: torch.optim.Optimizer, bits: str) -> None:
             root2 = math.sqrt(1 - beta2**step)
             g = _generator(p.device, step, index)
             for start, stop in pieces(p.numel()):
-                draw = torch.rand(draws(stop - start), generator=g, device=p.device)
+                draw = _draw(g, stop - start, p.device)
                 # torch's single-tensor Adam/AdamW on this piece, from fp32 moments.
                 piece = flat[start:stop]
                 grad_piece = grad[start:stop].float()
@@ -183,7 +188,7 @@ def _sgd_step(opt: torch.optim.Optimizer, bits: str) -> None:
                         buf = read(state["momentum_buffer"], bits, start, stop)
                         buf.mul_(momentum).add_(step, alpha=1 - dampening)
                     step = step.add(buf, alpha=momentum) if nesterov else buf
-                    draw = torch.rand(draws(stop - start), generator=g, device=p.device)
+                    draw = _draw(g, stop - start, p.device)
                     write(state["momentum_buffer"], bits, start, buf, draw)
                 piece.add_(step.to(p.dtype), alpha=-lr)
 
@@ -340,7 +345,7 @@ def _convert_fp32_state(optimizer: torch.optim.Optimizer, bits: str) -> None:
             kept = empty_like_state(p, bits, signed=name != "exp_avg_sq")
             flat = value.reshape(-1)
             for start, stop in pieces(p.numel()):
-                draw = torch.rand(draws(stop - start), generator=g, device=p.device)
+                draw = _draw(g, stop - start, p.device)
                 write(kept, bits, start, flat[start:stop].float(), draw)
             state[name] = kept
 
