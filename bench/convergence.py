@@ -20,6 +20,9 @@ Flags (defaults: the numbers in docs/benchmarks.md):
 * ``--optimizer-state``: instead of the precision modes, AdamW's state kept in fp32, bf16
   and 8 bits (``memfit train --optimizer-state``), on the GPT and on the built-in LSTM,
   both in fp32: the numbers in docs/tiers.md.
+* ``--rounded-weights``: instead, bf16 weights without fp32 masters (``bf16-sr``, with
+  fp32 and 8-bit state) against ``bf16-master`` and fp32, on the GPT and on the LSTM: the
+  numbers in docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -34,33 +37,45 @@ from memfit.units import format_bytes
 
 from gpt_setup import add_gpt_arguments
 
+#: Each table's runs: (its name in the table, --precision, --optimizer-state); the first
+#: is the reference the others are compared with.
+OPTIMIZER_STATES = [("fp32", "fp32", "fp32"), ("bf16", "fp32", "bf16"), ("8bit", "fp32", "8bit")]
+ROUNDED_WEIGHTS = [
+    ("fp32", "fp32", "fp32"),
+    ("bf16-master", "bf16-master", "fp32"),
+    ("bf16-sr", "bf16-sr", "fp32"),
+    ("bf16-sr, 8-bit state", "bf16-sr", "8bit"),
+]
 
-def optimizer_states(args: argparse.Namespace, shape: list[str]) -> None:
-    """Final validation losses with AdamW's state in fp32, bf16 and 8 bits, the GPT and
-    the LSTM trained in fp32 from the same seed (limit: 2% from fp32 state)."""
+
+def against_reference(
+    args: argparse.Namespace, shape: list[str], runs: list[tuple[str, str, str]], what: str
+) -> None:
+    """Final validation losses of ``runs`` on the GPT and the LSTM from the same seed,
+    each against the first run's (limit: 2%)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model, extra in (("gpt", shape), ("lstm", ["--model", "lstm"])):
             results = {
-                bits: train(
-                    Path(tmp) / f"{model}-{bits}",
-                    "fp32",
+                name: train(
+                    Path(tmp) / f"{model}-{i}",
+                    precision,
                     args.steps,
                     args.eval_batches,
                     [*extra, "--optimizer-state", bits],
                 )
-                for bits in ("fp32", "bf16", "8bit")
+                for i, (name, precision, bits) in enumerate(runs)
             }
-            ref = results["fp32"]["final_val_loss"]
-            for bits, summary in results.items():
+            ref = results[runs[0][0]]["final_val_loss"]
+            for name, summary in results.items():
                 loss = summary["final_val_loss"]
                 diff = (loss - ref) / ref
                 ok = "yes" if abs(diff) <= 0.02 else "NO"
                 rows.append(
-                    f"| {model}, {args.steps} steps | {bits} | {loss:.4f} | {diff * 100:+.2f}% "
+                    f"| {model}, {args.steps} steps | {name} | {loss:.4f} | {diff * 100:+.2f}% "
                     f"| {ok} (limit 2%) | {format_bytes(summary['peak_memory_bytes'])} |"
                 )
-    print("| run | optimizer state | final val loss | vs fp32 state | within limit | peak memory |")
+    print(f"| run | {what} | final val loss | vs {runs[0][0]} | within limit | peak memory |")
     print("|---|---|---:|---:|---|---:|")
     print("\n".join(rows))
 
@@ -103,6 +118,11 @@ def main() -> None:
         action="store_true",
         help="compare AdamW's state in fp32, bf16 and 8 bits instead of the precisions",
     )
+    parser.add_argument(
+        "--rounded-weights",
+        action="store_true",
+        help="compare bf16-sr (bf16 weights, no masters) with bf16-master and fp32 instead",
+    )
     args = parser.parse_args()
     shape = [
         "--set",
@@ -117,7 +137,10 @@ def main() -> None:
         str(args.batch_size),
     ]
     if args.optimizer_state:
-        optimizer_states(args, shape)
+        against_reference(args, shape, OPTIMIZER_STATES, "optimizer state")
+        return
+    if args.rounded_weights:
+        against_reference(args, shape, ROUNDED_WEIGHTS, "weights")
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,14 +37,39 @@ from torch import nn
 from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.errors import ConfigError
 from memfit.estimator import STRATEGIES, LossFn, estimate, meta_model, rich_table
-from memfit.precision.optimizer_state import kept_as
+from memfit.precision.optimizer_state import for_rounded_weights, kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["BASELINE", "Capacity", "CapacityRow", "capacity"]
+__all__ = ["BASELINE", "MEMORY_TIERS", "Capacity", "CapacityRow", "Tiers", "capacity"]
 
-#: What the headline compares with: plain fp32 training, no checkpointing.
-BASELINE = ("fp32", "none")
+#: What the headline compares with: plain fp32 training, no checkpointing, no tiers.
+BASELINE = ("fp32", "none", "")
+#: What ``capacity(memory_tiers=)`` takes: the optimizer state given alone, or every tier.
+MEMORY_TIERS = ("none", "all")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """What a row assumes beyond precision and checkpointing (docs/tiers.md): how the
+    optimizer keeps its state, and whether gradients are released in backward."""
+
+    optimizer_state: str = "fp32"
+    release_gradients: bool = False
+
+    @property
+    def name(self) -> str:
+        """``""`` for none, else e.g. ``"8bit state + released grads"``."""
+        parts = [f"{self.optimizer_state} state"] if self.optimizer_state != "fp32" else []
+        parts += ["released grads"] if self.release_gradients else []
+        return " + ".join(parts)
+
+
+#: The tiers ``memory_tiers="all"`` searches: each alone and together (bf16 state lies
+#: between fp32's and 8-bit's, so 8-bit stands for it).
+ALL_TIERS = (Tiers(), Tiers("8bit"), Tiers("fp32", True), Tiers("8bit", True))
+#: The precisions ``memory_tiers="all"`` estimates when none are given.
+TIER_PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr")
 
 
 @dataclass(frozen=True)
@@ -66,6 +91,8 @@ class CapacityRow:
     """Whether a step at the capacity's batch size fits the memory."""
     max_micro_batch: int
     """The largest micro-batch that fits (0: not even one sample)."""
+    tiers: str = ""
+    """The memory tiers the row assumes (:attr:`Tiers.name`; ``""``: none)."""
 
     @property
     def size(self) -> str:
@@ -84,6 +111,7 @@ class CapacityRow:
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
+            "tiers": self.tiers,
         }
 
 
@@ -95,27 +123,34 @@ class Capacity:
     batch_size: int
     device_memory: int
 
-    def combos(self) -> list[tuple[str, str]]:
-        """The (precision, strategy) pairs, in the order they were estimated."""
-        return list(dict.fromkeys((r.precision, r.strategy) for r in self.rows))
+    def combos(self) -> list[tuple[str, str, str]]:
+        """The (precision, strategy, tiers) triples, in the order they were estimated."""
+        return list(dict.fromkeys((r.precision, r.strategy, r.tiers) for r in self.rows))
 
-    def of(self, precision: str, strategy: str) -> list[CapacityRow]:
-        """The rows of one precision and strategy, smallest model first."""
+    def of(self, precision: str, strategy: str, tiers: str = "") -> list[CapacityRow]:
+        """The rows of one precision, strategy and tiers, smallest model first."""
         mode = PrecisionPolicy.of(precision).mode
-        found = [r for r in self.rows if r.precision == mode and r.strategy == strategy]
+        found = [
+            r
+            for r in self.rows
+            if r.precision == mode and r.strategy == strategy and r.tiers == tiers
+        ]
         if not found:
-            have = ", ".join(f"{p}/{s}" for p, s in self.combos())
-            raise ConfigError(f"no rows for {mode}/{strategy}; have: {have}")
+            have = ", ".join("/".join(filter(None, c)) for c in self.combos())
+            raise ConfigError(
+                f"no rows for {'/'.join(filter(None, (mode, strategy, tiers)))}; have: {have}"
+            )
         return sorted(found, key=lambda r: r.parameters)
 
-    def largest_model(self, precision: str, strategy: str) -> CapacityRow | None:
+    def largest_model(self, precision: str, strategy: str, tiers: str = "") -> CapacityRow | None:
         """The row of the largest model whose step at the batch size fits (None: none).
 
         Example::
 
             cap.largest_model("bf16-mixed", "full").size  # '32x4096'
+            cap.largest_model("bf16-sr", "optimal", "8bit state + released grads")
         """
-        fitting = [r for r in self.of(precision, strategy) if r.fits]
+        fitting = [r for r in self.of(precision, strategy, tiers) if r.fits]
         return fitting[-1] if fitting else None
 
     def reference(self) -> CapacityRow | None:
@@ -125,7 +160,7 @@ class Capacity:
             return None
         return self.largest_model(*BASELINE)
 
-    def largest_batch(self, precision: str, strategy: str) -> int:
+    def largest_batch(self, precision: str, strategy: str, tiers: str = "") -> int:
         """The largest micro-batch that fits the reference model (or, where the baseline
         fits nothing, the smallest size).
 
@@ -134,7 +169,7 @@ class Capacity:
             cap.largest_batch("bf16-mixed", "full")
         """
         ref = self.reference()
-        rows = self.of(precision, strategy)
+        rows = self.of(precision, strategy, tiers)
         if ref is None:
             return rows[0].max_micro_batch
         return next(r.max_micro_batch for r in rows if (r.depth, r.width) == (ref.depth, ref.width))
@@ -145,13 +180,14 @@ class Capacity:
         base_model = self.largest_model(*BASELINE) if BASELINE in self.combos() else None
         base_batch = self.largest_batch(*BASELINE) if BASELINE in self.combos() else 0
         out = []
-        for precision, strategy in self.combos():
-            model = self.largest_model(precision, strategy)
-            batch = self.largest_batch(precision, strategy)
+        for precision, strategy, tiers in self.combos():
+            model = self.largest_model(precision, strategy, tiers)
+            batch = self.largest_batch(precision, strategy, tiers)
             out.append(
                 {
                     "precision": precision,
                     "strategy": strategy,
+                    "tiers": tiers,
                     "largest_model": None if model is None else model.size,
                     "parameters": 0 if model is None else model.parameters,
                     "model_x": (
@@ -189,12 +225,15 @@ class Capacity:
         """
         ref = self.reference()
         memory = format_bytes(self.device_memory)
-        head = ["precision", "strategy", "largest model", "params", "x plain"]
+        tiered = any(r.tiers for r in self.rows)  # a tiers column only where there are any
+        head = ["precision", "strategy", *(["tiers"] if tiered else [])]
+        head += ["largest model", "params", "x plain"]
         head += [f"max batch at {ref.size if ref else 'smallest'}", "x plain"]
         body = [
             [
                 h["precision"],
                 h["strategy"],
+                *([h["tiers"] or "-"] if tiered else []),
                 h["largest_model"] or "none",
                 _count(h["parameters"]),
                 "-" if h["model_x"] is None else f"{h['model_x']:.1f}x",
@@ -208,8 +247,13 @@ class Capacity:
         )
         first = rich_table(title, head, body)
         sizes = sorted({(r.parameters, r.size) for r in self.rows})
-        grid_head = ["precision", "strategy"] + [f"{s} ({_count(p)})" for p, s in sizes]
-        grid = [[p, s] + [str(r.max_micro_batch) for r in self.of(p, s)] for p, s in self.combos()]
+        grid_head = ["precision", "strategy", *(["tiers"] if tiered else [])]
+        grid_head += [f"{s} ({_count(p)})" for p, s in sizes]
+        grid = [
+            [p, s, *([t or "-"] if tiered else [])]
+            + [str(r.max_micro_batch) for r in self.of(p, s, t)]
+            for p, s, t in self.combos()
+        ]
         second = rich_table(f"Largest micro-batch that fits {memory}", grid_head, grid)
         return first + "\n\n" + second
 
@@ -232,14 +276,14 @@ class Capacity:
             raise ConfigError("plotting needs matplotlib: pip install 'memfit[plot]'") from None
         path = Path(path)
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for precision, strategy in self.combos():
-            rows = [r for r in self.of(precision, strategy) if r.max_micro_batch > 0]
+        for precision, strategy, tiers in self.combos():
+            rows = [r for r in self.of(precision, strategy, tiers) if r.max_micro_batch > 0]
             if rows:
                 ax.plot(
                     [r.parameters for r in rows],
                     [r.max_micro_batch for r in rows],
                     marker="o",
-                    label=f"{precision}, {strategy}",
+                    label=", ".join(filter(None, (precision, strategy, tiers))),
                 )
         ax.axhline(self.batch_size, color="grey", linestyle=":", label=f"batch {self.batch_size}")
         ax.set_xscale("log")
@@ -271,6 +315,7 @@ def capacity(
     world_size: int = 1,
     data_parallel: str | None = None,
     optimizer_state: str = "fp32",
+    memory_tiers: str = "none",
 ) -> Capacity:
     """The largest model and batch that fit ``device_memory``, per precision and strategy,
     over a family of sizes.
@@ -290,6 +335,11 @@ def capacity(
             then per rank, and under FSDP2 a model fits when its shard does.
         optimizer_state: the optimizer's state in ``"fp32"``, ``"bf16"`` or ``"8bit"``,
             as :func:`memfit.estimator.estimate` takes it.
+        memory_tiers: ``"all"`` searches the memory tiers too (docs/tiers.md): each
+            precision and strategy with the optimizer's state in fp32 and in 8 bits, its
+            gradients kept and released in backward (:data:`ALL_TIERS`), and ``bf16-sr``
+            among the default precisions; each row names its tiers (``tiers``), the
+            baseline stays plain fp32. ``"none"``: ``optimizer_state`` alone.
 
     Raises:
         ConfigError: no sizes, a size that is not two positive ints, or what
@@ -310,13 +360,23 @@ def capacity(
         ):
             raise ConfigError(f"a size is (depth, width) with positive ints, got {size!r}")
     memory = parse_bytes(device_memory, "cpu")
-    modes = [PrecisionPolicy.of(p).mode for p in (precisions or ("fp32", "bf16-mixed"))]
+    if memory_tiers not in MEMORY_TIERS:
+        raise ConfigError(f"memory_tiers takes 'none' or 'all', got {memory_tiers!r}")
+    every = memory_tiers == "all"
+    layout = RankLayout.of(world_size, data_parallel)  # refuses a bad kind or size here
+    if every and layout.kind is not None:
+        raise ConfigError(
+            "memory_tiers='all' searches gradients released in backward, which a "
+            "data-parallel run cannot release; estimate one process, or use "
+            "optimizer_state= alone with world_size"
+        )
+    default_modes = TIER_PRECISIONS if every else ("fp32", "bf16-mixed")
+    modes = [PrecisionPolicy.of(p).mode for p in (precisions or default_modes)]
     chosen = list(strategies or ("none", "full", "optimal"))
     for s in chosen:
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
-    make_optimizer = kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state)
-    layout = RankLayout.of(world_size, data_parallel)  # refuses a bad kind or size here
+    tier_sets = ALL_TIERS if every else (Tiers(optimizer_state),)
     rows: list[CapacityRow] = []
     for depth, width in sizes:
 
@@ -324,42 +384,75 @@ def capacity(
             return family(depth, width)
 
         for mode in modes:
-            static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer, layout)
-            params = static.parameters
-            if static.bytes > memory:  # no batch fits; a fake step would only say so
-                rows += [
-                    CapacityRow(depth, width, params, mode, s, static.bytes, None, False, 0)
-                    for s in chosen
-                ]
-                continue
-            est = estimate(
-                model_fn,
-                inputs_fn,
-                batch_size=batch_size,
-                loss_fn=loss_fn,
-                optimizer_fn=make_optimizer,
-                precisions=[mode],
-                strategies=chosen,
-                device_memory=memory,
-                world_size=world_size,
-                data_parallel=data_parallel,
-            )
-            for r in est.rows:
-                parts = r.parts
-                rows.append(
-                    CapacityRow(
-                        depth,
-                        width,
-                        est.parameters,
-                        mode,
-                        r.strategy,
-                        parts["params"] + parts["grads"] + parts["optimizer"],
-                        r.peak_bytes,
-                        bool(r.fits),
-                        int(r.max_micro_batch or 0),
-                    )
+            for tiers in tier_sets:
+                rows += _rows(
+                    model_fn,
+                    (depth, width),
+                    mode,
+                    tiers,
+                    chosen,
+                    memory,
+                    inputs_fn,
+                    batch_size,
+                    loss_fn,
+                    optimizer_fn,
+                    layout,
+                    world_size,
+                    data_parallel,
                 )
     return Capacity(rows, int(batch_size), memory)
+
+
+def _rows(
+    model_fn: Callable[[], nn.Module],
+    size: tuple[int, int],
+    mode: str,
+    tiers: Tiers,
+    strategies: list[str],
+    memory: int,
+    inputs_fn: Callable[[int], Any],
+    batch_size: int,
+    loss_fn: LossFn | None,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None,
+    layout: RankLayout,
+    world_size: int,
+    data_parallel: str | None,
+) -> list[CapacityRow]:
+    """One size's rows under one precision and set of tiers, a row per strategy."""
+    make_optimizer = kept_as(optimizer_fn or torch.optim.AdamW, tiers.optimizer_state)
+    static = _static_bytes(model_fn, PrecisionPolicy.of(mode), make_optimizer, layout, tiers)
+    if static.bytes > memory:  # no batch fits; a fake step would only say so
+        return [
+            CapacityRow(*size, static.parameters, mode, s, static.bytes, None, False, 0, tiers.name)
+            for s in strategies
+        ]
+    est = estimate(
+        model_fn,
+        inputs_fn,
+        batch_size=batch_size,
+        loss_fn=loss_fn,
+        optimizer_fn=make_optimizer,
+        precisions=[mode],
+        strategies=strategies,
+        device_memory=memory,
+        world_size=world_size,
+        data_parallel=data_parallel,
+        release_gradients=tiers.release_gradients,
+    )
+    return [
+        CapacityRow(
+            *size,
+            est.parameters,
+            mode,
+            r.strategy,
+            r.parts["params"] + r.parts["grads"] + r.parts["optimizer"],
+            r.peak_bytes,
+            bool(r.fits),
+            int(r.max_micro_batch or 0),
+            tiers.name,
+        )
+        for r in est.rows
+    ]
 
 
 def _count(parameters: int) -> str:
@@ -380,10 +473,16 @@ def _static_bytes(
     policy: PrecisionPolicy,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None],
     layout: RankLayout,
+    tiers: Tiers,
 ) -> _Static:
     """Weights, buffers, gradients, fp32 masters and optimizer state of the meta model
     (:func:`~memfit.checkpoint.step_memory.static_bytes`), on one rank of ``layout``;
-    under FSDP2 without the gathered blocks (the model is not profiled), a lower bound."""
+    under FSDP2 without the gathered blocks (the model is not profiled), a lower bound.
+    Released gradients are left out (one tensor's at a time: a lower bound too)."""
     model = meta_model(model_fn)
-    static = static_bytes(model, policy, optimizer_fn(model.parameters()), layout)
-    return _Static(sum(p.numel() for p in model.parameters()), float(static.total_bytes))
+    optimizer = optimizer_fn(model.parameters())
+    if policy.rounded_weights:  # bf16-sr: memfit's step, fp32 moments at least
+        optimizer = for_rounded_weights(optimizer)
+    static = static_bytes(model, policy, optimizer, layout)
+    held = static.total_bytes - (static.grads if tiers.release_gradients else 0.0)
+    return _Static(sum(p.numel() for p in model.parameters()), float(held))

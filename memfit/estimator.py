@@ -24,6 +24,7 @@ precision      weights  grads  optimizer  total
 fp32           4        4      8          16
 bf16-mixed     4        4      8          16
 bf16-master    2        4      4 + 8      18
+bf16-sr        2        2      8          12
 =============  =======  =====  =========  =====
 
 (``fp16-*`` as ``bf16-*``; plus one 4-byte step count per parameter tensor.) Gradients are
@@ -55,12 +56,12 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import PlanResult, solve_profile
 from memfit.checkpoint.profile_stage import ModelProfile, profile_step
 from memfit.checkpoint.solvers import STRATEGIES as PLAN_STRATEGIES
-from memfit.checkpoint.step_memory import RankLayout, static_bytes
+from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, static_bytes
 from memfit.checkpoint.tree import find_units
 from memfit.errors import BudgetError, ConfigError, MemfitError, PlanError
 from memfit.interpolate import NotAffine, affine_profile
 from memfit.nested import map_tensors
-from memfit.precision.optimizer_state import kept_as
+from memfit.precision.optimizer_state import for_rounded_weights, kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions
 from memfit.units import format_bytes, parse_bytes
@@ -240,6 +241,8 @@ class _Estimator:
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None]
     accumulation_steps: int
     layout: RankLayout
+    zero_grad: ZeroGrad
+    """Where the step frees the gradients: ``"in_backward"`` when they are released."""
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = field(default_factory=dict)
     profiles: dict[tuple[str, int], ModelProfile] = field(default_factory=dict)
     solved: dict[tuple[str, int, str, int | None, bool], PlanResult | BudgetError] = field(
@@ -249,7 +252,10 @@ class _Estimator:
     def model(self, policy: PrecisionPolicy) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if policy.mode not in self.models:
             model = meta_model(self.model_fn)
-            self.models[policy.mode] = (model, self.optimizer_fn(model.parameters()))
+            optimizer = self.optimizer_fn(model.parameters())
+            if policy.rounded_weights:  # bf16-sr: memfit's step, fp32 moments at least
+                optimizer = for_rounded_weights(optimizer)
+            self.models[policy.mode] = (model, optimizer)
         return self.models[policy.mode]
 
     def profiled(self, policy: PrecisionPolicy, batch_size: int) -> ModelProfile:
@@ -303,6 +309,7 @@ class _Estimator:
                     self.accumulation_steps,
                     frontier=False,
                     layout=self.layout,
+                    zero_grad=self.zero_grad,
                 )
             except BudgetError as exc:
                 self.solved[key] = exc
@@ -405,6 +412,7 @@ def estimate(
     world_size: int = 1,
     data_parallel: str | None = None,
     optimizer_state: str = "fp32",
+    release_gradients: bool = False,
 ) -> Estimate:
     """Estimate an ``Engine.train_step`` at every precision and strategy, on fake tensors.
 
@@ -437,6 +445,8 @@ def estimate(
             ``device_memory`` are then per rank.
         optimizer_state: how the optimizer keeps its state, as ``Engine(optimizer_state=)``
             takes it: ``"fp32"`` (torch's own), ``"bf16"`` or ``"8bit"`` (docs/tiers.md).
+        release_gradients: each update applied as its gradient is made in backward, as
+            ``Engine(release_gradients=True)`` trains (no accumulation, one process).
 
     Raises:
         ConfigError: an unknown precision or strategy, a model that cannot be built or
@@ -478,6 +488,7 @@ def estimate(
         kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state),
         int(accumulation_steps),
         RankLayout.of(world_size, data_parallel),
+        "in_backward" if release_gradients else "before_forward",
     )
     rows: list[EstimateRow] = []
     parameters = 0

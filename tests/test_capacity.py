@@ -59,7 +59,7 @@ def cap() -> Capacity:
 
 def test_rows_agree_with_direct_estimates(cap: Capacity) -> None:
     assert cap.combos() == [
-        (p, s) for p in ("fp32", "bf16-mixed") for s in ("none", "full", "optimal")
+        (p, s, "") for p in ("fp32", "bf16-mixed") for s in ("none", "full", "optimal")
     ]
     assert len(cap.rows) == len(SIZES) * 6
     strategies = ["none", "full", "optimal"]
@@ -91,7 +91,7 @@ def test_max_micro_batch_is_the_largest_that_fits_for_every_strategy(cap: Capaci
 
 def test_headline_compares_with_plain_training(cap: Capacity) -> None:
     ref = cap.reference()
-    assert ref is not None and (ref.precision, ref.strategy) == BASELINE
+    assert ref is not None and (ref.precision, ref.strategy, ref.tiers) == BASELINE
     base_batch = cap.largest_batch(*BASELINE)
     for h in cap.headline():
         model = cap.largest_model(h["precision"], h["strategy"])
@@ -221,3 +221,66 @@ def test_affine_profile_moves_numbers_and_refuses_other_differences() -> None:
         affine_profile([Row(1, "a")], [Row(2, "b")], 3, 1, 2)
     with pytest.raises(NotAffine):
         affine_profile([1, 2], [1, 2, 3], 3, 1, 2)
+
+
+def _tier_estimates(depth: int, width: int, precision: str, bits: str, release: bool):
+    return memfit.estimate(
+        lambda: _family(depth, width),
+        INPUTS,
+        batch_size=4,
+        loss_fn=LOSS,
+        precisions=[precision],
+        strategies=["none", "optimal"],
+        device_memory=MEMORY,
+        optimizer_state=bits,
+        release_gradients=release,
+    ).rows
+
+
+def test_memory_tiers_are_searched_and_named() -> None:
+    cap = memfit.capacity(
+        _family,
+        INPUTS,
+        sizes=SIZES[:2],
+        batch_size=4,
+        device_memory=MEMORY,
+        loss_fn=LOSS,
+        precisions=["fp32", "bf16-sr"],
+        strategies=["none", "optimal"],
+        memory_tiers="all",
+    )
+    tiers = ["", "8bit state", "released grads", "8bit state + released grads"]
+    assert cap.combos() == [
+        (p, s, t) for p in ("fp32", "bf16-sr") for t in tiers for s in ("none", "optimal")
+    ]
+    # Each row is the estimate made with its tiers directly.
+    settings = {"": ("fp32", False), tiers[1]: ("8bit", False), tiers[2]: ("fp32", True)}
+    settings[tiers[3]] = ("8bit", True)
+    for precision in ("fp32", "bf16-sr"):
+        for name, (bits, release) in settings.items():
+            direct = _tier_estimates(2, 64, precision, bits, release)
+            rows = [r for s in ("none", "optimal") for r in cap.of(precision, s, name)]
+            rows = [r for r in rows if r.size == "2x64"]
+            for row, d in zip(rows, direct):
+                assert row.tiers == name and row.strategy == d.strategy
+                assert row.peak_bytes == d.peak_bytes
+                assert row.max_micro_batch == d.max_micro_batch
+    # Every tier holds less than plain training, and together they fit a larger batch.
+    plain = cap.largest_batch("fp32", "none")
+    both = cap.largest_batch("bf16-sr", "optimal", tiers[3])
+    assert both > plain
+    static = {t: cap.of("bf16-sr", "none", t)[-1].static_bytes for t in tiers}
+    assert static[tiers[1]] < static[""] and static[tiers[3]] < static[""]
+    headline = {(h["precision"], h["strategy"], h["tiers"]): h for h in cap.headline()}
+    assert headline[("bf16-sr", "optimal", tiers[3])]["batch_x"] == both / plain
+    table = cap.summary()
+    assert "tiers" in table and "released grads" in table
+    assert json.loads(cap.to_json())["rows"][-1]["tiers"] == tiers[3]
+
+
+def test_bad_memory_tiers_are_refused() -> None:
+    kw = {"batch_size": 1, "device_memory": MEMORY, "loss_fn": LOSS, "sizes": [(1, 32)]}
+    with pytest.raises(ConfigError, match="memory_tiers takes"):
+        memfit.capacity(_family, INPUTS, memory_tiers="some", **kw)
+    with pytest.raises(ConfigError, match="data-parallel"):
+        memfit.capacity(_family, INPUTS, memory_tiers="all", world_size=2, **kw)

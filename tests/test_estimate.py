@@ -107,6 +107,7 @@ def _mlp() -> nn.Module:
         ("fp16-mixed", 4, 4, 8),
         ("bf16-master", 2, 4, 12),  # 4 of the 12: the fp32 masters
         ("fp16-master", 2, 4, 12),
+        ("bf16-sr", 2, 2, 8),  # no masters: bf16 gradients, memfit's step with fp32 moments
     ],
 )
 def test_static_bytes_per_parameter_are_exact(precision, weights, grads, optimizer) -> None:

@@ -197,12 +197,13 @@ class StaticBytes:
 
     params: float
     """The weights as training holds them: 16-bit outside the fp32 islands in the
-    ``*-master`` modes; under FSDP2 the rank's fp32 shard and its gathered blocks."""
+    ``*-master`` modes and ``bf16-sr``; under FSDP2 the rank's fp32 shard and its gathered
+    blocks."""
     buffers: float
     """The model's buffers."""
     grads: float
-    """Gradients of what the optimizer updates (the fp32 masters' in the master modes;
-    under FSDP2 the rank's fp32 shard)."""
+    """Gradients of what the optimizer updates (the fp32 masters' in the master modes,
+    16-bit in ``bf16-sr``; under FSDP2 the rank's fp32 shard)."""
     masters: float
     """fp32 master weights of the ``*-master`` modes (0 under FSDP2: the shards are)."""
     optimizer_state: float
@@ -256,8 +257,13 @@ def static_bytes(
     if policy.master_weights and master_bytes == 0:
         master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
     sparse = _by_param(model, sparse_grads)
+    # Gradients as the weights they train: fp32 for masters, 16-bit for bf16-sr's weights
+    # (whether or not the model has been cast yet).
     grad_bytes = sum(
-        sparse.get(id(p), p.numel() * (4 if policy.master_weights else p.element_size()))
+        sparse.get(
+            id(p),
+            p.numel() * (4 if policy.master_weights else trained.get(id(p), p.element_size())),
+        )
         for p in updated
     )
     state_bytes = optimizer_state_bytes(optimizer)
@@ -573,10 +579,10 @@ def _optimizer_temp_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]:
     """Bytes per element of each parameter as training holds it: in the ``*-master``
-    modes, floating-point weights outside the fp32 islands in the compute dtype (whether
-    or not the model has been cast yet), else as they are."""
+    modes and ``bf16-sr``, floating-point weights outside the fp32 islands in the compute
+    dtype (whether or not the model has been cast yet), else as they are."""
     widths = {id(p): p.element_size() for p in model.parameters()}
-    if policy.master_weights:
+    if policy.low_precision_weights:
         low = torch.finfo(policy.compute_dtype).bits // 8
         islands = {id(p) for m in model.modules() if policy.is_island(m) for p in m.parameters()}
         for p in model.parameters():
@@ -599,7 +605,7 @@ def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
     the mixed modes, 0 too where autocast keeps no cache): matrices and filters of modules
     that are not fp32 islands. An embedding's table is not one: autocast casts no lookup
     (``embedding``, ``embedding_bag``), only what it reads out."""
-    if not policy.mixed or policy.master_weights or not policy.autocast_cache:
+    if not policy.mixed or policy.low_precision_weights or not policy.autocast_cache:
         return 0
     width = torch.finfo(policy.compute_dtype).bits // 8
     return sum(

@@ -69,8 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, defaults: bool = True) ->
     p.add_argument(
         "--precision",
         default=default("precision"),
-        help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master (or an "
-        "alias; default: auto, the faster of fp32 and bf16-mixed for this model on this "
+        help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-master | fp16-master | bf16-sr "
+        "(or an alias; default: auto, the faster of fp32 and bf16-mixed for this model on this "
         "machine, measured on its first micro-batch)",
     )
     p.add_argument(

@@ -15,7 +15,8 @@ The model comes from one of three places:
 ``--scale`` asks instead for the capacity view (:func:`memfit.capacity_view.capacity`): over a
 family of sizes (``--sizes DEPTHxWIDTH,...`` of the built-in GPT or of a ``--hf-config``),
 the largest model and the largest batch that fit ``--device-memory`` under each precision
-and strategy, as tables (or ``--json``) and, with ``--plot PATH``, a figure.
+and strategy, as tables (or ``--json``) and, with ``--plot PATH``, a figure; ``--tiers all``
+adds the memory tiers (8-bit optimizer state, gradients released in backward, ``bf16-sr``).
 
 Computing (:func:`compute`) is kept apart from printing (:func:`run`).
 """
@@ -118,6 +119,19 @@ def add_parser(sub: Any) -> None:
         choices=("fp32", "bf16", "8bit"),
         help="how AdamW keeps its moments: fp32 (8 bytes a parameter) | bf16 (4) | 8bit "
         "(about 2) (default: fp32)",
+    )
+    p.add_argument(
+        "--release-gradients",
+        action="store_true",
+        help="each update applied as its gradient is made in backward (Engine("
+        "release_gradients=True)): the gradients are never all held",
+    )
+    p.add_argument(
+        "--tiers",
+        default="none",
+        choices=("none", "all"),
+        help="--scale: 'all' searches the memory tiers too (8-bit state, released "
+        "gradients, bf16-sr), each row naming its tiers (default: none)",
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
@@ -294,6 +308,11 @@ def compute(args: argparse.Namespace) -> Any:
 
         if args.device_memory is None:
             raise UsageError("--scale needs --device-memory, e.g. --device-memory 80GB")
+        if args.release_gradients:
+            raise UsageError(
+                "--scale compares released gradients with kept ones under --tiers all; "
+                "drop --release-gradients"
+            )
         family, inputs_fn, loss_fn = _family(args)
         return capacity(
             family,
@@ -307,9 +326,12 @@ def compute(args: argparse.Namespace) -> Any:
             world_size=args.world_size,
             data_parallel=args.data_parallel,
             optimizer_state=args.optimizer_state,
+            memory_tiers=args.tiers,
         )
-    if args.plot:
-        raise UsageError("--plot draws the capacity view: add --scale")
+    if args.plot or args.tiers != "none":
+        raise UsageError(
+            f"--{'plot' if args.plot else 'tiers'} is for the capacity view: add --scale"
+        )
     if args.factory:
         workload = load_workload(args.factory)
         model_fn, inputs_fn, loss_fn = workload.model_fn, workload.batch_fn, workload.loss_fn
@@ -329,6 +351,7 @@ def compute(args: argparse.Namespace) -> Any:
         world_size=args.world_size,
         data_parallel=args.data_parallel,
         optimizer_state=args.optimizer_state,
+        release_gradients=args.release_gradients,
     )
 
 

@@ -470,10 +470,15 @@ def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: A
             "world_size=N, data_parallel='ddp') and pass it to memfit.parallelize in a script "
             "(docs/distributed.md); the CLI trains data-parallel without a plan"
         )
-    if s["precision"].endswith("-master") or s["precision"] in ("16-true", "bf16-true", "O2"):
+    if s["precision"].endswith(("-master", "-sr")) or s["precision"] in (
+        "16-true",
+        "bf16-true",
+        "O2",
+    ):
         raise UsageError(
-            f"--precision {s['precision']} keeps fp32 masters outside the model, which DDP "
-            "does not reduce; use bf16-mixed or fp16-mixed with --nproc"
+            f"--precision {s['precision']} keeps its weights in 16 bits (fp32 masters "
+            "outside the model, or none), which the data-parallel CLI does not train; use "
+            "bf16-mixed or fp16-mixed with --nproc"
         )
 
 

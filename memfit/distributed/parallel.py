@@ -104,6 +104,11 @@ def islands_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
 
 def check_policy(kind: str, policy: PrecisionPolicy) -> None:
     """ConfigError for a precision a data-parallel kind does not run."""
+    if policy.rounded_weights:
+        raise ConfigError(
+            f"precision={policy.mode!r} (bf16 weights without masters) does not run "
+            "data-parallel yet; use precision='bf16-master' with FSDP2 or 'bf16-mixed'"
+        )
     if kind == "ddp" and policy.master_weights:
         raise ConfigError(
             f"precision={policy.mode!r} keeps fp32 master weights outside the model, which "

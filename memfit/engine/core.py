@@ -39,7 +39,7 @@ from memfit.engine.export import export_model, model_state_dict
 from memfit.engine.feed import Window, clip_gradients, rescale_gradients, run_measured
 from memfit.engine.first_batch import FirstBatchStage
 from memfit.engine.plan_stage import EnginePlan, check_first_step
-from memfit.engine.precision_stage import default_scaler, fp32_masters
+from memfit.engine.precision_stage import check_rounded_weights, default_scaler, fp32_masters
 from memfit.engine.release import GradientRelease, release_choice
 from memfit.engine.run_files import RunRecord
 from memfit.engine.settings import (
@@ -79,7 +79,8 @@ class Engine(FirstBatchStage):
     The model is changed in one documented order (torchtitan's ``apply_*`` order):
 
     1. **precision**, when the Engine is made: fp32 master weights (the ``*-master``
-       modes; the optimizer then updates fp32 copies) and the fp32 islands
+       modes; the optimizer then updates fp32 copies), or in ``bf16-sr`` memfit's own
+       update with stochastic rounding of the bf16 weights, and the fp32 islands
        (:func:`~memfit.precision.apply.apply_precision`);
     2. **checkpoint plan**, on the first micro-batch (:meth:`prepare`, which the first
        micro-batch calls): planned under the precision of step 1 by
@@ -167,8 +168,12 @@ class Engine(FirstBatchStage):
         self.parallel = EngineParallel.of(model, optimizer, self.policy, self.scaler, checkpoint)
         kind = self.parallel.kind if self.parallel else None
         # Refused before the model or the optimizer is changed (a failed start leaves them).
-        if optimizer_state != "fp32":
-            check_keepable(optimizer, optimizer_state, kind)
+        rounded = self.policy.rounded_weights  # bf16-sr: memfit's step rounds the weights
+        check_rounded_weights(
+            self.policy, self.settings.accumulation_steps, self.auto.micro_batch, kind is not None
+        )
+        if optimizer_state != "fp32" or rounded:
+            check_keepable(optimizer, optimizer_state, kind, rounded)
         released = release_choice(
             release_gradients,
             self.settings,
@@ -182,7 +187,7 @@ class Engine(FirstBatchStage):
         owned = self.parallel is not None and self.parallel.owns_masters  # FSDP2 keeps its own
         self.master = fp32_masters(model, optimizer, self.policy, owned)
         # The state of what the optimizer updates (the masters, where there are masters).
-        low_bit_state(optimizer, optimizer_state, kind)
+        low_bit_state(optimizer, optimizer_state, kind, rounded)
         # After the masters' hooks: the release's hooks run once a master has its gradient.
         self.release = GradientRelease(model, optimizer, self.master) if released else None
         self._apply_policy()

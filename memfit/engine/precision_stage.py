@@ -1,7 +1,8 @@
 """The Engine's precision, stage one of its order: what the policy needs besides the model.
 
-When the Engine is made: its loss scaler (:func:`default_scaler`, when none is given) and
-the fp32 master weights of the ``*-master`` modes (:func:`fp32_masters`); the Engine then
+When the Engine is made: its loss scaler (:func:`default_scaler`, when none is given),
+the fp32 master weights of the ``*-master`` modes (:func:`fp32_masters`) and the check
+that ``bf16-sr`` can train as asked (:func:`check_rounded_weights`); the Engine then
 applies the policy's fp32 islands to the model (:func:`memfit.precision.apply.apply_precision`).
 When ``precision="auto"`` chose a mode on the first batch (:mod:`memfit.engine.auto`):
 the policy and scaler to train with from then on (:func:`switched_precision`).
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
+from memfit.errors import ConfigError
 from memfit.precision.master import MasterWeights
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.scaler import LossScaler
@@ -72,6 +74,37 @@ def fp32_masters(
     # Named as the uncompiled model names them (no ``_orig_mod.``): a state file's masters
     # then load into a compiled model and an uncompiled one alike.
     return MasterWeights(unwrap_compiled(model), optimizer, policy.compute_dtype, policy.is_island)
+
+
+def check_rounded_weights(
+    policy: PrecisionPolicy, accumulation_steps: int, auto_micro_batch: bool, parallel: bool
+) -> None:
+    """Raise ConfigError where ``bf16-sr`` (bf16 weights and gradients, no fp32 master)
+    cannot train as asked: micro-batches would be summed in bf16, losing the fp32
+    accumulation every other mode keeps; a data-parallel run is not supported yet.
+
+    Example::
+
+        check_rounded_weights(PrecisionPolicy("bf16-sr"), 1, False, False)   # no error
+    """
+    if not policy.rounded_weights:
+        return
+    if accumulation_steps > 1 or auto_micro_batch:
+        what = (
+            "micro_batch='auto' (which may accumulate)"
+            if auto_micro_batch
+            else f"accumulation_steps={accumulation_steps}"
+        )
+        raise ConfigError(
+            f"precision='bf16-sr' keeps bf16 gradients, so {what} would sum micro-batches "
+            "in bf16; use precision='bf16-master' (gradients accumulated in fp32) or one "
+            "micro-batch a step"
+        )
+    if parallel:
+        raise ConfigError(
+            "precision='bf16-sr' does not run data-parallel yet; use precision='bf16-master' "
+            "with DDP or FSDP2"
+        )
 
 
 def switched_precision(

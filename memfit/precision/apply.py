@@ -6,8 +6,8 @@ in fp32 whatever surrounds it. Its floating-point outputs go back to the dtype o
 that came in (a bf16 activation in, a bf16 activation out), so an island is invisible to
 the layers around it, under autocast or not. Removing restores the original ``forward``.
 
-In the ``*-master`` modes the model's own weights are 16-bit. A plain call (no autocast
-active, e.g. ``model.eval(); model(images)`` after training) would feed fp32 inputs to
+In the ``*-master`` modes and ``bf16-sr`` the model's own weights are 16-bit. A plain call
+(no autocast active, e.g. ``model.eval(); model(images)`` after training) would feed fp32 inputs to
 16-bit layers; a hook on the model casts its floating-point inputs to the weights' dtype
 and its floating-point outputs back to the dtype that came in (as Lightning's
 ``bf16-true`` converts inputs and outputs). Under autocast (training, ``eval_context``)
@@ -153,9 +153,9 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
     bf16 on a CPU without AVX-512: :mod:`memfit.precision.kernels`) are islands too, so
     the model trains instead of failing inside torch (:func:`kernel_islands` names them).
 
-    In the ``*-master`` modes, parameters outside the islands are cast to the compute dtype
-    (:class:`~memfit.precision.master.MasterWeights` does this with an optimizer; calling it
-    alone is for planning and inference), and the model's plain calls (no autocast) cast
+    In the ``*-master`` modes and ``bf16-sr``, parameters outside the islands are cast to
+    the compute dtype (:class:`~memfit.precision.master.MasterWeights` does this with an
+    optimizer; calling it alone is for planning and inference), and the model's plain calls (no autocast) cast
     floating inputs to that dtype and floating outputs back (see the module docstring).
     Idempotent.
     """
@@ -170,7 +170,7 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> list[str]:
                 setattr(module, _ORIGINAL, original)
                 module.forward = functools.partial(_island_forward, original)
             module.float()
-    if policy.master_weights:
+    if policy.low_precision_weights:
         island_params = {id(p) for n in islands for p in model.get_submodule(n).parameters()}
         with torch.no_grad():
             for param in model.parameters():

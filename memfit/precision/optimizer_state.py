@@ -20,6 +20,12 @@ resumed from a saved state rounds bitwise as the uninterrupted one did. Pieces a
 most :data:`~memfit.precision.state_codes.CHUNK` elements: the step's temporaries are a
 few fp32 copies of one piece (:func:`step_temp_bytes`), whatever the model's size.
 
+The same step trains ``precision="bf16-sr"``'s bf16 weights, which have no fp32 master
+(``low_bit_state(..., rounded_weights=True)``, with fp32 state too): each piece of a 16-bit
+weight is updated in an fp32 copy and stored back with stochastic rounding
+(:func:`~memfit.precision.state_codes.round_weight`), its random bits taken from the
+piece's draws; fp32 parameters (the fp32 islands) are updated in place as before.
+
 Where it does not fit: AMSGrad (a third moment), ``capturable``/``differentiable`` modes,
 sparse gradients, FSDP2's sharded parameters and optimizers other than Adam, AdamW and
 SGD are refused with the reason.
@@ -50,6 +56,7 @@ from memfit.precision.state_codes import (
     is_kept,
     pieces,
     read,
+    round_weight,
     write,
 )
 
@@ -62,7 +69,9 @@ __all__ = [
     "low_bit_state",
     "predicted_state_bytes",
     "fp32_state_dict",
+    "for_rounded_weights",
     "kept_as",
+    "rounds_weights",
     "state_bits",
     "step_temp_bytes",
 ]
@@ -71,8 +80,10 @@ OptimizerState = Literal["fp32", "bf16", "8bit"]
 """How an optimizer keeps its state: as torch makes it, in bfloat16, or in 8-bit codes."""
 OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
 
-# The attribute that marks a converted optimizer, and the names of its moments.
+# The attributes that mark a converted optimizer (its state's bits; whether it rounds
+# 16-bit weights), and the names of its moments.
 _MARK = "_memfit_state"
+_ROUNDS = "_memfit_rounds_weights"
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _MOMENTS = (*_ADAM_MOMENTS, "momentum_buffer")
 
@@ -110,6 +121,19 @@ def _flat_param(p: torch.Tensor) -> torch.Tensor:
     return p.view(-1)
 
 
+def _working(piece: torch.Tensor) -> torch.Tensor:
+    """The piece of a parameter an update is computed on: itself when it is fp32 (updated
+    in place, torch's arithmetic), an fp32 copy of a 16-bit one (stored back rounded)."""
+    return piece if piece.dtype == torch.float32 else piece.float()
+
+
+def _store(piece: torch.Tensor, weight: torch.Tensor, draw: torch.Tensor) -> None:
+    """Put an updated fp32 ``weight`` back into its 16-bit parameter ``piece``, rounded
+    stochastically (nothing to do for an fp32 one, updated in place)."""
+    if weight is not piece:
+        piece.copy_(round_weight(weight, draw))
+
+
 def _adam_step(opt: torch.optim.Optimizer, bits: str) -> None:
     decoupled = isinstance(opt, torch.optim.AdamW)
     index = 0
@@ -136,21 +160,23 @@ def _adam_step(opt: torch.optim.Optimizer, bits: str) -> None:
                 draw = _draw(g, stop - start, p.device)
                 # torch's single-tensor Adam/AdamW on this piece, from fp32 moments.
                 piece = flat[start:stop]
+                weight = _working(piece)
                 grad_piece = grad[start:stop].float()
                 if group.get("maximize", False):
                     grad_piece = -grad_piece
                 if decay and decoupled_here:
-                    piece.mul_(1 - lr * decay)
+                    weight.mul_(1 - lr * decay)
                 elif decay:
-                    grad_piece = grad_piece.add(piece, alpha=decay)
+                    grad_piece = grad_piece.add(weight, alpha=decay)
                 exp_avg = read(state["exp_avg"], bits, start, stop)
                 exp_avg_sq = read(state["exp_avg_sq"], bits, start, stop)
                 exp_avg.lerp_(grad_piece, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad_piece, grad_piece, value=1 - beta2)
                 del grad_piece
                 denom = (exp_avg_sq.sqrt() / root2).add_(eps)
-                piece.addcdiv_(exp_avg.to(p.dtype), denom.to(p.dtype), value=-lr / correction1)
+                weight.addcdiv_(exp_avg, denom, value=-lr / correction1)
                 del denom
+                _store(piece, weight, draw)
                 write(state["exp_avg"], bits, start, exp_avg, draw)
                 write(state["exp_avg_sq"], bits, start, exp_avg_sq, draw)
 
@@ -165,22 +191,27 @@ def _sgd_step(opt: torch.optim.Optimizer, bits: str) -> None:
             if p.grad is None:
                 continue
             grad, flat = _dense_grad(p, bits), _flat_param(p)
-            state = opt.state[p] if momentum else {}
+            # A step count seeds the rounding: momentum's, or a 16-bit weight's alone.
+            counted = momentum or p.dtype != torch.float32
+            state = opt.state[p] if counted else {}
             first = momentum and "momentum_buffer" not in state
-            if momentum:
-                if first:
+            if counted:
+                if "step" not in state:
                     state["step"] = torch.tensor(0.0)
+                if first:
                     state["momentum_buffer"] = empty_like_state(p, bits, signed=True)
                 state["step"] += 1
                 g = _generator(p.device, int(state["step"].item()), index)
             for start, stop in pieces(p.numel()):
                 # torch's single-tensor SGD on this piece.
                 piece = flat[start:stop]
+                weight = _working(piece)
+                draw = _draw(g, stop - start, p.device) if counted else None
                 step = grad[start:stop].float()
                 if group.get("maximize", False):
                     step = -step
                 if decay:
-                    step = step.add(piece, alpha=decay)
+                    step = step.add(weight, alpha=decay)
                 if momentum:
                     if first:
                         buf = step.clone()
@@ -188,31 +219,39 @@ def _sgd_step(opt: torch.optim.Optimizer, bits: str) -> None:
                         buf = read(state["momentum_buffer"], bits, start, stop)
                         buf.mul_(momentum).add_(step, alpha=1 - dampening)
                     step = step.add(buf, alpha=momentum) if nesterov else buf
-                    draw = _draw(g, stop - start, p.device)
                     write(state["momentum_buffer"], bits, start, buf, draw)
-                piece.add_(step.to(p.dtype), alpha=-lr)
+                weight.add_(step, alpha=-lr)
+                if draw is not None:
+                    _store(piece, weight, draw)
 
 
-def _check(optimizer: torch.optim.Optimizer, bits: str) -> Callable[..., None]:
+def _check(optimizer: torch.optim.Optimizer, bits: str, rounded: bool) -> Callable[..., None]:
     """The step function for ``optimizer``'s kind, or a ConfigError saying why none fits."""
     name = type(optimizer).__name__
+    # What asked for memfit's step, and what to do instead of it.
+    if rounded:
+        asked = "precision='bf16-sr'" + (
+            f" with optimizer_state={bits!r}" if bits != "fp32" else ""
+        )
+        instead = "use precision='bf16-master'"
+    else:
+        asked, instead = f"optimizer_state={bits!r}", "use optimizer_state='fp32'"
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.SGD)):
         raise ConfigError(
-            f"optimizer_state={bits!r} keeps Adam's and AdamW's moments and SGD's momentum in "
-            f"fewer bits; a {name} keeps other state. Use optimizer_state='fp32' with it, or "
-            "train with torch.optim.AdamW / Adam / SGD"
+            f"{asked} runs memfit's own update of Adam, AdamW and SGD; a {name} is not one "
+            f"of them: {instead}, or train with torch.optim.AdamW / Adam / SGD"
         )
     for group in optimizer.param_groups:
         for flag in ("amsgrad", "capturable", "differentiable"):
             if group.get(flag):
                 raise ConfigError(
-                    f"optimizer_state={bits!r} does not support {name}({flag}=True) "
+                    f"{asked} does not support {name}({flag}=True) "
                     f"({'a third moment' if flag == 'amsgrad' else 'a graph-captured step'}); "
-                    f"make the optimizer with {flag}=False or use optimizer_state='fp32'"
+                    f"make the optimizer with {flag}=False or {instead}"
                 )
         if isinstance(group["lr"], torch.Tensor):
             raise ConfigError(
-                f"optimizer_state={bits!r} takes a float learning rate; {name} was given a "
+                f"{asked} takes a float learning rate; {name} was given a "
                 "tensor lr (for capturable steps): pass a float"
             )
     return _sgd_step if isinstance(optimizer, torch.optim.SGD) else _adam_step
@@ -232,23 +271,36 @@ def check_optimizer_state(value: str, also: tuple[str, ...] = ()) -> None:
 
 
 def check_keepable(
-    optimizer: torch.optim.Optimizer, bits: str, data_parallel: str | None = None
+    optimizer: torch.optim.Optimizer,
+    bits: str,
+    data_parallel: str | None = None,
+    rounded_weights: bool = False,
 ) -> Callable[..., None]:
     """Raise ConfigError where :func:`low_bit_state` cannot make ``optimizer`` keep its
-    state in ``bits`` (its kind, its settings, FSDP2's sharded parameters), without
-    converting it; else return the step function it would use.
+    state in ``bits`` (its kind, its settings, FSDP2's sharded parameters) or, with
+    ``rounded_weights``, round its 16-bit weights, without converting it; else return the
+    step function it would use.
 
     Example::
 
         check_keepable(torch.optim.AdamW(params), "8bit")   # no error
     """
+    if rounded_weights:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ConfigError(
+                        f"precision='bf16-sr' rounds bf16 weights; the optimizer holds a "
+                        f"{p.dtype} parameter: keep the model in fp32 (the Engine casts it) "
+                        "or use precision='bf16-master'"
+                    )
     if data_parallel == "fsdp":
         raise ConfigError(
             f"optimizer_state={bits!r} does not take FSDP2's sharded parameters yet; use "
             "optimizer_state='fp32' with fully_shard (its state is sharded over the ranks "
             "already), or data-parallel with DDP"
         )
-    return _check(optimizer, bits)
+    return _check(optimizer, bits, rounded_weights)
 
 
 def can_keep(optimizer: torch.optim.Optimizer, bits: str) -> bool:
@@ -260,19 +312,25 @@ def can_keep(optimizer: torch.optim.Optimizer, bits: str) -> bool:
         can_keep(torch.optim.RMSprop(params), "8bit")   # False
     """
     try:
-        _check(optimizer, bits)
+        _check(optimizer, bits, False)
     except ConfigError:
         return False
     return True
 
 
 def low_bit_state(
-    optimizer: torch.optim.Optimizer, bits: str, data_parallel: str | None = None
+    optimizer: torch.optim.Optimizer,
+    bits: str,
+    data_parallel: str | None = None,
+    rounded_weights: bool = False,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` (Adam, AdamW or SGD) keep its state in ``bits`` (``"8bit"`` or
     ``"bf16"``; ``"fp32"`` leaves it as it is), in place; returns it. ``data_parallel``:
     the kind of the run (``"ddp"``, ``"fsdp"``), whose FSDP2 sharded parameters this step
-    does not take yet.
+    does not take yet. ``rounded_weights``: the parameters are bf16 with no fp32 master
+    (``precision="bf16-sr"``): memfit's step runs with fp32 state too, computing each
+    update in fp32 and storing the weight back with stochastic rounding (it does so for
+    any 16-bit parameter of a converted optimizer).
 
     State it holds already (a run that trained in fp32) is converted at its next step. A
     learning-rate scheduler made on it before keeps working: its step-order check is kept.
@@ -287,16 +345,21 @@ def low_bit_state(
     """
     check_optimizer_state(bits)
     current = state_bits(optimizer)
-    if current == bits:
+    if (current, rounds_weights(optimizer)) == (bits, rounded_weights):
         return optimizer
-    if current != "fp32":
+    if current == bits != "fp32" and rounded_weights:
+        # Its step already rounds 16-bit weights: it is told it trains bf16-sr's.
+        setattr(optimizer, _ROUNDS, True)
+        return optimizer
+    if current != "fp32" or rounds_weights(optimizer):
         raise ConfigError(
-            f"this optimizer keeps its state in {current} already; make a fresh optimizer "
-            f"for optimizer_state={bits!r}"
+            f"this optimizer keeps its state in {current} already"
+            f"{' and rounds 16-bit weights' if rounds_weights(optimizer) else ''}; make a "
+            f"fresh optimizer for optimizer_state={bits!r}"
         )
-    if bits == "fp32":
+    if bits == "fp32" and not rounded_weights:
         return optimizer
-    update = check_keepable(optimizer, bits, data_parallel)
+    update = check_keepable(optimizer, bits, data_parallel, rounded_weights)
 
     @torch.no_grad()
     def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -326,11 +389,14 @@ def low_bit_state(
     optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
     _keep_codes_on_load(optimizer)
     setattr(optimizer, _MARK, bits)
+    setattr(optimizer, _ROUNDS, rounded_weights)
     return optimizer
 
 
 def _convert_fp32_state(optimizer: torch.optim.Optimizer, bits: str) -> None:
     """Convert fp32 moments the optimizer held before (or loaded from an fp32 state)."""
+    if bits == "fp32":
+        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, p in enumerate(params, start=1):
         state = optimizer.state.get(p)
@@ -388,15 +454,21 @@ def _on(value: Any, device: torch.device) -> Any:
 
 def _keep_codes_on_load(optimizer: torch.optim.Optimizer) -> None:
     """``load_state_dict`` casts every state tensor of a floating-point parameter to the
-    parameter's dtype, codes included: the kept moments are taken out of the loaded dict
-    before it runs and put back, on the parameter's device, after."""
+    parameter's dtype, codes included (and a bf16 weight's fp32 moments under
+    ``bf16-sr``): the kept moments are taken out of the loaded dict before it runs and put
+    back, on the parameter's device, after."""
     taken: dict[int, dict[str, Any]] = {}
 
     def before(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         taken.clear()
+        every = rounds_weights(opt)  # fp32 moments of bf16 weights: kept as they are too
         state: dict[Any, Any] = {}
         for key, entry in state_dict.get("state", {}).items():
-            kept = {n: v for n, v in entry.items() if n in _MOMENTS and is_kept(v)}
+            kept = {
+                n: v
+                for n, v in entry.items()
+                if n in _MOMENTS and (is_kept(v) or (every and isinstance(v, torch.Tensor)))
+            }
             if kept and isinstance(key, int):
                 taken[key] = kept
             state[key] = {n: v for n, v in entry.items() if n not in kept}
@@ -435,9 +507,34 @@ def kept_as(
     return make
 
 
+def for_rounded_weights(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """``optimizer`` (its state kept as it is, in whatever bits) made to train bf16 weights
+    without masters (``precision="bf16-sr"``), as the Engine will make it: for the
+    estimator and the capacity view, which make the optimizer before the mode is known.
+
+    Example::
+
+        for_rounded_weights(torch.optim.AdamW(params))   # fp32 moments, weights rounded
+    """
+    if optimizer is None:
+        return None
+    return low_bit_state(optimizer, state_bits(optimizer), rounded_weights=True)
+
+
 def state_bits(optimizer: torch.optim.Optimizer | None) -> str:
     """How ``optimizer`` keeps its state: ``"8bit"``, ``"bf16"`` or ``"fp32"`` (as torch makes it)."""
     return getattr(optimizer, _MARK, "fp32") if optimizer is not None else "fp32"
+
+
+def rounds_weights(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` runs memfit's step for bf16 weights without masters
+    (``precision="bf16-sr"``), whatever its state's bits.
+
+    Example::
+
+        rounds_weights(torch.optim.AdamW(params))   # False
+    """
+    return bool(getattr(optimizer, _ROUNDS, False))
 
 
 def predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
@@ -449,13 +546,12 @@ def predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
         predicted_state_bytes(low_bit_state(torch.optim.AdamW(params), "8bit"))
     """
     bits = state_bits(optimizer)
-    if bits == "fp32":
+    if bits == "fp32" and not rounds_weights(optimizer):
         return None
-    moments = 1 if isinstance(optimizer, torch.optim.SGD) else 2
+    sgd = isinstance(optimizer, torch.optim.SGD)
     total = 0
     for group in optimizer.param_groups:
-        if isinstance(optimizer, torch.optim.SGD) and not group.get("momentum"):
-            continue
+        moments = (1 if group.get("momentum") else 0) if sgd else 2
         for p in group["params"]:
             if not p.requires_grad:
                 continue
@@ -463,26 +559,31 @@ def predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
                 blocks = -(-p.numel() // BLOCK)
                 per_moment = blocks * BLOCK + blocks * 4  # padded codes, fp32 scales
             else:
-                per_moment = p.numel() * 2
-            total += moments * per_moment + 4  # and the step count
+                per_moment = p.numel() * (4 if bits == "fp32" else 2)
+            # The step count: every moment's, and a rounded weight's alone.
+            counted = moments or p.dtype != torch.float32
+            total += moments * per_moment + (4 if counted else 0)
     return total
 
 
 def step_temp_bytes(optimizer: torch.optim.Optimizer) -> int | None:
     """What a converted ``optimizer``'s step allocates for itself at most: fp32 copies of
-    its largest piece (the gradient, the moments, the denominator) and what coding a moment
-    back allocates; None for one that keeps torch's own state."""
-    if state_bits(optimizer) == "fp32":
+    its largest piece (the gradient, the moments, the denominator, a 16-bit weight's fp32
+    copy) and what coding a moment back allocates; None for one that keeps torch's own
+    state."""
+    bits = state_bits(optimizer)
+    if bits == "fp32" and not rounds_weights(optimizer):
         return None
-    largest = max(
-        (p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad),
-        default=0,
-    )
+    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    largest = max((p.numel() for p in trained), default=0)
     piece = -(-min(largest, CHUNK) // BLOCK) * BLOCK
-    return _TEMP_COPIES[state_bits(optimizer)] * piece * 4
+    rounded = any(p.dtype != torch.float32 for p in trained)  # a weight's fp32 copy
+    return (_TEMP_COPIES[bits] + rounded) * piece * 4
 
 
-#: The most a step holds besides the state, in fp32 copies of its largest piece: measured
-#: by the allocator on a GPT's AdamW step, 7.25 for both (the draws, the fp32 moments and
-#: gradient, the denominator, and coding one moment back).
-_TEMP_COPIES = {"8bit": 8, "bf16": 8}
+#: The most a step holds besides the state, in fp32 copies of its largest piece, measured
+#: by the allocator on AdamW steps: 7.25 for 8-bit and bf16 state (the draws, the fp32
+#: moments and gradient, the denominator, and coding one moment back), 8.25 with bf16
+#: weights, whose update is computed on an fp32 copy and rounded back; fp32 state (bf16
+#: weights only) is updated in place: 6.25.
+_TEMP_COPIES = {"8bit": 8, "bf16": 8, "fp32": 6}

@@ -1,6 +1,6 @@
 """Precision policies: which dtype computes, which dtype the weights live in, what stays fp32.
 
-Five modes, one alias table (in the spirit of Lightning's precision strings):
+Six modes, one alias table (in the spirit of Lightning's precision strings):
 
 ====================  ===========  ==============  ============  ============
 mode                  weights      compute         master copy   loss scaling
@@ -10,10 +10,15 @@ mode                  weights      compute         master copy   loss scaling
 ``fp16-mixed``        fp32         fp16 autocast   no            dynamic
 ``bf16-master``       bf16         bf16 autocast   fp32          no
 ``fp16-master``       fp16         fp16 autocast   fp32          dynamic
+``bf16-sr``           bf16         bf16 autocast   no            no
 ====================  ===========  ==============  ============  ============
 
-``"bf16-true"`` (Lightning's bf16 weights with no fp32 master copy) names a training memfit
-does not have; for one more release it trains as ``bf16-master``, with a warning
+``bf16-sr`` keeps no master copy: the optimizer computes each update in fp32 and stores
+the weight back in bf16 with stochastic rounding (:mod:`memfit.precision.optimizer_state`),
+so an update under the weight's last bit still moves it on average.
+
+``"bf16-true"`` (Lightning's bf16 weights with no fp32 master copy, updated with plain
+rounding) keeps training as ``bf16-master`` for one more release, with a warning
 (:data:`FOREIGN_MODES`).
 
 fp32 islands are module types that always run in fp32 with their inputs cast up and
@@ -36,7 +41,7 @@ from memfit.deprecations import REMOVED_IN
 from memfit.errors import ConfigError
 from memfit.precision.kernels import kernel_device, missing_kernel_types
 
-Mode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"]
+Mode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-sr"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 #: Every accepted spelling, mapped to its mode. Lightning's and Apex's names are included.
@@ -59,6 +64,7 @@ ALIASES: dict[str, str] = {
     "fp16-master": "fp16-master",
     "16-true": "fp16-master",
     "O2": "fp16-master",
+    "bf16-sr": "bf16-sr",
 }
 
 # Case-insensitive lookup, so "o1" and "BF16" work as "O1" and "bf16" do.
@@ -75,9 +81,9 @@ class ForeignMode(NamedTuple):
 
 #: Spellings from other libraries that name a training memfit does not have. Each trains
 #: as :attr:`ForeignMode.trains_as`, with a DeprecationWarning, until memfit
-#: :data:`~memfit.deprecations.REMOVED_IN` refuses it. memfit has no pure-bf16 mode: bf16
-#: weights updated in place lose every update under about 1/256 of the weight (8 bits of
-#: mantissa), so its bf16 weights always come with an fp32 master copy.
+#: :data:`~memfit.deprecations.REMOVED_IN` refuses it. bf16 weights updated in place with
+#: plain rounding lose every update under about 1/256 of the weight (8 bits of mantissa):
+#: memfit's bf16 weights come with an fp32 master copy, or with stochastic rounding.
 FOREIGN_MODES: dict[str, ForeignMode] = {
     "bf16-true": ForeignMode(
         trains_as="bf16-master",
@@ -85,8 +91,9 @@ FOREIGN_MODES: dict[str, ForeignMode] = {
         "not offer (bf16 weights updated in place lose small updates); memfit trains it as "
         "'bf16-master': bf16 weights plus an fp32 master copy in the optimizer, 4 more bytes "
         "a parameter",
-        instead="pass precision='bf16-master' for that training, or 'bf16-mixed' (fp32 "
-        "weights, bf16 autocast)",
+        instead="pass precision='bf16-sr' for bf16 weights without a master copy (updates "
+        "stored with stochastic rounding), 'bf16-master' for that training, or 'bf16-mixed' "
+        "(fp32 weights, bf16 autocast)",
     ),
 }
 
@@ -201,13 +208,25 @@ class PrecisionPolicy:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """The dtype of the model's working weights (fp32 except in the master modes)."""
-        return self.compute_dtype if self.master_weights else torch.float32
+        """The dtype of the model's working weights (fp32 except in the master modes and
+        ``bf16-sr``)."""
+        return self.compute_dtype if self.low_precision_weights else torch.float32
 
     @property
     def master_weights(self) -> bool:
         """True when the model holds low-precision weights and the optimizer an fp32 copy."""
         return self.mode.endswith("-master")
+
+    @property
+    def rounded_weights(self) -> bool:
+        """True when the model holds low-precision weights and no master copy: each update
+        is stored into them with stochastic rounding (``bf16-sr``)."""
+        return self.mode.endswith("-sr")
+
+    @property
+    def low_precision_weights(self) -> bool:
+        """True when the model's weights (outside fp32 islands) are 16-bit."""
+        return self.master_weights or self.rounded_weights
 
     @property
     def loss_scaling(self) -> bool:

@@ -11,6 +11,8 @@ A kept moment is one of:
   octaves, signed ones (a first moment, momentum) ±1..127 over
   :data:`FIRST_MOMENT_OCTAVES`; code 0 is 0.
 * **bf16**: an int16 tensor holding the bfloat16 bits (for the same reason).
+* **fp32**: torch's own moment, a tensor of the parameter's shape (kept by memfit's step
+  when it also rounds 16-bit weights: :func:`round_weight`).
 
 Values are stored with **stochastic rounding** between the two nearest codes (or bf16
 numbers), with uniform draws the caller gives (one draw serves every moment of a piece:
@@ -43,6 +45,7 @@ __all__ = [
     "empty_like_state",
     "quantize",
     "read",
+    "round_weight",
     "write",
 ]
 
@@ -133,20 +136,44 @@ def dequantize(q: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> torch.
     return values.reshape(-1)[:numel].reshape(shape)
 
 
-def round_bf16(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
-    """``x`` (fp32, flat) in bfloat16, rounded stochastically (16 random bits from
-    ``draw``, uniform in [0, 1), added below bf16's mantissa before the low 16 bits are
-    cut), as its bits in an int16 tensor."""
-    bits = x.float().contiguous().view(torch.int32)
-    noise = draw[: x.numel()].mul(65536.0).to(torch.int32).view(x.shape)
-    cut = (bits + noise) & ~0xFFFF
+def _rounded(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) in bfloat16: ``noise`` (16 random bits, int32) added below bf16's
+    mantissa before the low 16 bits are cut, which rounds up with the probability of the
+    cut part; an update smaller than the last bit is kept on average."""
+    flat = x.float().contiguous().reshape(-1)
+    bits = flat.view(torch.int32)
+    cut = (bits + noise).bitwise_and_(~0xFFFF)
     # Inf and NaN keep their bits (adding noise could turn an inf into a NaN).
-    cut = torch.where(torch.isfinite(x), cut, bits & ~0xFFFF)
-    return cut.view(torch.float32).to(torch.bfloat16).view(torch.int16)
+    cut = torch.where(torch.isfinite(flat), cut, bits & ~0xFFFF)
+    return cut.view(torch.float32).to(torch.bfloat16)
+
+
+def round_bf16(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32, flat) in bfloat16, rounded stochastically with the high 16 bits of
+    ``draw`` (uniform in [0, 1)), as its bits in an int16 tensor."""
+    noise = draw[: x.numel()].mul(65536.0).to(torch.int32)
+    return _rounded(x, noise).view(torch.int16)
+
+
+def round_weight(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) as a bfloat16 tensor of its shape, rounded stochastically (Gupta et
+    al., "Deep Learning with Limited Numerical Precision", 2015). The 16 random bits are
+    the low ones of ``draw``'s 24 (a moment's rounding uses the high ones), so one draw
+    serves a piece's weights and moments.
+
+    Example::
+
+        w = round_weight(torch.full((4,), 1.0 + 2**-10), torch.rand(draws(4)))
+        w.dtype   # torch.bfloat16; each element is 1.0 or 1.0078125
+    """
+    noise = draw[: x.numel()].mul(16777216.0).to(torch.int32).bitwise_and_(0xFFFF)
+    return _rounded(x, noise).view(x.shape)
 
 
 def empty_like_state(p: torch.Tensor, bits: str, signed: bool) -> Any:
     """A kept moment for parameter ``p`` holding zeros."""
+    if bits == "fp32":
+        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     if bits == "8bit":
         dtype = torch.int8 if signed else torch.uint8
         padded = _padded(p.numel())
@@ -170,7 +197,10 @@ def bits_of(value: Any) -> str:
 
 
 def read(kept: Any, bits: str, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start:stop`` of a kept moment in fp32 (``start`` a multiple of BLOCK)."""
+    """Elements ``start:stop`` of a kept moment in fp32 (``start`` a multiple of BLOCK);
+    for ``"fp32"``, a view that updates it in place."""
+    if bits == "fp32":
+        return kept.view(-1)[start:stop]
     if bits == "8bit":
         end = min(_padded(stop), kept["codes"].numel())
         part = {
@@ -189,6 +219,11 @@ def draws(numel: int) -> int:
 def write(kept: Any, bits: str, start: int, values: torch.Tensor, draw: torch.Tensor) -> None:
     """Store fp32 ``values`` as elements ``start:`` of a kept moment (``start`` a
     multiple of BLOCK), rounded stochastically with ``draw`` (:func:`draws` of them)."""
+    if bits == "fp32":
+        target = kept.view(-1)[start : start + values.numel()]
+        if target.data_ptr() != values.data_ptr():  # read() gave a view, updated in place
+            target.copy_(values)
+        return
     if bits == "8bit":
         q = quantize(values, kept["codes"].dtype == torch.int8, draw)
         n = q["codes"].numel()
