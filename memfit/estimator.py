@@ -241,13 +241,13 @@ class _Estimator:
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None]
     accumulation_steps: int
     layout: RankLayout
-    zero_grad: ZeroGrad
-    """Where the step frees the gradients: ``"in_backward"`` when they are released."""
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = field(default_factory=dict)
     profiles: dict[tuple[str, int], ModelProfile] = field(default_factory=dict)
     solved: dict[tuple[str, int, str, int | None, bool], PlanResult | BudgetError] = field(
         default_factory=dict
     )
+    zero_grad: ZeroGrad = "before_forward"
+    """Where the step frees the gradients: ``"in_backward"`` when they are released."""
 
     def model(self, policy: PrecisionPolicy) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if policy.mode not in self.models:
@@ -488,7 +488,7 @@ def estimate(
         kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state),
         int(accumulation_steps),
         RankLayout.of(world_size, data_parallel),
-        "in_backward" if release_gradients else "before_forward",
+        zero_grad="in_backward" if release_gradients else "before_forward",
     )
     rows: list[EstimateRow] = []
     parameters = 0
