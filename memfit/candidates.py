@@ -40,6 +40,7 @@ from memfit.checkpoint.step_memory import RankLayout
 from memfit.deprecations import warn_renamed
 from memfit.errors import BudgetError, ConfigError
 from memfit.estimator import STRATEGIES, estimate_cells
+from memfit.precision.optimizer_state import kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import MatmulSpeed, expand_precisions, matmul_speed
 from memfit.units import format_bytes
@@ -79,12 +80,18 @@ class Candidate:
     note: str = ""
     recompute_step_seconds: float = 0.0
     """The part of ``predicted_step_seconds`` that is the plan's recompute."""
+    optimizer_state: str = "fp32"
+    """How the optimizer keeps its state (``Engine(optimizer_state=)``)."""
 
     def describe(self) -> str:
-        """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2``."""
+        """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2`` (and the optimizer
+        state where it is not fp32: ``..., 8bit optimizer state``)."""
+        state = (
+            f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
+        )
         return (
             f"{self.precision}, checkpoint {self.checkpoint}, micro-batch {self.micro_batch}"
-            f" x {self.accumulation_steps}"
+            f" x {self.accumulation_steps}{state}"
         )
 
 
@@ -169,9 +176,13 @@ def rank_candidates(
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
     device: str | torch.device = "cpu",
     speed: MatmulSpeed | None = None,
+    optimizer_state: str = "fp32",
 ) -> list[Candidate]:
     """Every candidate with its predicted peak and step time, ranked: those that fit
     ``budget`` first, fastest first (ties: the larger micro-batch, then less recompute).
+    ``optimizer_state``: how every candidate's optimizer keeps its state (``"fp32"``,
+    ``"bf16"``, ``"8bit"``). ``bf16-sr`` is not split into micro-batches (it would sum
+    them in bf16).
 
     ``speed``: the FLOP rates per dtype (default: the matmul probe on ``device``).
     ``world_size`` > 1: every peak is one rank's, under ``data_parallel`` (``"ddp"``, the
@@ -187,13 +198,19 @@ def rank_candidates(
     if speed is None:
         dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
         speed = matmul_speed(device, tuple(sorted(dtypes, key=str)))
-    cells = [(p, m, s, a) for p in modes for m, a in splits for s in strategies]
+    cells = [
+        (p, m, s, a)
+        for p in modes
+        for m, a in splits
+        for s in strategies
+        if a == 1 or not PrecisionPolicy.of(p).rounded_weights
+    ]
     found = estimate_cells(
         model_fn,
         batch_fn,
         cells,
         loss_fn=loss_fn,
-        optimizer_fn=optimizer_fn,
+        optimizer_fn=kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state),
         budget=budget,
         layout=layout,
     )
@@ -203,7 +220,15 @@ def rank_candidates(
         setting = (precision, strategy, micro, accumulation)
         if cell.row is None:
             out.append(
-                Candidate(*setting, None, None, None, False, note="no plan under the budget")
+                Candidate(
+                    *setting,
+                    None,
+                    None,
+                    None,
+                    False,
+                    note="no plan under the budget",
+                    optimizer_state=optimizer_state,
+                )
             )
             continue
         row = cell.row
@@ -228,6 +253,7 @@ def rank_candidates(
                 bool(row.fits),
                 row.plan,
                 recompute_step_seconds=accumulation * row.plan.recompute_seconds * to_rate,
+                optimizer_state=optimizer_state,
             )
         )
     out.sort(key=_rank_key)

@@ -732,3 +732,65 @@ def test_a_model_that_cannot_run_on_meta_tensors_gets_the_estimators_advice() ->
 
     with pytest.raises(ConfigError, match="smaller real instance"):
         memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=0)
+
+
+def test_optimizer_state_auto_takes_fewer_bits_only_where_nothing_else_fits(monkeypatch) -> None:
+    _count_alone(monkeypatch)
+    model_fn, batch_fn, loss_fn = _parts()
+    kw = {"global_batch": 8, "precisions": ["fp32"]}
+    with assumed_speed("cpu", FAST_BF16):
+        least = {
+            state: min(
+                c.predicted_peak_bytes
+                for c in rank_candidates(
+                    model_fn, batch_fn, loss_fn, budget=2**40, optimizer_state=state, **kw
+                )
+                if c.predicted_peak_bytes
+            )
+            for state in ("fp32", "8bit")
+        }
+        assert least["8bit"] < least["fp32"]
+        budget = int((least["8bit"] + least["fp32"]) / 2)
+        with pytest.raises(BudgetError, match="smallest budget"):
+            memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, measure_top=0, **kw)
+        res = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            optimizer_state="auto",
+            measure_top=1,
+            steps=1,
+            peers=False,
+            **kw,
+        )
+        roomy = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=2 * least["fp32"],
+            optimizer_state="auto",
+            measure_top=0,
+            **kw,
+        )
+    assert res.best.optimizer_state == "8bit" and res.best.measured_peak_bytes <= budget
+    assert "8bit optimizer state" in res.summary()
+    assert json.loads(res.to_json())["best"]["optimizer_state"] == "8bit"
+    torch.manual_seed(0)
+    model = model_fn()
+    engine = res.engine(model, torch.optim.AdamW(model.parameters()))
+    assert engine.settings.optimizer_state == "8bit"
+    engine.train_step(batch_fn(8), loss_fn)
+    assert roomy.best.optimizer_state == "fp32"  # fp32 state fits: kept
+    assert "optimizer_state" not in roomy.engine_kwargs()
+    with pytest.raises(ConfigError, match="optimizer_state must be one of"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, optimizer_state="4bit", **kw)
+
+
+def test_bf16_sr_is_tuned_with_one_micro_batch_a_step() -> None:
+    model_fn, batch_fn, loss_fn = _parts()
+    with assumed_speed("cpu", FAST_BF16):
+        ranked = rank_candidates(
+            model_fn, batch_fn, loss_fn, budget=2**40, global_batch=8, precisions=["bf16-sr"]
+        )
+    assert ranked and {c.accumulation_steps for c in ranked} == {1}

@@ -52,6 +52,13 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="comma-separated modes to compare (default: fp32,bf16-mixed,bf16-master)",
     )
+    p.add_argument(
+        "--optimizer-state",
+        default="fp32",
+        choices=("fp32", "bf16", "8bit", "auto"),
+        help="how AdamW keeps its moments in every setting; auto: 8bit only where nothing "
+        "fits with fp32 (default: fp32)",
+    )
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument(
         "--data-parallel",
@@ -132,6 +139,7 @@ def compute(args: argparse.Namespace) -> TuneResult:
         peers=not args.no_peers,
         max_seconds=args.max_seconds,
         device=device,
+        optimizer_state=args.optimizer_state,
     )
 
 

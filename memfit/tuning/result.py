@@ -53,6 +53,9 @@ class TuneRow:
     )
     micro_batch = _of_candidate("micro_batch", "Samples per micro-batch.")
     accumulation_steps = _of_candidate("accumulation_steps", "Micro-batches per step.")
+    optimizer_state = _of_candidate(
+        "optimizer_state", "How the optimizer keeps its state (``Engine(optimizer_state=)``)."
+    )
     predicted_peak_bytes = _of_candidate(
         "predicted_peak_bytes", "The estimator's peak (None: no plan under the budget)."
     )
@@ -83,6 +86,7 @@ _FIELDS = (
     "checkpoint",
     "micro_batch",
     "accumulation_steps",
+    "optimizer_state",
     "predicted_peak_bytes",
     "predicted_step_seconds",
     "recompute_fraction",
@@ -156,16 +160,21 @@ class TuneResult:
     def engine_kwargs(self) -> dict[str, Any]:
         """The Engine arguments of the choice: precision, checkpoint, budget, accumulation
         (over ranks, precision and accumulation: :meth:`parallelize` applies the plan)."""
+        state = {"optimizer_state": self.best.optimizer_state}
+        if self.best.optimizer_state == "fp32":
+            state = {}  # the Engine's default
         if self.world_size > 1:
             return {
                 "precision": self.best.precision,
                 "accumulation_steps": self.best.accumulation_steps,
+                **state,
             }
         return {
             "precision": self.best.precision,
             "checkpoint": self.best.checkpoint,
             "memory_budget": self.memory_budget,
             "accumulation_steps": self.best.accumulation_steps,
+            **state,
         }
 
     def parallelize_kwargs(self) -> dict[str, Any]:
@@ -290,7 +299,9 @@ class TuneResult:
         b = self.best
         lines.append(
             f"best: {b.precision}, checkpoint {b.checkpoint}, micro-batch {b.micro_batch} x "
-            f"{b.accumulation_steps} accumulation" + (f" ({self.verdict})" if self.verdict else "")
+            f"{b.accumulation_steps} accumulation"
+            + (f", {b.optimizer_state} optimizer state" if b.optimizer_state != "fp32" else "")
+            + (f" ({self.verdict})" if self.verdict else "")
         )
         lines += [f"advice: {a}" for a in self.advice]
         return "\n".join(lines)

@@ -128,6 +128,7 @@ class Trial:
                     checkpoint=checkpoint,
                     memory_budget=budget if checkpoint == "optimal" else None,
                     accumulation_steps=row.accumulation_steps,
+                    optimizer_state=row.optimizer_state,
                 )
                 batch = batch_fn(row.micro_batch * row.accumulation_steps)
                 engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state

@@ -52,6 +52,7 @@ from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.monitor.advice import plan_unit_counts
 from memfit.nested import tensors
+from memfit.precision.optimizer_state import check_optimizer_state
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import expand_precisions, matmul_speed
 from memfit.trials.decide import Timed, decide
@@ -96,6 +97,7 @@ def tune(
     peers: bool = True,
     max_seconds: float | None = 300.0,
     device: str | torch.device | None = None,
+    optimizer_state: str = "fp32",
 ) -> TuneResult:
     """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
 
@@ -136,6 +138,11 @@ def tune(
             one has) and no round beyond ``steps`` is timed; None: no bound. The time
             spent is in ``TuneResult.tuning_seconds``.
         device: where trials run (default: where ``batch_fn``'s tensors are).
+        optimizer_state: how the optimizer keeps its state in every setting (``"fp32"``,
+            ``"bf16"``, ``"8bit"``; docs/tiers.md), or ``"auto"``: fp32 unless nothing
+            fits the budget with it, then 8 bits. The choice is in ``best`` and
+            :meth:`TuneResult.engine`. ``precisions`` may name ``bf16-sr``, which is
+            tried with one micro-batch a step.
 
     Raises:
         ConfigError: a global batch no split makes (the message lists valid ones), an
@@ -168,19 +175,25 @@ def tune(
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, where)
     dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
     speed = matmul_speed(where, tuple(sorted(dtypes, key=str)))
-    ranked = rank_candidates(
-        model_fn,
-        batch_fn,
-        loss_fn,
-        budget=limit,
-        global_batch=global_batch,
-        world_size=world_size,
-        data_parallel=data_parallel,
-        precisions=modes,
-        optimizer_fn=optimizer_fn,
-        device=where,
-        speed=speed,
-    )
+    check_optimizer_state(optimizer_state, also=("auto",))
+    # "auto": the state in fewer bits only where nothing fits with torch's own.
+    for state in ("fp32", "8bit") if optimizer_state == "auto" else (optimizer_state,):
+        ranked = rank_candidates(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=limit,
+            global_batch=global_batch,
+            world_size=world_size,
+            data_parallel=data_parallel,
+            precisions=modes,
+            optimizer_fn=optimizer_fn,
+            device=where,
+            speed=speed,
+            optimizer_state=state,
+        )
+        if any(c.fits for c in ranked):
+            break
     step_time = StepTimeModel(note="not measured (measure_top=0)")
     if measure_top:
         step_time = _calibrate(ranked, modes, model_fn, batch_fn, loss_fn, optimizer_fn, where)
