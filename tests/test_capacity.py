@@ -284,3 +284,19 @@ def test_bad_memory_tiers_are_refused() -> None:
         memfit.capacity(_family, INPUTS, memory_tiers="some", **kw)
     with pytest.raises(ConfigError, match="data-parallel"):
         memfit.capacity(_family, INPUTS, memory_tiers="all", world_size=2, **kw)
+
+
+def test_cli_tiers_and_released_gradients(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--set", "block_size=32", "--batch-size", "2", "--precision", "fp32"]
+    args += ["--strategy", "none"]
+    assert main([*args, "--json", "--release-gradients"]) == 0
+    released = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    # Released: one tensor's gradient at a time, not every gradient.
+    assert released["rows"][0]["parts"]["grads"] < kept["rows"][0]["parts"]["grads"]
+    assert main([*args, "--tiers", "all"]) == 2
+    assert "add --scale" in capsys.readouterr().err
+    scale = [*args, "--scale", "--sizes", "1x32", "--device-memory", "6MiB"]
+    assert main([*scale, "--release-gradients"]) == 2
+    assert "--tiers all" in capsys.readouterr().err
