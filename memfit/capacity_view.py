@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,10 +41,20 @@ from memfit.precision.optimizer_state import for_rounded_weights, kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["BASELINE", "MEMORY_TIERS", "Capacity", "CapacityRow", "Tiers", "capacity"]
+__all__ = ["BASELINE", "MEMORY_TIERS", "Capacity", "CapacityRow", "Combo", "Tiers", "capacity"]
+
+
+class Combo(NamedTuple):
+    """What a capacity's rows are grouped by: a precision, a strategy and the tiers."""
+
+    precision: str
+    strategy: str
+    tiers: str = ""
+    """:attr:`Tiers.name` (``""``: none)."""
+
 
 #: What the headline compares with: plain fp32 training, no checkpointing, no tiers.
-BASELINE = ("fp32", "none", "")
+BASELINE = Combo("fp32", "none", "")
 #: What ``capacity(memory_tiers=)`` takes: the optimizer state given alone, or every tier.
 MEMORY_TIERS = ("none", "all")
 
@@ -123,9 +133,9 @@ class Capacity:
     batch_size: int
     device_memory: int
 
-    def combos(self) -> list[tuple[str, str, str]]:
-        """The (precision, strategy, tiers) triples, in the order they were estimated."""
-        return list(dict.fromkeys((r.precision, r.strategy, r.tiers) for r in self.rows))
+    def combos(self) -> list[Combo]:
+        """The (precision, strategy, tiers) of the rows, in the order they were estimated."""
+        return list(dict.fromkeys(Combo(r.precision, r.strategy, r.tiers) for r in self.rows))
 
     def of(self, precision: str, strategy: str, tiers: str = "") -> list[CapacityRow]:
         """The rows of one precision, strategy and tiers, smallest model first."""
