@@ -163,6 +163,7 @@ def tune(
         raise ConfigError(f"measure_top must be an int >= 0, got {measure_top!r}")
     if int(steps) != steps or steps < 1:
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+    check_optimizer_state(optimizer_state, also=("auto",))
     if max_seconds is not None and not max_seconds > 0:
         raise ConfigError(
             f"max_seconds must be a number of seconds > 0 or None, got {max_seconds!r}"
@@ -175,7 +176,6 @@ def tune(
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, where)
     dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
     speed = matmul_speed(where, tuple(sorted(dtypes, key=str)))
-    check_optimizer_state(optimizer_state, also=("auto",))
     # "auto": the state in fewer bits only where nothing fits with torch's own.
     for state in ("fp32", "8bit") if optimizer_state == "auto" else (optimizer_state,):
         ranked = rank_candidates(
