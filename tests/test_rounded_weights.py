@@ -192,3 +192,19 @@ def test_what_it_cannot_train_is_refused_before_anything_changes(make, settings,
         memfit.Engine(model, opt, precision="bf16-sr", monitor=False, **settings)
     assert_bitwise(model.state_dict(), before)
     assert not rounds_weights(opt) and "step" not in opt.__dict__
+
+
+def test_an_eight_bit_run_resumes_with_fp32_state(tmp_path: Path) -> None:
+    path = tmp_path / "state.pt"
+    whole = _run(path, "8bit", 3)
+    model, batch = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = memfit.Engine.resume(path, model, opt, optimizer_state="fp32", monitor=False)
+    assert rounds_weights(opt) and state_bits(opt) == "fp32"
+    # The codes decoded to fp32 moments beside the bf16 weights, not to bf16 ones.
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+    losses = [float(engine.train_step(batch, gpt_loss)) for _ in range(3)]
+    # The first step after it updates from the moments the 8-bit run read: the loss after
+    # it is the 8-bit run's; the next ones round the moments no more (close).
+    assert losses[:2] == whole[3:5]
+    assert losses[2] == pytest.approx(whole[5], rel=1e-2)

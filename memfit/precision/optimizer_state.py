@@ -418,9 +418,10 @@ def _convert_fp32_state(optimizer: torch.optim.Optimizer, bits: str) -> None:
 
 def fp32_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` (an optimizer's, saved with ``optimizer_state="8bit"`` or ``"bf16"``)
-    with its low-bit moments decoded to tensors of each parameter's dtype, for loading into
-    ``optimizer`` when it keeps torch's own state: a run resumed without low-bit state goes
-    on from where it was. Anything else is returned as it is.
+    with its low-bit moments decoded to tensors of each parameter's dtype (fp32 for
+    ``bf16-sr``'s step), for loading into ``optimizer`` when it keeps fp32 state: a run
+    resumed without low-bit state goes on from where it was. Anything else is returned as
+    it is.
 
     Example::
 
@@ -437,7 +438,10 @@ def fp32_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
             if is_kept(value) and isinstance(key, int) and key < len(params):
                 p = params[key]
                 bits = bits_of(value)
-                out = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                # bf16-sr's step keeps fp32 moments beside bf16 weights; torch's, the
+                # parameter's dtype.
+                dtype = torch.float32 if rounds_weights(optimizer) else p.dtype
+                out = torch.empty(p.numel(), dtype=dtype, device=p.device)
                 for start, stop in pieces(p.numel()):
                     out[start:stop] = read(_on(value, p.device), bits, start, stop)
                 entry[name] = out.view(p.shape)
