@@ -36,8 +36,15 @@ from torch import nn
 
 from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.errors import ConfigError
-from memfit.estimator import STRATEGIES, LossFn, estimate, meta_model, rich_table
-from memfit.precision.optimizer_state import for_rounded_weights, kept_as
+from memfit.estimator import (
+    STRATEGIES,
+    LossFn,
+    estimate,
+    meta_model,
+    rich_table,
+    trained_optimizer,
+)
+from memfit.precision.optimizer_state import kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
 
@@ -490,9 +497,6 @@ def _static_bytes(
     under FSDP2 without the gathered blocks (the model is not profiled), a lower bound.
     Released gradients are left out (one tensor's at a time: a lower bound too)."""
     model = meta_model(model_fn)
-    optimizer = optimizer_fn(model.parameters())
-    if policy.rounded_weights:  # bf16-sr: memfit's step, fp32 moments at least
-        optimizer = for_rounded_weights(optimizer)
-    static = static_bytes(model, policy, optimizer, layout)
+    static = static_bytes(model, policy, trained_optimizer(optimizer_fn, model, policy), layout)
     held = static.total_bytes - (static.grads if tiers.release_gradients else 0.0)
     return _Static(sum(p.numel() for p in model.parameters()), float(held))

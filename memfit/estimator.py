@@ -231,6 +231,23 @@ class _Discard:
         pass
 
 
+def trained_optimizer(
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None],
+    model: nn.Module,
+    policy: PrecisionPolicy,
+) -> torch.optim.Optimizer | None:
+    """``optimizer_fn``'s optimizer over ``model`` as the Engine trains it under ``policy``:
+    in ``bf16-sr``, memfit's step with stochastic rounding and at least fp32 moments
+    (:func:`~memfit.precision.optimizer_state.for_rounded_weights`).
+
+    Example::
+
+        trained_optimizer(torch.optim.AdamW, meta_model(model_fn), PrecisionPolicy("bf16-sr"))
+    """
+    optimizer = optimizer_fn(model.parameters())
+    return for_rounded_weights(optimizer) if policy.rounded_weights else optimizer
+
+
 @dataclass
 class _Estimator:
     """Builds the meta model once per precision and profiles it per batch size (cached)."""
@@ -252,10 +269,7 @@ class _Estimator:
     def model(self, policy: PrecisionPolicy) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if policy.mode not in self.models:
             model = meta_model(self.model_fn)
-            optimizer = self.optimizer_fn(model.parameters())
-            if policy.rounded_weights:  # bf16-sr: memfit's step, fp32 moments at least
-                optimizer = for_rounded_weights(optimizer)
-            self.models[policy.mode] = (model, optimizer)
+            self.models[policy.mode] = (model, trained_optimizer(self.optimizer_fn, model, policy))
         return self.models[policy.mode]
 
     def profiled(self, policy: PrecisionPolicy, batch_size: int) -> ModelProfile:

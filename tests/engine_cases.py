@@ -1,5 +1,5 @@
-"""The small regression problem the Engine's tests train (a net, its batches and losses), and
-the bitwise comparison they judge continuations by."""
+"""The small regression problem the Engine's tests train (a net, its batches and losses), the
+bitwise comparison they judge continuations by, and a run saved and resumed to compare."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import memfit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,3 +64,28 @@ def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
         assert isinstance(b, float) and math.isnan(b), where
     else:
         assert a == b, (where, a, b)
+
+
+def saved_run(
+    path: Any,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any,
+    steps: int,
+    resume: bool = False,
+    **engine_kwargs: Any,
+) -> list[float]:
+    """The losses of ``steps`` steps of an Engine over ``model`` (AdamW, lr 1e-3, no
+    monitor) made with ``engine_kwargs``, saved to ``path``, then of ``steps`` more; with
+    ``resume``, of ``steps`` steps of the Engine resumed from ``path`` instead: the second
+    half of a run and a resumed one, to compare bitwise."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if resume:
+        engine = memfit.Engine.resume(path, model, opt, monitor=False)
+    else:
+        engine = memfit.Engine(model, opt, monitor=False, **engine_kwargs)
+    losses = [float(engine.train_step(batch, loss_fn)) for _ in range(steps)]
+    if not resume:
+        engine.save(path)
+        losses += [float(engine.train_step(batch, loss_fn)) for _ in range(steps)]
+    return losses

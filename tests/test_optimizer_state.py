@@ -31,7 +31,7 @@ from memfit.precision.state_codes import (
     quantize,
     read,
 )
-from tests.engine_cases import assert_bitwise
+from tests.engine_cases import assert_bitwise, saved_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -286,18 +286,8 @@ def test_eight_bit_state_measured_and_predicted(case) -> None:
 
 def _engine_run(path: Path, bits: str, steps: int, resume: bool = False) -> list[float]:
     model, batch, loss_fn = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if resume:
-        engine = memfit.Engine.resume(path, model, opt, monitor=False)
-    else:
-        engine = memfit.Engine(
-            model, opt, precision="bf16-master", optimizer_state=bits, monitor=False
-        )
-    losses = [float(engine.train_step(batch, loss_fn)) for _ in range(steps)]
-    if not resume:
-        engine.save(path)
-        losses += [float(engine.train_step(batch, loss_fn)) for _ in range(steps)]
-    return losses
+    kwargs = {"precision": "bf16-master", "optimizer_state": bits}
+    return saved_run(path, model, batch, loss_fn, steps, resume, **kwargs)
 
 
 @pytest.mark.parametrize("bits", ["8bit", "bf16"])

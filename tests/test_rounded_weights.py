@@ -22,7 +22,7 @@ from memfit.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision.optimizer_state import low_bit_state, rounds_weights, state_bits
 from memfit.precision.state_codes import draws, round_weight
-from tests.engine_cases import assert_bitwise
+from tests.engine_cases import assert_bitwise, saved_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,18 +147,8 @@ def test_memory_predicted_and_measured() -> None:
 
 def _run(path: Path, bits: str, steps: int, resume: bool = False) -> list[float]:
     model, batch = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if resume:
-        engine = memfit.Engine.resume(path, model, opt, monitor=False)
-    else:
-        engine = memfit.Engine(
-            model, opt, precision="bf16-sr", optimizer_state=bits, checkpoint="none", monitor=False
-        )
-    losses = [float(engine.train_step(batch, gpt_loss)) for _ in range(steps)]
-    if not resume:
-        engine.save(path)
-        losses += [float(engine.train_step(batch, gpt_loss)) for _ in range(steps)]
-    return losses
+    kwargs = {"precision": "bf16-sr", "optimizer_state": bits, "checkpoint": "none"}
+    return saved_run(path, model, batch, gpt_loss, steps, resume, **kwargs)
 
 
 @pytest.mark.parametrize("bits", ["fp32", "8bit"])
