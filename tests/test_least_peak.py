@@ -309,3 +309,56 @@ def test_weight_copies_kept_units_save_are_the_autocast_caches(
     # emulated.
     _over_on_native_bf16(request, "+3.2% to +4.3%")
     assert_bf16_least_within_3_percent(*mlp_blocks(3))
+
+
+class PartsModel(nn.Module):
+    """A click-through model as such models are written: each feature's part made by its
+    own unit and gathered in a list, which the forward holds while the top MLP runs on their
+    concatenation (a forward moment above the end of forward's), and a 1-wide output (the
+    gradient the head of backward hands on is far smaller than a block's)."""
+
+    def __init__(self, tables: int = 6, rows: int = 512, dim: int = 32, hidden: int = 128):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(13, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.embeddings = nn.ModuleList(
+            nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables)
+        )
+        self.top = nn.Sequential(
+            nn.Linear(dim * (tables + 1), 4 * hidden),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(4 * hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 1),
+        )
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [self.bottom(batch["dense"])]
+        parts += [table(ids) for table, ids in zip(self.embeddings, batch["bags"])]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+
+def click_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(model(batch), batch["clicks"])
+
+
+def test_a_forward_moment_above_the_end_of_forward_is_predicted() -> None:
+    # Before: no unit's forward was a moment of the cost model, and the end of forward and
+    # the head of backward were counted with the largest gradient in flight between units
+    # (2 MiB here), which neither has. The two nearly cancelled at the zoo's recommender's
+    # least plan (+3.1%) and over-predicted its unplanned step (+4.8%).
+    torch.manual_seed(0)
+    model = PartsModel()
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "dense": torch.randn(1024, 13, generator=g),
+        "bags": torch.randint(0, 512, (6, 1024, 8), generator=g),
+        "clicks": (torch.rand(1024, generator=g) < 0.2).float(),
+    }
+    root = profile_step(model, batch, click_loss, PrecisionPolicy("fp32")).root
+    dropout = next(u for u in root.walk() if u.name == "top.2")
+    # Its forward holds its output and the list of parts above all saved by its end.
+    assert dropout.forward_peak_bytes >= 1024 * 512 * 4, dropout.forward_peak_bytes
+    predicted, measured = measured_least_error(model, batch, click_loss)
+    error = (predicted - measured) / measured
+    assert -0.01 <= error <= 0.03, f"predicted {predicted:.0f}, measured {measured:.0f}"

@@ -290,10 +290,12 @@ def test_a_plan_predicted_at_the_edge_of_the_budget_is_measured_before_the_least
     root = with_backward_costs(profiled.root, model, policy)
     least = solve_profile(model, profiled, policy, optimizer, "full", None)
     frontier = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan.frontier
-    # The second least point of the frontier, as the budget: predicted within it exactly.
+    # Midway between the second and the third least points of the frontier, as the budget:
+    # the second's plan is predicted within it (its prediction, within 0.2% of its
+    # measurement here, may lie on either side of it).
     peaks = sorted({p.peak_bytes for p in frontier})
-    assert len(peaks) >= 2
-    budget = peaks[1]
+    assert len(peaks) >= 3
+    budget = (peaks[1] + peaks[2]) / 2
     run = StepRun(model, least.memory, policy, profiled.run_loss, profiled.structure)
     fit = measured_plan(run, root, "optimal", budget)
     assert fit is not None and fit.verdict.fits

@@ -69,17 +69,23 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
     # at[j]: the configurations of children 0..j-1 (the flag: the last one ended a piece).
     # Own saved bytes from the start, but for those after the last child (freed first).
     tail = min(unit.own_saved_after_children_bytes, unit.own_saved_bytes) if kids else 0.0
-    at: dict[int, set] = {0: {(unit.own_saved_bytes - tail, 0.0, 0.0, 0.0, False)}}
+    # The highest moment starts at -inf (none yet): a child without one adds none at what
+    # is kept before it, which a negative loss would otherwise reveal.
+    at: dict[int, set] = {0: {(unit.own_saved_bytes - tail, -math.inf, 0.0, 0.0, False)}}
     for j in range(len(kids)):
         shared = min(kids[j].input_saved_by_previous_bytes, kids[j].input_bytes)
         held = min(kids[j].input_saved_by_both_bytes, shared)
+        # A kept leaf's forward right after a piece holds the rest of its input besides.
+        after_piece = kids[j].forward_hold_bytes + shared - held
+        after = after_piece if kids[j].forward_hold_bytes and not kids[j].children else 0.0
         for k, m, s, f, ended in at[j]:
             for k2, m2, s2, f2, piece, ends in options[j]:
                 # A kept child after a piece holds the piece's output, which it saves.
                 b = held if j and ended and not piece else 0.0
-                at.setdefault(j + 1, set()).add(
-                    (k + b + k2, max(m, k + b + m2), s + s2, f + f2, ends)
-                )
+                high = max(m, k + b + m2)
+                if j and ended and not piece and after:
+                    high = max(high, k + b + k2 + after)
+                at.setdefault(j + 1, set()).add((k + b + k2, high, s + s2, f + f2, ends))
             if not chain:
                 continue
             for e in range(j + 1, len(kids)):
@@ -110,8 +116,9 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                             True,
                         )
                     )
-    # Kept: its own backward runs with all kept through it held, and holds its own bytes.
-    hold = unit.backward_hold_bytes if not kids else 0.0  # a kept leaf's backward
+    # Kept: its own backward runs with all kept through it held, and holds its own bytes;
+    # its forward ran so too (the larger of the two).
+    hold = max(unit.backward_hold_bytes, unit.forward_hold_bytes) if not kids else 0.0
     result = {
         (k + tail, max(m, k + tail + hold) if hold else m, s, f, False, ends)
         for k, m, s, f, ends in at.get(len(kids), set())
@@ -144,7 +151,8 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
 def _brute_points(
     root: UnitCost, static: float, loss: float = 0.0
 ) -> set[tuple[float, float, float]]:
-    return {(static + max(k + loss, h), s, f) for k, h, s, f, _, _ in _configs(root, True)}
+    # The solver counts no moment below the static bytes (its highest rebuild starts at 0).
+    return {(static + max(k + loss, h, 0.0), s, f) for k, h, s, f, _, _ in _configs(root, True)}
 
 
 def _pareto(points: set[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
@@ -195,6 +203,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
         if draw(st.booleans()):
             unit.backward_hold_bytes = draw(st.integers(0, 40).map(float))
         if draw(st.booleans()):
+            unit.forward_hold_bytes = draw(st.integers(0, 40).map(float))
+        if draw(st.booleans()):
             unit.forward_workspace_bytes = draw(small)
         if draw(st.booleans()):
             unit.backward_workspace_bytes = draw(small)
@@ -219,7 +229,7 @@ def _points(sol: Solution) -> list[tuple[float, float, float]]:
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(small_trees(), st.integers(0, 50).map(float), st.integers(0, 20).map(float))
+@given(small_trees(), st.integers(20, 70).map(float), st.integers(-20, 20).map(float))
 def test_optimal_frontier_is_the_brute_force_frontier(
     root: UnitCost, static: float, loss: float
 ) -> None:
@@ -229,7 +239,9 @@ def test_optimal_frontier_is_the_brute_force_frontier(
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(small_trees(), st.integers(0, 20).map(float), st.integers(0, 20).map(float), st.floats(0, 1))
+@given(
+    small_trees(), st.integers(20, 40).map(float), st.integers(-20, 20).map(float), st.floats(0, 1)
+)
 def test_budget_picks_the_cheapest_plan_that_fits(
     root: UnitCost, static: float, loss: float, where: float
 ) -> None:
@@ -832,3 +844,15 @@ def test_fractional_costs_terminate_and_fit() -> None:
         budget = rng.uniform(min(peaks), max(peaks))
         fitted = solve(root, "optimal", budget)
         assert fitted.predicted_peak_bytes <= budget * (1 + 1e-12)
+
+
+def test_a_negative_loss_ends_the_frontier_at_the_static_bytes() -> None:
+    # The end of forward may lie below the static bytes (they count a gradient in flight
+    # that moment has not), but no plan peaks below them: the frontier walk stopped only
+    # when nothing fitted, and stepped below 0 an ulp at a time (a hang).
+    root = UnitCost("", children=[UnitCost("a", own_saved_bytes=2.0, input_bytes=1.0)])
+    sol = solve(root, "optimal", None, static_bytes=20.0, loss_bytes=-5.0)
+    assert sol.predicted_peak_bytes == 20.0
+    assert [p.peak_bytes for p in sol.frontier] == [20.0]
+    with pytest.raises(BudgetError):
+        solve(root, "optimal", 19.0, static_bytes=20.0, loss_bytes=-5.0)

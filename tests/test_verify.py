@@ -10,6 +10,7 @@ from torch import nn
 
 import memfit
 from memfit.allocator import allocator_peak
+from memfit.checkpoint.planner import RESERVE
 from memfit.errors import BudgetError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,8 +148,7 @@ class ReturnsHidden(nn.Module):
 
 class DeeplySupervised(nn.Module):
     """Returns every block's hidden activation beside its output; the loss reads them all.
-    The hidden activations are the output and what each block saves at once, which the
-    cost model counts twice: a fixed plan is predicted above what it measures."""
+    The hidden activations are the output and what each block saves at once."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -179,8 +179,12 @@ def test_a_fixed_strategy_at_the_budgets_edge_is_decided_by_its_measured_step() 
     settings = dict(strategy="full", precision="fp32", units=units)
     free = memfit.plan(model, batch, _supervised_loss, **settings)
     measured = free.measured_peak_bytes
-    assert measured is not None and free.predicted_peak_bytes > measured * 1.03
-    fitted = memfit.plan(model, batch, _supervised_loss, budget=int(measured * 1.01), **settings)
+    assert measured is not None
+    # Half a percent above the measured peak: the prediction (within 1% of the measurement
+    # here) with the planner's reserve would refuse that budget; the measurement decides.
+    budget = int(measured * 1.005)
+    assert free.predicted_peak_bytes > budget * (1 - RESERVE)
+    fitted = memfit.plan(model, batch, _supervised_loss, budget=budget, **settings)
     assert fitted.decisions == free.decisions
     assert fitted.measured_peak_bytes is not None
     assert fitted.measured_peak_bytes <= fitted.budget_bytes

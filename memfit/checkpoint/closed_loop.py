@@ -281,6 +281,7 @@ def _measured_fallback(
         result.accumulation_steps,
         result.layout,
         result.memory.released_bytes if result.zero_grad == "in_backward" else None,
+        result.memory.forward_offset_bytes,
     )
     least = measured_least_plan(run, root, result.strategy, budget_bytes, frontier=False)
     if least is not None:

@@ -113,6 +113,16 @@ class UnitCost:
     count already (the gradient in flight; with accumulation, the gradients). A rebuild
     holds at least this above its input and what it rebuilds; a kept unit without children
     this above what is kept through it. Set by the planner."""
+    forward_peak_bytes: float = 0.0
+    """The most its forward held at once beyond all the step had saved for backward by the
+    unit's end, measured on the unplanned step (0 where not measured: fake tensors): its
+    inputs and outputs that nothing saves, its temporaries, and what its callers hold
+    meanwhile (a list of earlier blocks' outputs that a concatenation reads later)."""
+    forward_hold_bytes: float = 0.0
+    """What a kept unit's forward holds above what is kept through it, above the step's
+    static bytes: ``forward_peak_bytes`` less what the held bytes count already (the
+    gradient in flight between units, which forward has none of yet). Set by the planner;
+    a kept leaf's moment is the larger of this and ``backward_hold_bytes``."""
     forward_workspace_bytes: float = 0.0
     """The most one op of the unit's forward holds for itself beyond every tensor (an
     LSTM layer's scratch), measured by the allocator on a rerun: a rebuild holds it on

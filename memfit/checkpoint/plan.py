@@ -101,7 +101,9 @@ class Plan:
     """Activation bytes held from forward to backward under the plan."""
     transient_bytes: float = 0.0
     """What the peak holds beyond static and kept: the loss at the end of forward, or, when
-    higher, a piece being rebuilt in backward (what is kept after it is freed by then)."""
+    higher, a piece being rebuilt in backward (what is kept after it is freed by then).
+    Below 0 where the highest moment is the end of forward or a kept unit's forward, which
+    hold no activation gradient in flight (counted in static for backward's moments)."""
     recompute_flops: float = 0.0
     """Extra forward FLOPs per step."""
     recompute_seconds: float = 0.0
@@ -338,8 +340,12 @@ class Plan:
             f"    static       {format_bytes(self.static_bytes):>12}  parameters, "
             "optimizer state, inputs",
             f"    kept         {format_bytes(self.kept_bytes):>12}  activations held for backward",
-            f"    transient    {format_bytes(self.transient_bytes):>12}  the loss, or the "
-            "highest rebuild in backward",
+            f"    transient    {format_bytes(self.transient_bytes):>12}  "
+            + (
+                "the loss, or the highest rebuild in backward"
+                if self.transient_bytes >= 0
+                else "the highest moment has no gradient in flight, which static counts"
+            ),
             f"  recompute      {f'{self.recompute_flops / 1e9:.2f} GFLOP':>12}  "
             f"{self.recompute_seconds * 1e3:.2f} ms per step",
         ]

@@ -286,7 +286,8 @@ class StepMemory:
     base_bytes: float
     """Held all step: parameters, buffers, optimizer state, fp32 masters, the inputs."""
     loss_bytes: float
-    """Held from the end of forward until the loss's backward: the model's output, what the
+    """Held from the end of forward until the loss's backward, less the gradient in flight
+    that ``held_bytes`` counts and these moments do not have (so it may be negative): the model's output, what the
     loss saves, and the larger of autocast's 16-bit weight copies (held until the autocast
     region ends) and the gradients the head of backward makes (the loss's, the model
     output's, and those of ops the model runs after its blocks: an LM head, or a loss it
@@ -366,6 +367,15 @@ class StepMemory:
         )
 
     @property
+    def forward_offset_bytes(self) -> float:
+        """What a unit's forward moment holds beyond the held bytes (less the gradient in
+        flight) and the level measured in its forward: the last step's gradients where the
+        loop frees them before backward, less the retained bytes, which the held bytes
+        count and the measured level includes once they are made (so every forward moment
+        counts them once, before they are made too: no later forward holds less)."""
+        return self.forward_grad_bytes - self.retained_bytes
+
+    @property
     def optimizer_phase_bytes(self) -> float:
         """What the optimizer step holds: base, every gradient and the step's temporaries."""
         return self.base_bytes + self.grad_bytes + self.optimizer_temp_bytes
@@ -427,12 +437,12 @@ def step_memory(
     # head, or a loss computed inside the model) makes gradients while everything kept is
     # still held. For a loss outside the model: its own gradients, at most the size of what
     # it saves, and the model output's. Whatever the loss, the profiler measured the most
-    # of what the head makes alive at once; the last of it is the gradient it hands to the
-    # last block, which the in-flight term holds already. The larger of the two is taken.
-    # It does not meet the cast copies: it runs after the autocast region has ended.
+    # of what the head makes alive at once, the gradient it hands to the last block
+    # included. The larger of the two is taken. It does not meet the cast copies: it runs
+    # after the autocast region has ended.
     in_flight = _in_flight_bytes(root)
     made = prof.head_backward_bytes if head_backward_bytes is None else head_backward_bytes
-    head = max(loss_saved + output, made - in_flight)
+    head = max(loss_saved + output, made)
     accumulated = accumulation_steps > 1 or layout.kind == "ddp"
     released = zero_grad == "in_backward"
     if released and (accumulated or layout.kind == "fsdp"):
@@ -456,12 +466,14 @@ def step_memory(
         forward_end = loss_saved + output + cast_cache
         uncast_end = loss_saved
         backward_head = loss_saved + head
-    # The held bytes count the gradient in flight between units in backward; the end of
-    # forward has none yet (an EmbeddingBag recommender's 4 MiB one over-predicted the
-    # forward's end, its peak, by 3%).
+    # The held bytes count the largest gradient in flight between units in backward; the
+    # end of forward has none yet, and the head of backward only the one it hands to the
+    # last block, which ``made`` counts (an EmbeddingBag recommender's 4 MiB one
+    # over-predicted its unplanned step by 4.8%). Both moments are given less it: they may
+    # lie below what is held with it (``loss_bytes`` < 0).
     # A gradient released in backward: the head's backward may update a tensor.
     one_grad, one_temp = _released_bytes(optimizer, static) if released else (0.0, 0.0)
-    backward_head += one_grad + one_temp
+    backward_head += one_grad + one_temp - in_flight
     loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
     uncast = max(uncast_end + forward_grads - in_flight, backward_head)
     if loss_spike_bytes:
@@ -474,9 +486,9 @@ def step_memory(
     temp = float(_optimizer_temp_bytes(optimizer))
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
-        loss_bytes=float(max(0.0, loss_bytes)),
+        loss_bytes=float(loss_bytes),
         cast_bytes=float(cast_cache),
-        loss_uncast_bytes=float(max(0.0, uncast)),
+        loss_uncast_bytes=float(uncast),
         grad_bytes=one_grad if released else float(static.grads),
         in_flight_bytes=in_flight + block_grads,
         optimizer_temp_bytes=one_temp
@@ -629,6 +641,7 @@ def with_backward_costs(
     layout: RankLayout | None = None,
     sparse_grads: Mapping[str, float] | None = None,
     released_bytes: float | None = None,
+    forward_offset_bytes: float = 0.0,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -637,6 +650,9 @@ def with_backward_costs(
       ``saved_cast_bytes``);
     * ``backward_hold_bytes``: what the unit's backward was measured to hold beyond what it
       saves, above the static bytes (``backward_peak_bytes`` less those);
+    * ``forward_hold_bytes``: what its forward was measured to hold beyond what the step had
+      saved by its end, less the gradient in flight the held bytes count
+      (``forward_peak_bytes`` less that);
     * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
@@ -649,7 +665,8 @@ def with_backward_costs(
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
     ``sparse_grads``: sparse gradients' measured bytes by parameter name
-    (:func:`sparse_grad_sizes`).
+    (:func:`sparse_grad_sizes`). ``forward_offset_bytes``: what a forward moment holds
+    beyond the held bytes and its measured level (:attr:`StepMemory.forward_offset_bytes`).
     """
     layout = layout or RankLayout()
     accumulating = accumulating or layout.kind == "ddp"
@@ -706,6 +723,11 @@ def with_backward_costs(
             ),
             grads_from_bytes=0.0 if accumulating or released_bytes is not None else grads,
             backward_hold_bytes=max(0.0, hold),
+            # Forward has no gradient in flight yet, which the held bytes count (see
+            # StepMemory.forward_offset_bytes for the rest). Not measured (0): no moment.
+            forward_hold_bytes=max(0.0, unit.forward_peak_bytes - in_flight + forward_offset_bytes)
+            if unit.forward_peak_bytes
+            else 0.0,
         )
 
     return fill(root, 0.0)

@@ -220,6 +220,7 @@ def build_costs(
         if timed_tails
         else fwd_seconds * tail_share,
         backward_peak_bytes=float(st.backward_peak_bytes),
+        forward_peak_bytes=float(st.forward_peak_bytes),
         can_recompute=not st.not_recomputable_reasons,
         can_select=not st.not_selective_reason,
         sequential=bool(sequential),

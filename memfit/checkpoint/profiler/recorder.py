@@ -81,6 +81,11 @@ class Stats:
     backward_peak_bytes: int = 0
     # Of saved_bytes_own, what was saved after its last child unit began.
     saved_bytes_after_children: int = 0
+    # The most its forward held at once, of what the step's forward ops made, above all the
+    # step had saved for backward by the unit's end (measured steps only; the largest over
+    # its calls): its inputs and outputs that nothing saves, its temporaries, what its
+    # callers hold meanwhile (a list of earlier outputs).
+    forward_peak_bytes: int = 0
     # Bytes of each non-resident storage it received, by storage key: to find the inputs
     # a sibling before it already saves.
     input_storage_bytes: dict[Any, int] = field(default_factory=dict)
@@ -116,6 +121,8 @@ class _Call:
     # with no child units): backward frees them before it reaches any child.
     saved_bytes_after_children: int = 0
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    # The most the forward ops' storages held at once while it ran (measured steps only).
+    peak_live: int = 0
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
 
@@ -208,6 +215,7 @@ class Recorder:
             for child in unit.children:
                 self.parent_name[child.name] = unit.name
         self.loss_saved = 0
+        self.forward_saved = 0  # what the forward has saved for backward so far
         self.counter = 0
         self.iterated: dict[str, list[bool]] = {}
         self.subtree_buffers: dict[str, list[tuple[nn.Module, str]]] = {}
@@ -283,6 +291,8 @@ class Recorder:
             self.chain_watch.enter(name, args, kwargs)
         if self.stack:
             self.stack[-1].saved_bytes_after_children = 0  # a child begins: what came before it
+        if self.retained is not None:
+            call.peak_live = self.retained.live_bytes
         self.stack.append(call)
         self.mark(name)
         call.t0 = self.now()
@@ -316,6 +326,8 @@ class Recorder:
         returned = tensors(output)
         st.output_bytes += self.nonresident_bytes(returned)
         st.saved_bytes_after_children += call.saved_bytes_after_children
+        if self.retained is not None:
+            st.forward_peak_bytes = max(st.forward_peak_bytes, call.peak_live - self.forward_saved)
         st.tail_flops += call.tail_flops
         st.tail_op_seconds += call.tail_op_seconds
         self.chain_watch.exit(name, output)
@@ -375,6 +387,8 @@ class Recorder:
             return t
         self.saved_seen[key] = ref  # held so that a freed storage's address is not reused
         self.saved_owner[key] = self.stack[-1].name if self.stack else None
+        if self.phase == "fwd":
+            self.forward_saved += nbytes
         if self.stack:
             self.stats[self.stack[-1].name].saved_bytes_own += nbytes
             source = self.cast_of.get(key)
@@ -446,6 +460,10 @@ class Recorder:
             return
         if phase == "fwd" and self.retained is not None:
             self.retained.made(unit, outs)
+            live = self.retained.live_bytes
+            for call in self.stack:
+                if live > call.peak_live:
+                    call.peak_live = live
         packet, formula = op.packet, op.formula
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         moved = 0

@@ -63,6 +63,9 @@ class RetainedTracker:
         self.resident = resident
         self.alive: dict[Any, tuple[str, int]] = {}
         self.packed: dict[int, _Packed] = {}
+        # The bytes of the followed storages alive now: the forward's level, whose highest
+        # point in each unit is its forward moment (``Stats.forward_peak_bytes``).
+        self.live_bytes = 0
 
     def saved(self, t: torch.Tensor, key: Any, nbytes: int) -> None:
         """Autograd packed ``t`` (of storage ``key``, ``nbytes``) in a unit's forward."""
@@ -120,10 +123,16 @@ class RetainedTracker:
             if key in self.alive or key in self.resident:
                 continue  # an in-place op's output, or a view of a tensor already followed
             try:
-                weakref.finalize(ref, self.alive.pop, key, None)
+                weakref.finalize(ref, self._freed, key)
             except TypeError:
                 continue  # no storage object to follow (sparse, some subclasses)
             self.alive[key] = (unit, nbytes)
+            self.live_bytes += nbytes
+
+    def _freed(self, key: Any) -> None:
+        entry = self.alive.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
 
     def held(self, exclude: Collection[Any]) -> dict[str, int]:
         """Bytes still alive, by the unit that made them, less the storages in

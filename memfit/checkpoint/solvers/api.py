@@ -29,7 +29,8 @@ def solve(
 
     ``budget_bytes`` is the peak of a whole training step; ``static_bytes`` is the part of
     it checkpointing cannot change; ``loss_bytes`` is held at the end of forward only (the
-    model's output and what the loss saves, freed before backward reaches the model). With
+    model's output and what the loss saves, freed before backward reaches the model; below
+    0 where ``static_bytes`` counts what that moment does not hold, a gradient in flight). With
     ``budget_bytes=None`` the optimal solver has nothing to fit and returns the plan without
     recompute, and the other strategies apply their plan to every block. A budget above the
     unplanned peak makes ``optimal`` recompute nothing; ``full`` still recomputes every
@@ -69,8 +70,13 @@ def solve(
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
         raise ConfigError(f"reserve must be a number in [0, 1), got {reserve!r}")
     for what, value in (("static_bytes", static_bytes), ("loss_bytes", loss_bytes)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise ConfigError(f"{what} must be a finite number of bytes, got {value!r}")
+    if static_bytes < 0 or static_bytes + loss_bytes < 0:
+        raise ConfigError(
+            f"static_bytes ({static_bytes!r}) and static_bytes + loss_bytes "
+            f"({static_bytes + loss_bytes!r}) must be >= 0"
+        )
     budget = None if budget_bytes is None else float(budget_bytes) * (1 - reserve)
     static, loss = float(static_bytes), float(loss_bytes)
     nodes = flatten(root)

@@ -45,7 +45,11 @@ def breakdown(cost: PlanCost, static: float, loss: float) -> str:
     if high > kept + loss:
         where = f"the highest rebuild in backward {format_bytes(high - kept)} above the kept"
     else:
-        where = f"the loss {format_bytes(loss)} at the end of forward"
+        where = (
+            f"the loss {format_bytes(loss)} at the end of forward"
+            if loss > 0
+            else "the end of forward"
+        )
     return f"static {format_bytes(static)}, kept activations {format_bytes(kept)}, then {where}"
 
 

@@ -26,6 +26,7 @@ _NUMBERS = (
     "recompute_extra_bytes",
     "grads_from_bytes",
     "backward_hold_bytes",
+    "forward_hold_bytes",
     "own_saved_after_children_bytes",
     "forward_workspace_bytes",
     "backward_workspace_bytes",
@@ -77,6 +78,8 @@ class FlatUnit:
         "input_saved_bytes",
         "child_input_saved_bytes",
         "backward_hold_bytes",
+        "kept_hold_bytes",
+        "after_piece_hold_bytes",
         "child_backward_hold_table",
         "own_saved_after_children_bytes",
         "forward_workspace_bytes",
@@ -138,6 +141,22 @@ class FlatUnit:
         self.grads_from_bytes = float(unit.grads_from_bytes)
         # What the subtree's backward holds beyond all it saves, above static (measured).
         self.backward_hold_bytes = float(unit.backward_hold_bytes)
+        # A kept leaf's highest moment above what is kept through it: its backward's, or
+        # its forward's (measured on the unplanned step, where what the units before it
+        # save was held).
+        self.kept_hold_bytes = max(self.backward_hold_bytes, float(unit.forward_hold_bytes))
+        # The same right after a recomputed piece, where its forward holds more: the part
+        # of its input the sibling before saves, and it does not, is alive but not kept.
+        self.after_piece_hold_bytes = (
+            max(
+                self.kept_hold_bytes,
+                float(unit.forward_hold_bytes)
+                + self.input_saved_by_previous_bytes
+                - self.input_saved_by_both_bytes,
+            )
+            if unit.forward_hold_bytes
+            else self.kept_hold_bytes
+        )
         # For a chain: range maxima of the children's backward holds (a sparse table:
         # row r holds the maxima of 2**r children from each position).
         self.child_backward_hold_table: Sequence[Sequence[float]] = ()

@@ -151,9 +151,9 @@ def evaluate_nodes(
             k += node.own_saved_after_children_bytes
             # A kept unit without children runs backward while all it and the units before
             # it keep are held (those after it are freed by then), with what that backward
-            # makes.
-            if node.backward_hold_bytes:
-                high = max(high, k + node.backward_hold_bytes)
+            # makes; and its forward ran with those held, and what it made (the larger).
+            if node.kept_hold_bytes:
+                high = max(high, k + node.kept_hold_bytes)
             return k, high, secs, flops, False
         ranges = segs.get(u)
         ends = dict(ranges) if ranges else {}
@@ -166,12 +166,14 @@ def evaluate_nodes(
                 # A kept leaf, the most common unit, without a call: what visit() does for
                 # it (it has nothing saved after children, and recomputes nothing: adding
                 # those zeros would change no sum).
-                if after_piece:  # see below
+                hold = child.kept_hold_bytes
+                if after_piece:  # see below; its forward holds its input besides
                     k += child.input_saved_by_both_bytes
+                    hold = child.after_piece_hold_bytes
                     after_piece = False
                 k += child.own_saved_bytes
-                if child.backward_hold_bytes:
-                    high = max(high, k + child.backward_hold_bytes)
+                if hold:
+                    high = max(high, k + hold)
                 pos += 1
                 continue
             # A piece whose input the wholly kept sibling before it saves keeps nothing new;

@@ -224,10 +224,10 @@ class Pass:
                 inner_ended = [
                     (k + tail, s, f, h, r) for k, s, f, h, r in inner_ended if k + tail <= limit
                 ]
-        hold = node.backward_hold_bytes
+        hold = node.kept_hold_bytes
         if hold and not node.children:
-            # A kept leaf's backward runs with all kept through it still held: a rebuild of
-            # sorts, checked against the cap the same way.
+            # A kept leaf's backward runs with all kept through it still held, and its
+            # forward ran so: a rebuild of sorts, checked against the cap the same way.
             kept = self.held_through(kept, hold)
             inner_ended = self.held_through(inner_ended, hold)
         # A kept unit whose last child ended a piece ends with that piece too.
@@ -256,13 +256,20 @@ class Pass:
     def boundary(self, ended: list, kept: list, nxt: int | None) -> tuple[list, list]:
         """(all, keep_in) before sibling ``nxt``: when a piece ended just before it and
         ``nxt`` is kept, the piece's output that ``nxt`` saves stays held (the piece's saved
-        bytes, now freed, had counted it). ``ended``: the points whose last unit ended with
-        a piece; ``kept``: the others."""
+        bytes, now freed, had counted it), and a leaf's forward holds the rest of its input
+        (``FlatUnit.after_piece_hold_bytes``, checked against the cap here). ``ended``: the
+        points whose last unit ended with a piece; ``kept``: the others."""
         merged = self.prune(ended + kept) if ended and kept else (ended or kept)
-        shared = self.nodes[nxt].input_saved_by_both_bytes if nxt is not None else 0.0
-        if not shared or not ended:
+        if nxt is None or not ended:
             return merged, merged
-        moved = [(k + shared, s, f, h, r) for k, s, f, h, r in ended]
+        node = self.nodes[nxt]
+        shared = node.input_saved_by_both_bytes
+        more = not node.children and node.after_piece_hold_bytes > node.kept_hold_bytes
+        if not shared and not more:
+            return merged, merged
+        moved = [(k + shared, s, f, h, r) for k, s, f, h, r in ended] if shared else ended
+        if more:  # the leaf's forward moment: what it saves, and what it holds above that
+            moved = self.held_through(moved, node.own_saved_bytes + node.after_piece_hold_bytes)
         return merged, self.prune(moved + kept) if kept else moved
 
     def unmetered(self) -> bool:
@@ -315,8 +322,8 @@ class Pass:
         own = node.own_saved_bytes - node.own_saved_after_children_bytes
         limit = self.limit - after
         kept = self.kept_own(node, frontier, limit)
-        if node.backward_hold_bytes:
-            kept = self.held_through(kept, node.backward_hold_bytes)
+        if node.kept_hold_bytes:
+            kept = self.held_through(kept, node.kept_hold_bytes)
         reached = False  # whether any piece would have been made
         for add, secs, flops in options:
             if not (add >= own and 0.0 <= secs < math.inf and flops >= 0.0):
@@ -539,6 +546,10 @@ class Search:
         nodes, loss = self.nodes, self.loss
         if cap >= self.none_peak:
             return self.none  # recomputes nothing: nothing is cheaper
+        if cap < 0.0:
+            # No plan peaks below static: a plan's highest moment counts from 0 (the end of
+            # forward may lie lower, with a negative loss, but the step holds static).
+            return None
         seconds = math.inf
         if seed is not None and seed.peak(nodes, loss) <= cap:
             seconds = seed.evaluated(nodes).seconds
