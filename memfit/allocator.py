@@ -16,6 +16,15 @@ having allocated them were alive at the start too, and are added as well. Inside
 already running (the user's own ``torch.profiler.profile()``), starting another would end
 it: there the storage tracker measures instead.
 
+Frees are matched to allocations by address. The profiler sizes a free of memory allocated
+before it started by a table the CPU allocator keeps while any profiler runs: an address
+freed while none runs keeps its old entry, so a later block there, allocated while none
+runs and freed inside the work, is reported with the old block's size. That size depends
+on the process's history; one too large once read a planned step 23 KiB below what it
+then measured in training. So a free of a storage named in ``live`` counts that storage's
+own size, and with ``live_complete`` a free of anything else the work did not allocate is
+not counted.
+
 Example::
 
     peak = allocator_peak(lambda: engine.train_step(batch, loss_fn),
@@ -31,9 +40,10 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 
 from memfit.nested import tensors
 
@@ -96,16 +106,25 @@ def storage_bytes(objects: Iterable[Any]) -> int:
 
         storage_bytes([p.grad for p in model.parameters()])
     """
-    seen: set[int] = set()
-    total = 0
+    return sum(storage_sizes(objects).values())
+
+
+def storage_sizes(objects: Iterable[Any]) -> dict[int, int]:
+    """The memory behind the tensors in ``objects``: bytes by the address the allocator
+    handed out (each storage once; empty storages left out).
+
+    >>> t = torch.zeros(4)
+    >>> storage_sizes([t, t[1:]]) == {t.untyped_storage().data_ptr(): 16}
+    True
+    """
+    sizes: dict[int, int] = {}
     for t in tensors(list(objects)):
         parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else [t]
         for part in parts:
             storage = part.untyped_storage()
-            if storage.data_ptr() not in seen and storage.nbytes() > 0:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+            if storage.nbytes() > 0:
+                sizes.setdefault(storage.data_ptr(), storage.nbytes())
+    return sizes
 
 
 @contextlib.contextmanager
@@ -166,10 +185,10 @@ def allocator_peak(
     their storages are the starting point. On CUDA the allocator knows it itself.
     ``timeline``: keep every level and the work's ``memfit::`` marks (CPU only;
     :class:`Timeline`). ``live_complete``: ``live`` holds everything alive that the work
-    frees (the last step's gradients included), so no level is raised for a free of
-    memory the work did not allocate (CPU; by default such a free is taken as memory
-    ``live`` left out, which double-counts a tensor named in ``live`` that the work frees
-    while it holds less than that tensor's size).
+    frees (the last step's gradients included), so a free of memory that the work did not
+    allocate and ``live`` does not name is not counted at all (CPU; by default it is taken
+    as memory ``live`` left out, alive from the start until that free, with the size the
+    profiler gives it: see the module's notes).
 
     Example::
 
@@ -183,7 +202,8 @@ def allocator_peak(
         result = fn()
         torch.cuda.synchronize(device)
         return AllocatorPeak(int(torch.cuda.max_memory_allocated(device)), int(start), result)
-    start = storage_bytes(live)
+    named = storage_sizes(live)
+    start = sum(named.values())
     # Not held through the work: a tensor it frees (gradients zero_grad sets to None) must
     # be free to go (a caller naming them inline, ``live=[...]``, holds no other reference).
     live = ()
@@ -210,43 +230,109 @@ def allocator_peak(
         finally:
             with _quiet_stderr():
                 prof.__exit__(None, None, None)
-    everything = list(prof.profiler.kineto_results.events())
-    events = [
-        e
-        for e in everything
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    events = list(_flat(prof.profiler.kineto_results.experimental_event_tree()))
+    events.sort(key=lambda e: e.start_time_ns)  # stable: a parent before its children
+    allocations = [
+        Allocation(e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+        for e in events
+        if isinstance(e.extra_fields, _Allocation) and e.extra_fields.device.type == "cpu"
     ]
-    events.sort(key=lambda e: e.start_ns())
-    times: list[int] = []
-    levels: list[int] = []
-    running = highest = lowest = 0
-    for event in events:
-        running += event.nbytes()
-        highest = max(highest, running)
-        lowest = min(lowest, running)
-        times.append(event.start_ns())
-        levels.append(running)
-    ops = [(e.start_ns(), e.end_ns()) for e in everything if e.name().startswith("aten::")]
+    walked = levels_of(allocations, named, live_complete)
+    ops = [(e.start_time_ns, e.end_time_ns) for e in events if e.name.startswith("aten::")]
     marks: dict[str, list[int]] = {}
     if timeline:
-        for e in sorted(everything, key=lambda e: e.start_ns()):
-            if e.name().startswith("memfit::"):
-                marks.setdefault(e.name(), []).append(e.start_ns())
-    # Bytes freed that the work never allocated were alive when it started (last step's
-    # gradients that ``zero_grad`` frees): the start was at least that much higher, and so
-    # was every level after it. Known gap: a tensor both named in ``live`` and freed by the
-    # work (after an earlier measured session made it) is counted twice; the profiler's
-    # events carry no address to tell it apart.
-    if not live_complete:
-        start += -lowest
+        for e in events:
+            if e.name.startswith("memfit::"):
+                marks.setdefault(e.name, []).append(e.start_time_ns)
+    times, levels = walked.times, walked.levels
+    # Bytes freed that the work never allocated nor ``live`` named were alive when it
+    # started (last step's gradients that ``zero_grad`` frees): the start was at least that
+    # much higher, and so was every level after it.
+    start += walked.unnamed_bytes
     return AllocatorPeak(
-        start + highest,
+        start + walked.highest,
         start,
         result,
         _op_workspace(times, levels, ops),
-        start + running,
+        start + walked.end,
         Timeline(times, levels, marks) if timeline else None,
     )
+
+
+class Allocation(NamedTuple):
+    """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) the profiler reported."""
+
+    time_ns: int
+    ptr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Levels:
+    """What was allocated over a piece of work, above its start (:func:`levels_of`)."""
+
+    times: list[int]
+    """When each counted allocation or free happened (ns)."""
+    levels: list[int]
+    """The level after each."""
+    highest: int
+    """The highest level (0: the start)."""
+    end: int
+    """The level at the end."""
+    unnamed_bytes: int
+    """The least memory alive at the start beyond the named storages that the frees
+    show: what the lowest level went below 0 by, frees of named storages not counted."""
+
+
+def levels_of(
+    allocations: Iterable[Allocation], named: dict[int, int], live_complete: bool = False
+) -> Levels:
+    """The levels of a piece of work from its allocations and frees, in order. A free is
+    matched by address to what the work allocated, else to a storage in ``named`` (bytes
+    by address, alive at the start), each counted at its own size; any other free counts
+    the size the profiler gave it, or with ``live_complete`` is left out.
+
+    >>> a = [Allocation(0, 8, 100), Allocation(1, 64, -50), Allocation(2, 8, -100)]
+    >>> levels_of(a, {64: 30}).levels, levels_of(a, {64: 30}).unnamed_bytes
+    ([100, 70, -30], 0)
+    >>> levels_of(a, {}).levels, levels_of(a, {}).unnamed_bytes
+    ([100, 50, -50], 50)
+    """
+    named = dict(named)
+    sizes: dict[int, int] = {}  # what the work allocated and has not freed, by address
+    times: list[int] = []
+    levels: list[int] = []
+    running = highest = lowest = 0
+    named_freed = 0  # of the named bytes: counted in the start, never below it
+    for event in allocations:
+        if event.nbytes > 0:
+            sizes[event.ptr] = event.nbytes
+            running += event.nbytes
+        elif event.ptr in sizes:
+            running -= sizes.pop(event.ptr)
+        elif event.ptr in named:
+            # A named storage, freed: its own size, whatever the profiler says.
+            freed = named.pop(event.ptr)
+            running -= freed
+            named_freed += freed
+        elif live_complete:
+            continue  # everything alive that the work frees is named: not counted
+        else:
+            # Memory alive at the start that was not named, at the profiler's size for it
+            # (which may be an earlier block's at that address: the module's notes).
+            running += event.nbytes
+        highest = max(highest, running)
+        lowest = min(lowest, running + named_freed)
+        times.append(event.time_ns)
+        levels.append(running)
+    return Levels(times, levels, highest, running, -lowest)
+
+
+def _flat(events: Iterable[Any]) -> Iterator[Any]:
+    """The profiler's event tree, depth first."""
+    for event in events:
+        yield event
+        yield from _flat(event.children)
 
 
 def _op_workspace(times: list[int], levels: list[int], ops: list[tuple[int, int]]) -> int:

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from memfit.allocator import allocator_peak
+from memfit.allocator import allocator_peak, storage_bytes
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
@@ -420,10 +420,17 @@ def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
                 # Accumulating, the measured run adds into the gradients the first made, as a
                 # later micro-batch does; they are counted below as held all along. What the
                 # modules keep on themselves is held when the measured run starts, and its
-                # rise is measured past their frees as the run replaces them: counted on top
-                # (not referenced here, which would keep them alive).
-                kept_bytes = sum(t.untyped_storage().nbytes() for t in module_tensors(model))
-                peak = allocator_peak(step, live=[*params, *model.buffers()], device=device)
+                # rise is measured past their frees as the run replaces them: counted on top.
+                # Everything the run frees without having made it is named (the list is not
+                # held past the call, which would keep them alive), so a free the profiler
+                # sizes wrongly (memfit.allocator) moves no level.
+                kept_bytes = storage_bytes(module_tensors(model))
+                peak = allocator_peak(
+                    step,
+                    live=[*params, *model.buffers(), *module_tensors(model)],
+                    device=device,
+                    live_complete=True,
+                )
             finally:
                 remove_plan(model)
     finally:
