@@ -152,6 +152,7 @@ def run_measured(
     if not window.measured:
         return work()
     from memfit.allocator import allocator_peak, optimizer_tensors
+    from memfit.checkpoint.measured_fit import module_tensors
     from memfit.memory import measure
 
     def tracked() -> Any:
@@ -163,12 +164,27 @@ def run_measured(
             window.report = report
         return report.result
     # On CPU the allocator starts from what is alive: the weights, the optimizer, the
-    # gradients of the micro-batches so far and the inputs (on CUDA it knows it itself).
+    # gradients of the micro-batches so far, what the modules keep on themselves and the
+    # inputs (on CUDA it knows it itself). Named, each one's free counts its own size; a
+    # free of anything else (a scalar of the last step) counts nothing, since the profiler
+    # may size it by an earlier block at its address (memfit.allocator).
+    # (Listed in the call, not held past it: the work may free them.)
     optimizer_held = optimizer_tensors(optimizer)
-    grads = [p.grad for p in (*model.parameters(), *optimizer_held) if p.grad is not None]
-    live = [*model.parameters(), *model.buffers(), *optimizer_held, *grads, window.loss_sum]
     state_before = _state_bytes(optimizer)
-    peak = allocator_peak(tracked, live=[*live, inputs], device=device)
+    peak = allocator_peak(
+        tracked,
+        live=[
+            *model.parameters(),
+            *model.buffers(),
+            *optimizer_held,
+            *(p.grad for p in (*model.parameters(), *optimizer_held) if p.grad is not None),
+            window.loss_sum,
+            *module_tensors(model),
+            inputs,
+        ],
+        device=device,
+        live_complete=True,
+    )
     if optimizer_phase:
         window.optimizer_peak = max(window.optimizer_peak, peak.peak_bytes)
         window.state_added = max(0, _state_bytes(optimizer) - state_before)
