@@ -19,11 +19,12 @@ it: there the storage tracker measures instead.
 Frees are matched to allocations by address. The profiler sizes a free of memory allocated
 before it started by a table the CPU allocator keeps while any profiler runs: an address
 freed while none runs keeps its old entry, so a later block there, allocated while none
-runs and freed inside the work, is reported with the old block's size. That size depends
-on the process's history; one too large once read a planned step 23 KiB below what it
-then measured in training. So a free of a storage named in ``live`` counts that storage's
-own size, and with ``live_complete`` a free of anything else the work did not allocate is
-not counted.
+runs and freed inside the work, is reported with the old block's size. Whether that
+happens depends on the process's history: once, in one test process of many, the
+planner's measured step read at least 23 KiB below the same plan's step in training,
+where every other process matched it within 8 bytes. So a free of a storage named in
+``live`` counts that storage's own size, and with ``live_complete`` a free of anything
+else the work did not allocate is not counted.
 
 Example::
 

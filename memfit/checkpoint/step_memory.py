@@ -286,12 +286,13 @@ class StepMemory:
     base_bytes: float
     """Held all step: parameters, buffers, optimizer state, fp32 masters, the inputs."""
     loss_bytes: float
-    """Held from the end of forward until the loss's backward, less the gradient in flight
-    that ``held_bytes`` counts and these moments do not have (so it may be negative): the model's output, what the
-    loss saves, and the larger of autocast's 16-bit weight copies (held until the autocast
-    region ends) and the gradients the head of backward makes (the loss's, the model
-    output's, and those of ops the model runs after its blocks: an LM head, or a loss it
-    computes itself). Freed before the first recomputed piece is rebuilt."""
+    """Held from the end of forward until the loss's backward: the model's output, what
+    the loss saves, and the larger of autocast's 16-bit weight copies (held until the
+    autocast region ends) and the gradients the head of backward makes (the loss's, the
+    model output's, and those of ops the model runs after its blocks: an LM head, or a
+    loss it computes itself); less the gradient in flight that ``held_bytes`` counts and
+    these moments do not have, so it may be negative. Freed before the first recomputed
+    piece is rebuilt."""
     grad_bytes: float
     """Gradients of what the optimizer updates, all present at the optimizer step."""
     in_flight_bytes: float
