@@ -66,7 +66,7 @@ OLDER_CPU_TESTS := tests/test_kernels.py tests/test_models.py tests/test_policy.
 	tests/test_engine.py tests/test_engine_feed.py tests/test_tune.py \
 	tests/test_integrations.py tests/test_verify.py tests/test_least_peak.py \
 	tests/test_optimizer_state.py tests/test_release.py tests/test_edges.py \
-	tests/test_rounded_weights.py
+	tests/test_rounded_weights.py tests/test_peers.py
 
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile

@@ -16,8 +16,11 @@ having allocated them were alive at the start too, and are added as well. Inside
 already running (the user's own ``torch.profiler.profile()``), starting another would end
 it: there the storage tracker measures instead.
 
-Frees are matched to allocations by address. The profiler sizes a free of memory allocated
-before it started by a table the CPU allocator keeps while any profiler runs: an address
+Frees are matched to allocations by address. The profiler reports the free of memory
+allocated before it started only where a profiler saw that memory allocated (a step measured
+after an unmeasured warm-up sees none of the last step's gradients go: run the warm-up
+under ``allocator_peak`` too), and sizes it by a table the CPU allocator keeps while any
+profiler runs: an address
 freed while none runs keeps its old entry, so a later block there, allocated while none
 runs and freed inside the work, is reported with the old block's size. Whether that
 happens depends on the process's history: once, in one test process of many, the
