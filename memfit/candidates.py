@@ -82,17 +82,27 @@ class Candidate:
     """The part of ``predicted_step_seconds`` that is the plan's recompute."""
     optimizer_state: str = "fp32"
     """How the optimizer keeps its state (``Engine(optimizer_state=)``)."""
+    release_gradients: bool = False
+    """Each update applied as its gradient is made in backward
+    (``Engine(release_gradients=True)``)."""
 
     def describe(self) -> str:
-        """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2`` (and the optimizer
-        state where it is not fp32: ``..., 8bit optimizer state``)."""
-        state = (
-            f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
-        )
+        """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2`` (and the tiers
+        where they are used: ``..., 8bit optimizer state, gradients released``)."""
         return (
             f"{self.precision}, checkpoint {self.checkpoint}, micro-batch {self.micro_batch}"
-            f" x {self.accumulation_steps}{state}"
+            f" x {self.accumulation_steps}{tier_words(self.optimizer_state, self.release_gradients)}"
         )
+
+
+def tier_words(optimizer_state: str, release_gradients: bool) -> str:
+    """The memory tiers of a setting, as the tuner's lines name them (empty for none).
+
+    >>> tier_words("8bit", True)
+    ', 8bit optimizer state, gradients released'
+    """
+    state = f", {optimizer_state} optimizer state" if optimizer_state != "fp32" else ""
+    return state + (", gradients released" if release_gradients else "")
 
 
 def split_choices(global_batch: int, world_size: int = 1) -> list[tuple[int, int]]:
@@ -177,12 +187,14 @@ def rank_candidates(
     device: str | torch.device = "cpu",
     speed: MatmulSpeed | None = None,
     optimizer_state: str = "fp32",
+    release_gradients: bool = False,
 ) -> list[Candidate]:
     """Every candidate with its predicted peak and step time, ranked: those that fit
     ``budget`` first, fastest first (ties: the larger micro-batch, then less recompute).
     ``optimizer_state``: how every candidate's optimizer keeps its state (``"fp32"``,
-    ``"bf16"``, ``"8bit"``). ``bf16-sr`` is not split into micro-batches (it would sum
-    them in bf16).
+    ``"bf16"``, ``"8bit"``). ``release_gradients``: every candidate's updates applied as
+    its gradients are made (one micro-batch a step, one process). ``bf16-sr`` is not split
+    into micro-batches (it would sum them in bf16).
 
     ``speed``: the FLOP rates per dtype (default: the matmul probe on ``device``).
     ``world_size`` > 1: every peak is one rank's, under ``data_parallel`` (``"ddp"``, the
@@ -195,6 +207,13 @@ def rank_candidates(
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, device)
     splits = split_choices(global_batch, world_size)
     layout = RankLayout.of(world_size, data_parallel)
+    if release_gradients and layout.kind is not None:
+        raise ConfigError(
+            "release_gradients=True cannot be tuned for a data-parallel run: each rank needs "
+            "every gradient reduced before its update; tune with release_gradients=False"
+        )
+    if release_gradients:
+        splits = [(m, a) for m, a in splits if a == 1]  # accumulation needs every gradient
     if speed is None:
         dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
         speed = matmul_speed(device, tuple(sorted(dtypes, key=str)))
@@ -213,7 +232,9 @@ def rank_candidates(
         optimizer_fn=kept_as(optimizer_fn or torch.optim.AdamW, optimizer_state),
         budget=budget,
         layout=layout,
+        release_gradients=release_gradients,
     )
+    tiers = {"optimizer_state": optimizer_state, "release_gradients": release_gradients}
     out: list[Candidate] = []
     fitting_plain: set[tuple[str, int]] = set()
     for (precision, micro, strategy, accumulation), cell in zip(cells, found):
@@ -227,7 +248,7 @@ def rank_candidates(
                     None,
                     False,
                     note="no plan under the budget",
-                    optimizer_state=optimizer_state,
+                    **tiers,
                 )
             )
             continue
@@ -253,7 +274,7 @@ def rank_candidates(
                 bool(row.fits),
                 row.plan,
                 recompute_step_seconds=accumulation * row.plan.recompute_seconds * to_rate,
-                optimizer_state=optimizer_state,
+                **tiers,
             )
         )
     out.sort(key=_rank_key)

@@ -665,11 +665,14 @@ def estimate_cells(
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
     budget: int | None = None,
     layout: RankLayout | None = None,
+    release_gradients: bool = False,
 ) -> list[CellEstimate]:
     """Estimate many ``(precision, batch_size, strategy, accumulation_steps)`` cells with
     one meta model per precision and one fake profile per precision and batch size (the
     tuner's search); ``optimal`` plans at ``budget``; ``layout``: one rank of a
-    data-parallel run (default: one process). No largest-batch search.
+    data-parallel run (default: one process); ``release_gradients``: each update applied
+    as its gradient is made (cells of one micro-batch in one process only, as the Engine
+    trains them). No largest-batch search.
 
     Example::
 
@@ -678,13 +681,19 @@ def estimate_cells(
     """
     optimizer_fn = optimizer_fn or torch.optim.AdamW
     layout = layout or RankLayout()
-    single = _Estimator(model_fn, inputs_fn, loss_fn, optimizer_fn, 1, layout)
+    zero_grad: ZeroGrad = "in_backward" if release_gradients else "before_forward"
+    single = _Estimator(model_fn, inputs_fn, loss_fn, optimizer_fn, 1, layout, zero_grad=zero_grad)
     # The gradients held through accumulation change the plans, never the profiles.
     accumulating = _Estimator(
         model_fn, inputs_fn, loss_fn, optimizer_fn, 2, layout, single.models, single.profiles
     )
     out: list[CellEstimate] = []
     for precision, batch, strategy, accumulation in cells:
+        if release_gradients and accumulation > 1:
+            raise ConfigError(
+                f"cell {precision}/{strategy}/{batch}x{accumulation}: gradients released in "
+                "backward cannot be accumulated over micro-batches; estimate it with one"
+            )
         est = accumulating if accumulation > 1 else single
         policy = PrecisionPolicy.of(precision)
         model, optimizer = est.model(policy)

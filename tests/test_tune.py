@@ -672,6 +672,22 @@ def test_memfit_tune_bad_input_exits_2_or_1(capsys) -> None:
     assert "smallest budget that would fit" in capsys.readouterr().err
     assert main([*base, "--budget", "1MiB", "--data-parallel", "fsdp"]) == 2
     assert "needs world_size > 1" in capsys.readouterr().err
+    released = ["--budget", "1MiB", "--release-gradients", "on", "--world-size", "2"]
+    assert main([*base, *released, "--global-batch", "16"]) == 2
+    assert "cannot be tuned for a data-parallel run" in capsys.readouterr().err
+
+
+def test_memfit_tune_release_gradients_on_releases_in_every_setting(capsys) -> None:
+    args = ["tune", *(f"--set={k}={v}" for k, v in CFG.items()), "--global-batch", "2"]
+    with assumed_speed("cpu", SLOW_BF16):
+        assert main([*args, "--budget", "1GiB", "--measure-top", "0", "--json"]) == 0
+        kept = json.loads(capsys.readouterr().out)
+        on = ["--release-gradients", "on", "--budget", "1GiB", "--measure-top", "0", "--json"]
+        assert main([*args, *on]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not kept["best"]["release_gradients"]
+    assert out["best"]["release_gradients"] is True
+    assert all(r["release_gradients"] and r["accumulation_steps"] == 1 for r in out["rows"])
 
 
 TRAIN = [
@@ -794,3 +810,71 @@ def test_bf16_sr_is_tuned_with_one_micro_batch_a_step() -> None:
             model_fn, batch_fn, loss_fn, budget=2**40, global_batch=8, precisions=["bf16-sr"]
         )
     assert ranked and {c.accumulation_steps for c in ranked} == {1}
+
+
+def test_release_gradients_auto_releases_only_where_nothing_else_fits(monkeypatch) -> None:
+    _count_alone(monkeypatch)
+    model_fn, batch_fn, loss_fn = _parts()
+    # One sample a step: the optimizer step, with every gradient, is this GPT's peak.
+    kw = {"global_batch": 1, "precisions": ["fp32"]}
+    with assumed_speed("cpu", FAST_BF16):
+        least = {
+            release: min(
+                c.predicted_peak_bytes
+                for c in rank_candidates(
+                    model_fn, batch_fn, loss_fn, budget=2**40, release_gradients=release, **kw
+                )
+                if c.predicted_peak_bytes
+            )
+            for release in (False, True)
+        }
+        assert least[True] < least[False]
+        budget = int((least[True] + least[False]) / 2)
+        with pytest.raises(BudgetError, match="smallest budget"):
+            memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, measure_top=0, **kw)
+        res = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            release_gradients="auto",
+            measure_top=1,
+            steps=1,
+            peers=False,
+            **kw,
+        )
+        roomy = memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=2 * least[False],
+            release_gradients="auto",
+            measure_top=0,
+            **kw,
+        )
+    assert res.best.release_gradients and res.best.measured_peak_bytes <= budget
+    assert all(r.release_gradients and r.accumulation_steps == 1 for r in res.rows)
+    assert "gradients released" in res.summary()
+    assert json.loads(res.to_json())["best"]["release_gradients"] is True
+    assert res.engine_kwargs()["release_gradients"] is True
+    torch.manual_seed(0)
+    model = model_fn()
+    engine = res.engine(model, torch.optim.AdamW(model.parameters()))
+    assert engine.settings.release_gradients
+    engine.train_step(batch_fn(1), loss_fn)
+    assert all(p.grad is None for p in model.parameters())  # each released in backward
+    assert not roomy.best.release_gradients  # fits with every gradient kept: kept
+    assert "release_gradients" not in roomy.engine_kwargs()
+    with pytest.raises(ConfigError, match="release_gradients must be"):
+        memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, release_gradients="yes", **kw)
+    with pytest.raises(ConfigError, match="data-parallel"):
+        memfit.tune(
+            model_fn,
+            batch_fn,
+            loss_fn,
+            budget=budget,
+            release_gradients=True,
+            world_size=2,
+            global_batch=2,
+            precisions=["fp32"],
+        )

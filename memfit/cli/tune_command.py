@@ -59,6 +59,14 @@ def add_parser(sub: Any) -> None:
         help="how AdamW keeps its moments in every setting; auto: 8bit only where nothing "
         "fits with fp32 (default: fp32)",
     )
+    p.add_argument(
+        "--release-gradients",
+        default="off",
+        choices=("off", "on", "auto"),
+        help="apply each update as its gradient is made in backward, in every setting (on: "
+        "one micro-batch a step, one process) or only where nothing fits without it (auto); "
+        "default: off",
+    )
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument(
         "--data-parallel",
@@ -140,6 +148,7 @@ def compute(args: argparse.Namespace) -> TuneResult:
         max_seconds=args.max_seconds,
         device=device,
         optimizer_state=args.optimizer_state,
+        release_gradients={"off": False, "on": True}.get(args.release_gradients, "auto"),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from memfit.candidates import Candidate
+from memfit.candidates import Candidate, tier_words
 from memfit.errors import ConfigError
 from memfit.trials.decide import rank_correlation
 from memfit.tuning.calibrate import StepTimeModel
@@ -56,6 +56,10 @@ class TuneRow:
     optimizer_state = _of_candidate(
         "optimizer_state", "How the optimizer keeps its state (``Engine(optimizer_state=)``)."
     )
+    release_gradients = _of_candidate(
+        "release_gradients",
+        "Each update applied as its gradient is made (``Engine(release_gradients=True)``).",
+    )
     predicted_peak_bytes = _of_candidate(
         "predicted_peak_bytes", "The estimator's peak (None: no plan under the budget)."
     )
@@ -87,6 +91,7 @@ _FIELDS = (
     "micro_batch",
     "accumulation_steps",
     "optimizer_state",
+    "release_gradients",
     "predicted_peak_bytes",
     "predicted_step_seconds",
     "recompute_fraction",
@@ -160,9 +165,11 @@ class TuneResult:
     def engine_kwargs(self) -> dict[str, Any]:
         """The Engine arguments of the choice: precision, checkpoint, budget, accumulation
         (over ranks, precision and accumulation: :meth:`parallelize` applies the plan)."""
-        state = {"optimizer_state": self.best.optimizer_state}
-        if self.best.optimizer_state == "fp32":
-            state = {}  # the Engine's default
+        state: dict[str, Any] = {}  # the Engine's defaults: fp32 state, gradients kept
+        if self.best.optimizer_state != "fp32":
+            state["optimizer_state"] = self.best.optimizer_state
+        if self.best.release_gradients:
+            state["release_gradients"] = True
         if self.world_size > 1:
             return {
                 "precision": self.best.precision,
@@ -300,7 +307,7 @@ class TuneResult:
         lines.append(
             f"best: {b.precision}, checkpoint {b.checkpoint}, micro-batch {b.micro_batch} x "
             f"{b.accumulation_steps} accumulation"
-            + (f", {b.optimizer_state} optimizer state" if b.optimizer_state != "fp32" else "")
+            + tier_words(b.optimizer_state, b.release_gradients)
             + (f" ({self.verdict})" if self.verdict else "")
         )
         lines += [f"advice: {a}" for a in self.advice]

@@ -129,6 +129,7 @@ class Trial:
                     memory_budget=budget if checkpoint == "optimal" else None,
                     accumulation_steps=row.accumulation_steps,
                     optimizer_state=row.optimizer_state,
+                    release_gradients=row.release_gradients,
                 )
                 batch = batch_fn(row.micro_batch * row.accumulation_steps)
                 engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state

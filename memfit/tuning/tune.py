@@ -98,6 +98,7 @@ def tune(
     max_seconds: float | None = 300.0,
     device: str | torch.device | None = None,
     optimizer_state: str = "fp32",
+    release_gradients: bool | str = False,
 ) -> TuneResult:
     """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
 
@@ -143,6 +144,11 @@ def tune(
             fits the budget with it, then 8 bits. The choice is in ``best`` and
             :meth:`TuneResult.engine`. ``precisions`` may name ``bf16-sr``, which is
             tried with one micro-batch a step.
+        release_gradients: apply each update as its gradient is made in backward in every
+            setting (``True``: one micro-batch a step, one process; docs/tiers.md), or
+            ``"auto"``: only where nothing fits the budget without it (after the state in
+            fewer bits, where ``optimizer_state="auto"``). The choice is in ``best`` and
+            :meth:`TuneResult.engine`.
 
     Raises:
         ConfigError: a global batch no split makes (the message lists valid ones), an
@@ -164,6 +170,15 @@ def tune(
     if int(steps) != steps or steps < 1:
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
     check_optimizer_state(optimizer_state, also=("auto",))
+    if release_gradients not in (True, False, "auto"):
+        raise ConfigError(
+            f"release_gradients must be True, False or 'auto', got {release_gradients!r}"
+        )
+    if release_gradients is True and world_size > 1:
+        raise ConfigError(
+            "release_gradients=True cannot be tuned for a data-parallel run: each rank needs "
+            "every gradient reduced before its update; tune with release_gradients=False"
+        )
     if max_seconds is not None and not max_seconds > 0:
         raise ConfigError(
             f"max_seconds must be a number of seconds > 0 or None, got {max_seconds!r}"
@@ -176,8 +191,9 @@ def tune(
     modes = expand_precisions(precisions or DEFAULT_PRECISIONS, where)
     dtypes = {PrecisionPolicy.of(m).compute_dtype for m in modes} - {torch.float32}
     speed = matmul_speed(where, tuple(sorted(dtypes, key=str)))
-    # "auto": the state in fewer bits only where nothing fits with torch's own.
-    for state in ("fp32", "8bit") if optimizer_state == "auto" else (optimizer_state,):
+    # "auto": a tier only where nothing fits without it; the state in fewer bits before
+    # released gradients, which cannot accumulate micro-batches (nor run over ranks).
+    for state, release in _tiers(optimizer_state, release_gradients, world_size):
         ranked = rank_candidates(
             model_fn,
             batch_fn,
@@ -191,6 +207,7 @@ def tune(
             device=where,
             speed=speed,
             optimizer_state=state,
+            release_gradients=release,
         )
         if any(c.fits for c in ranked):
             break
@@ -249,6 +266,24 @@ def tune(
     ]
     result.tuning_seconds = time.monotonic() - began
     return result
+
+
+def _tiers(
+    optimizer_state: str, release_gradients: bool | str, world_size: int
+) -> list[tuple[str, bool]]:
+    """The (optimizer state, gradients released) settings to rank, in the order ``"auto"``
+    tries them: each one only where nothing fit with those before it.
+
+    >>> _tiers("auto", "auto", 1)
+    [('fp32', False), ('8bit', False), ('8bit', True)]
+    >>> _tiers("bf16", "auto", 2)
+    [('bf16', False)]
+    """
+    states = ("fp32", "8bit") if optimizer_state == "auto" else (optimizer_state,)
+    out = [(state, release_gradients is True) for state in states]
+    if release_gradients == "auto" and world_size == 1:
+        out.append((states[-1], True))
+    return out
 
 
 def _calibrate(
