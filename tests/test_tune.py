@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -750,45 +751,58 @@ def test_a_model_that_cannot_run_on_meta_tensors_gets_the_estimators_advice() ->
         memfit.tune(model_fn, batch_fn, loss_fn, budget="1GiB", global_batch=4, measure_top=0)
 
 
-def test_optimizer_state_auto_takes_fewer_bits_only_where_nothing_else_fits(monkeypatch) -> None:
+@dataclass(frozen=True)
+class _AutoTier:
+    budget: int
+    chosen: TuneResult
+    """Tuned with the tier "auto" midway between the least peaks without and with it."""
+    roomy: TuneResult
+    """Tuned with the tier "auto" at twice the least peak without it."""
+
+
+def _tuned_with_auto(monkeypatch, setting: str, off: object, on: object, **kw) -> _AutoTier:
+    """``memfit.tune(..., setting="auto")`` where nothing fits without the tier (and, as
+    checked, tuning without it raises) and where everything fits without it."""
     _count_alone(monkeypatch)
     model_fn, batch_fn, loss_fn = _parts()
-    kw = {"global_batch": 8, "precisions": ["fp32"]}
     with assumed_speed("cpu", FAST_BF16):
         least = {
-            state: min(
+            value: min(
                 c.predicted_peak_bytes
                 for c in rank_candidates(
-                    model_fn, batch_fn, loss_fn, budget=2**40, optimizer_state=state, **kw
+                    model_fn, batch_fn, loss_fn, budget=2**40, **{setting: value}, **kw
                 )
                 if c.predicted_peak_bytes
             )
-            for state in ("fp32", "8bit")
+            for value in (off, on)
         }
-        assert least["8bit"] < least["fp32"]
-        budget = int((least["8bit"] + least["fp32"]) / 2)
+        assert least[on] < least[off]
+        budget = int((least[on] + least[off]) / 2)
         with pytest.raises(BudgetError, match="smallest budget"):
             memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, measure_top=0, **kw)
-        res = memfit.tune(
+        auto = {setting: "auto"}
+        chosen = memfit.tune(
             model_fn,
             batch_fn,
             loss_fn,
             budget=budget,
-            optimizer_state="auto",
             measure_top=1,
             steps=1,
             peers=False,
+            **auto,
             **kw,
         )
         roomy = memfit.tune(
-            model_fn,
-            batch_fn,
-            loss_fn,
-            budget=2 * least["fp32"],
-            optimizer_state="auto",
-            measure_top=0,
-            **kw,
+            model_fn, batch_fn, loss_fn, budget=2 * least[off], measure_top=0, **auto, **kw
         )
+    return _AutoTier(budget, chosen, roomy)
+
+
+def test_optimizer_state_auto_takes_fewer_bits_only_where_nothing_else_fits(monkeypatch) -> None:
+    kw = {"global_batch": 8, "precisions": ["fp32"]}
+    tuned = _tuned_with_auto(monkeypatch, "optimizer_state", "fp32", "8bit", **kw)
+    res, roomy, budget = tuned.chosen, tuned.roomy, tuned.budget
+    model_fn, batch_fn, loss_fn = _parts()
     assert res.best.optimizer_state == "8bit" and res.best.measured_peak_bytes <= budget
     assert "8bit optimizer state" in res.summary()
     assert json.loads(res.to_json())["best"]["optimizer_state"] == "8bit"
@@ -813,45 +827,11 @@ def test_bf16_sr_is_tuned_with_one_micro_batch_a_step() -> None:
 
 
 def test_release_gradients_auto_releases_only_where_nothing_else_fits(monkeypatch) -> None:
-    _count_alone(monkeypatch)
-    model_fn, batch_fn, loss_fn = _parts()
     # One sample a step: the optimizer step, with every gradient, is this GPT's peak.
     kw = {"global_batch": 1, "precisions": ["fp32"]}
-    with assumed_speed("cpu", FAST_BF16):
-        least = {
-            release: min(
-                c.predicted_peak_bytes
-                for c in rank_candidates(
-                    model_fn, batch_fn, loss_fn, budget=2**40, release_gradients=release, **kw
-                )
-                if c.predicted_peak_bytes
-            )
-            for release in (False, True)
-        }
-        assert least[True] < least[False]
-        budget = int((least[True] + least[False]) / 2)
-        with pytest.raises(BudgetError, match="smallest budget"):
-            memfit.tune(model_fn, batch_fn, loss_fn, budget=budget, measure_top=0, **kw)
-        res = memfit.tune(
-            model_fn,
-            batch_fn,
-            loss_fn,
-            budget=budget,
-            release_gradients="auto",
-            measure_top=1,
-            steps=1,
-            peers=False,
-            **kw,
-        )
-        roomy = memfit.tune(
-            model_fn,
-            batch_fn,
-            loss_fn,
-            budget=2 * least[False],
-            release_gradients="auto",
-            measure_top=0,
-            **kw,
-        )
+    tuned = _tuned_with_auto(monkeypatch, "release_gradients", False, True, **kw)
+    res, roomy, budget = tuned.chosen, tuned.roomy, tuned.budget
+    model_fn, batch_fn, loss_fn = _parts()
     assert res.best.release_gradients and res.best.measured_peak_bytes <= budget
     assert all(r.release_gradients and r.accumulation_steps == 1 for r in res.rows)
     assert "gradients released" in res.summary()
