@@ -19,9 +19,10 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
-from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.allocator import allocator_peak
 from memfit.checkpoint.api import make_plan
 from memfit.models import GPT, GPTConfig, gpt_loss, lm_cross_entropy
+from tests.measured_steps import training_state_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,20 +124,9 @@ def _measure(
     # The warm-up runs under the allocator's profiler too: the profiler reports the free
     # of a block only when it saw the block allocated (the gradients it leaves).
     allocator_peak(step)
-    # The last step's gradients, freed by zero_grad inside the step, are named (in the
-    # call, held by nothing else, so that they can go): each free the step makes of memory
-    # it did not allocate is then sized exactly.
-    peak = allocator_peak(
-        step,
-        live=[
-            *model.parameters(),
-            *model.buffers(),
-            *optimizer_tensors(optimizer),
-            batch,
-            *(p.grad for p in model.parameters() if p.grad is not None),
-        ],
-        live_complete=True,
-    ).peak_bytes
+    # The last step's gradients, which zero_grad frees inside the step, are named with the
+    # rest of the training state: each free of memory the step did not allocate is sized.
+    peak = training_state_peak(step, model, optimizer, batch).peak_bytes
     with FlopCounterMode(display=False) as counter:
         loss_fn(model, batch).backward()
     optimizer.zero_grad(set_to_none=True)
