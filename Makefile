@@ -59,7 +59,7 @@ format: $(STAMP)
 # has no kernel, as on such a CPU. TensorFlow's own kernels do not follow these limits
 # faithfully, so the Keras tests run natively only.
 OLDER_CPU := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-OLDER_CPU_TESTS := tests/test_kernels.py tests/test_models.py tests/test_policy.py \
+OLDER_CPU_TESTS := tests/test_storage.py tests/test_kernels.py tests/test_models.py tests/test_policy.py \
 	tests/test_master.py tests/test_precision_timing.py tests/test_checkpoint_api.py \
 	tests/test_step_memory.py tests/test_measured_fit.py tests/test_profile.py \
 	tests/test_plan.py tests/test_apply.py tests/test_memory.py tests/test_estimate.py \

@@ -24,6 +24,7 @@ from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_
 from memfit.checkpoint.profile_stage import profile_model, profile_step
 from memfit.checkpoint.profiler.runner import default_loss
 from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, check_zero_grad
+from memfit.checkpoint.storage_stage import DEFAULT_TOLERANCE
 from memfit.deprecations import warn_renamed
 from memfit.errors import ConfigError
 from memfit.nested import call_model
@@ -62,6 +63,8 @@ def make_plan(
     verify: bool = True,
     zero_grad: ZeroGrad = "before_forward",
     costs: Costs = "measured",
+    activation_storage: Sequence[str] = ("keep", "recompute"),
+    storage_tolerance: float = DEFAULT_TOLERANCE,
 ) -> PlanResult:
     """Plan a training step ``loss_fn(model, batch)``: profile -> step memory -> solve ->
     verify.
@@ -84,7 +87,11 @@ def make_plan(
     weighs recompute by, ``"measured"`` (the profiled step's timings) or ``"counted"``
     (FLOPs and bytes, :func:`~memfit.checkpoint.costs.counted_times`): the same plan for
     the same model, batch and budget in every run, where timings a few percent apart
-    would pick between near-equal plans by noise.
+    would pick between near-equal plans by noise. ``activation_storage``: what a kept
+    unit may do with its saved tensors beside keeping them as they are: ``"bf16"``,
+    ``"fp8"``, ``"offload"`` (CUDA), chosen per unit where the budget needs it and each
+    only where its gradient error on ``batch`` is within ``storage_tolerance``
+    (:mod:`memfit.checkpoint.storage_stage`; ``strategy="optimal"`` only).
 
     Example::
 
@@ -113,6 +120,8 @@ def make_plan(
         frontier,
         layout=layout,
         zero_grad=zero_grad,
+        activation_storage=activation_storage,
+        storage_tolerance=storage_tolerance,
     )
     # The measured step is a usual one: it cannot stand for a loop that releases each
     # gradient in backward (the Engine measures its own first step instead).
@@ -151,6 +160,8 @@ def plan(
     example_inputs: Any = None,
     verify: bool = True,
     zero_grad: ZeroGrad = "before_forward",
+    activation_storage: Sequence[str] = ("keep", "recompute"),
+    storage_tolerance: float = DEFAULT_TOLERANCE,
 ) -> Plan:
     """Profile a training step ``loss_fn(model, batch)`` under ``precision`` and plan its
     activation checkpointing under ``budget``.
@@ -177,7 +188,9 @@ def plan(
     measurement. ``zero_grad``: where the training loop frees the last step's gradients,
     ``"before_forward"`` (default), ``"before_backward"`` (Lightning's order: alive
     through the forward) or ``"in_backward"`` (released as their updates are applied:
-    ``Engine(release_gradients=True)``; :func:`make_plan`). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
+    ``Engine(release_gradients=True)``; :func:`make_plan`). ``activation_storage`` and
+    ``storage_tolerance``: kept units may store their saved tensors in bf16, fp8 or (CUDA)
+    host memory where the budget needs it (:func:`make_plan`; ``plan.storage``). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
     measured.
 
     Kept for one release, each with a DeprecationWarning: a ``loss_fn(output)`` (a
@@ -206,6 +219,8 @@ def plan(
         data_parallel=data_parallel,
         verify=verify,
         zero_grad=zero_grad,
+        activation_storage=activation_storage,
+        storage_tolerance=storage_tolerance,
     )
     if example_inputs is not None:
         if batch is not None:
@@ -282,6 +297,8 @@ def _plan_on_output(
         solve_settings["frontier"],
         layout=RankLayout.of(world_size, data_parallel),
         zero_grad=zero_grad,
+        activation_storage=solve_settings["activation_storage"],
+        storage_tolerance=solve_settings["storage_tolerance"],
     )
     return (verify_plan(result, model, optimizer) if verify else result).plan
 

@@ -72,6 +72,7 @@ from memfit.checkpoint.recompute import (
     run_checkpointed,
     stock_sequential,
 )
+from memfit.checkpoint.storage import apply_storage, remove_storage
 from memfit.checkpoint.tree import _lookup, iter_override_class, structure_fingerprint
 from memfit.errors import PlanError
 
@@ -240,6 +241,38 @@ def _read_plan(plan: Any) -> tuple[dict[str, str], dict[str, list[tuple[int, int
     return {str(k): str(v) for k, v in dict(decisions).items()}, out_segments
 
 
+def _within(unit: str, outer: str) -> bool:
+    """Whether ``unit`` is ``outer`` or inside it (every unit is inside the root, ``""``)."""
+    return unit == outer or not outer or unit.startswith(outer + ".")
+
+
+def _stored(
+    plan: Any, decisions: dict[str, str], segments: dict[str, list[tuple[int, int]]]
+) -> dict[str, str]:
+    """The plan's activation storage, checked: each stored unit is kept whole, outside
+    every recomputed piece (a checkpoint's own hooks hold what a recomputed piece saves)."""
+    storage = dict(getattr(plan, "storage", None) or {})
+    recomputed = [n for n, d in decisions.items() if d != KEEP]
+    for name, ranges in segments.items():
+        recomputed += [
+            f"{name}.{i}" if name else str(i) for a, b in ranges for i in range(a, b + 1)
+        ]
+    for unit, kind in storage.items():
+        if kind not in ("bf16", "fp8", "offload"):
+            raise PlanError(
+                f"the plan stores unit {unit!r} as {kind!r}; activation storage is 'bf16', "
+                "'fp8' or 'offload'"
+            )
+        for other in recomputed:
+            if _within(unit, other) or _within(other, unit):
+                raise PlanError(
+                    f"the plan stores unit {unit!r} as {kind!r} and recomputes {other!r}: a "
+                    "stored unit must be kept whole, outside every recomputed piece. Make the "
+                    "plan again with memfit.plan(..., activation_storage=...)"
+                )
+    return storage
+
+
 def _check_structure(model: nn.Module, plan: Any) -> None:
     structure = None if isinstance(plan, Mapping) else getattr(plan, "structure", None)
     if not structure:
@@ -337,6 +370,7 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
     decisions, segments = _read_plan(plan)
     _check_structure(model, plan)
     _validate(model, decisions, segments)
+    storage = _stored(plan, decisions, segments)  # checked before anything changes
     remove_plan(model)
     prepare_for_plan(model)  # no recompute twice over its own, no cache in a recomputed layer
 
@@ -363,15 +397,18 @@ def apply_plan(model: nn.Module, plan: Any, *, early_stop: bool = True) -> nn.Mo
         patch.early_stop = early_stop
         _patch_forward(module, patch)
 
+    if storage:
+        apply_storage(model, storage)
     model.__dict__[_APPLIED] = (plan, early_stop)
     counts = {d: sum(v == d for v in decisions.values()) for d in (RECOMPUTE, SELECTIVE)}
     n_segments = sum(len(r) for r in segments.values())
     log.info(
-        "checkpoint plan applied to %s: %d recomputed, %d selective, %d segments",
+        "checkpoint plan applied to %s: %d recomputed, %d selective, %d segments, %d stored",
         type(model).__name__,
         counts[RECOMPUTE],
         counts[SELECTIVE],
         n_segments,
+        len(storage),
     )
     return model
 
@@ -387,6 +424,7 @@ def remove_plan(model: nn.Module) -> nn.Module:
         assert not is_applied(model)
     """
     model = unwrap_compiled(model)
+    remove_storage(model)
     for module in model.modules():
         patch = module.__dict__.pop(_PATCH, None)
         if patch is None:

@@ -194,7 +194,7 @@ def verify_plan(
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
-    return (a.decisions, a.segments) == (b.decisions, b.segments)
+    return (a.decisions, a.segments, a.storage) == (b.decisions, b.segments, b.storage)
 
 
 def _resolved(
@@ -220,6 +220,8 @@ def _resolved(
         correction_bytes=correction,
         layout=result.layout,
         zero_grad=result.zero_grad,
+        activation_storage=result.activation_storage,
+        storage_tolerance=result.storage_tolerance,
     )
 
 
@@ -299,6 +301,8 @@ def _measured_fallback(
                 accumulation_steps=result.accumulation_steps,
                 layout=result.layout,
                 zero_grad=result.zero_grad,
+                activation_storage=result.activation_storage,
+                storage_tolerance=result.storage_tolerance,
             )
         tried.append(f"{format_bytes(least.measured_peak_bytes)} measured under the least plan")
     raise BudgetError(

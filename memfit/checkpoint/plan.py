@@ -124,6 +124,10 @@ class Plan:
     """The recomputed pieces with what each trades, when the costs were given."""
     version: int = VERSION
     """The plan format version."""
+    storage: dict[str, str] = field(default_factory=dict)
+    """Kept units whose saved tensors are stored compressed or off the device: unit
+    qualified name → ``"bf16"`` | ``"fp8"`` | ``"offload"`` (each over its whole subtree,
+    :mod:`memfit.checkpoint.storage`); empty: every kept unit keeps them as they are."""
     measured_peak_bytes: float | None = None
     """The step's peak under the plan as the allocator measured it on the example batch
     (one forward and backward over the step's static bytes) when the planner verified it;
@@ -248,6 +252,7 @@ class Plan:
             "exact": self.exact,
             "notes": list(self.notes),
             "decisions": dict(self.decisions),
+            "storage": dict(self.storage),
             "segments": {k: [[a, b] for a, b in v] for k, v in self.segments.items()},
             "structure": self.structure
             if self.structure is None or isinstance(self.structure, str)
@@ -333,6 +338,7 @@ class Plan:
             "",
         ]
         lines += self._piece_rows(max_rows)
+        lines += self._storage_rows(max_rows)
         lines += [
             "",
             f"  predicted peak {format_bytes(self.predicted_peak_bytes):>12}",
@@ -360,6 +366,20 @@ class Plan:
             lines.append("")
             lines += [f"  note: {n}" for n in notes]
         return "\n".join(line.rstrip() for line in lines)
+
+    def _storage_rows(self, max_rows: int) -> list[str]:
+        if not self.storage:
+            return []
+        by_kind: dict[str, list[str]] = {}
+        for unit, kind in self.storage.items():
+            by_kind.setdefault(kind, []).append(unit or "(model)")
+        out = [""]
+        for kind, units in by_kind.items():
+            shown = ", ".join(units[:max_rows]) + (
+                f" and {len(units) - max_rows} more" if len(units) > max_rows else ""
+            )
+            out.append(f"  stored {kind:<8} {shown}")
+        return out
 
     def _measured_rows(self) -> list[str]:
         if self.measured_peak_bytes is None:
@@ -606,6 +626,15 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         "a list of piece objects",
         [],
     )
+    storage = field_(
+        "storage",
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(k, str) and x in ("bf16", "fp8", "offload") for k, x in v.items())
+        ),
+        "an object of unit name to 'bf16', 'fp8' or 'offload'",
+        {},
+    )
     notes = field_(
         "notes",
         lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
@@ -637,6 +666,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         if structure is None or isinstance(structure, str)
         else [(n, c) for n, c in structure],
         notes=list(notes),
+        storage=dict(storage),
         exact=field_("exact", lambda v: isinstance(v, bool), "true or false", True),
         measured_peak_bytes=field_(
             "measured_peak_bytes", lambda v: v is None or number(v), "a number or null", None

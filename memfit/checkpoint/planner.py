@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,17 @@ from memfit.checkpoint.step_memory import (
     step_memory,
     with_backward_costs,
 )
-from memfit.errors import BudgetError
+from memfit.checkpoint.storage_stage import (
+    CODED,
+    DEFAULT_TOLERANCE,
+    StorageChoice,
+    candidate_units,
+    choose_storage,
+    gradient_errors,
+    measure_codable,
+)
+from memfit.errors import BudgetError, ConfigError
+from memfit.precision.apply import precision_applied
 from memfit.precision.kernels import module_device
 from memfit.precision.mode_timing import auto_choice
 from memfit.precision.policy import PrecisionPolicy, is_auto
@@ -100,6 +110,14 @@ class PlanResult:
     layout: RankLayout | None = None
     """The data-parallel layout it was planned for (one rank's share), or None (one
     process); a re-plan keeps it."""
+    activation_storage: tuple[str, ...] = ("keep", "recompute")
+    """What the planner may do with a unit's saved tensors (beside keep and recompute:
+    ``"bf16"``, ``"fp8"``, ``"offload"``); a re-plan keeps it."""
+    storage_tolerance: float = DEFAULT_TOLERANCE
+    """The largest relative gradient error a storage may add (a re-plan keeps it)."""
+    storage_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each coded storage tried, its measured relative gradient error on the example
+    batch (empty: none tried)."""
     measured_is_least: bool = False
     """The plan accepted on its measured step is the least any plan reaches: the Engine
     then judges its first training step against the budget itself (over it, nothing
@@ -133,6 +151,8 @@ def solve_profile(
     correction_bytes: float = 0.0,
     layout: RankLayout | None = None,
     zero_grad: ZeroGrad = "before_forward",
+    activation_storage: Sequence[str] = ("keep", "recompute"),
+    storage_tolerance: float = DEFAULT_TOLERANCE,
 ) -> PlanResult:
     """Stages 2-4: the step's memory, the solve, the Plan with its predicted peak.
 
@@ -142,8 +162,13 @@ def solve_profile(
     (:func:`check_plan`). ``layout``: plan one rank of a data-parallel run (its share of
     the weights, gradients and optimizer state; :class:`RankLayout`). ``zero_grad``: where
     the training loop frees the last step's gradients
-    (:mod:`memfit.checkpoint.step_memory`)."""
+    (:mod:`memfit.checkpoint.step_memory`). ``activation_storage``: beside ``"keep"`` and
+    ``"recompute"``, ``"bf16"``, ``"fp8"`` or ``"offload"`` (CUDA) let the ``optimal``
+    strategy store kept units' saved tensors coded where the budget needs it, each
+    storage offered only where its gradient error on the example batch is within
+    ``storage_tolerance`` (:mod:`memfit.checkpoint.storage_stage`)."""
     model = unwrap_compiled(model)
+    activation_storage = check_activation_storage(activation_storage)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     budget_bytes = None if budget is None else parse_bytes(budget, device)
     # The edges were measured on the whole model in one process: a rank's share differs.
@@ -230,6 +255,27 @@ def solve_profile(
     # for a loop that releases them in backward (the prediction decides there).
     measurable = budget_bytes is not None and zero_grad != "in_backward"
     run = step_run(model, profiled, mem, policy, optimizer) if measurable else None
+    choice: StorageChoice | None = None
+    coded = [
+        k for k in activation_storage if k in CODED and (k != "offload" or device.type == "cuda")
+    ]
+    storing = bool(coded) and optimal and budget_bytes is not None and run is not None
+
+    def stored(plain: Solution | None) -> StorageChoice | None:
+        return _storage_choice(
+            model,
+            profiled,
+            mem,
+            policy,
+            optimizer,
+            root,
+            strategy,
+            budget_bytes,
+            coded,
+            storage_tolerance,
+            plain,
+        )
+
     try:
         # With a step to measure, the solve also finds the plan within the budget itself
         # (its ``edge``), which a measurement may accept in place of the reserve.
@@ -246,36 +292,25 @@ def solve_profile(
     except BudgetError as exc:
         if run is None:
             raise
-        # A budget the prediction with its reserve cannot decide is decided by measuring:
-        # the plan predicted within the budget itself, then the least plan (a fixed
-        # strategy has one plan: it is measured).
-        fit = measured_plan(run, root, strategy, budget_bytes, frontier=frontier)
-        if fit is None:
-            raise exc from None
-        if not fit.verdict.fits:
-            measured = fit.measured_peak_bytes
-            which = (
-                "the smallest peak any checkpoint plan reaches, measured: the least plan's"
-                if optimal
-                else f"what strategy {strategy!r} reaches, measured: its"
+        choice = stored(None) if storing else None
+        if choice is not None:
+            solution = choice.solution
+        else:
+            solution, measured_fit = _measured_or_refused(
+                run, root, strategy, budget_bytes, exc, frontier
             )
-            raise BudgetError(
-                f"budget {format_bytes(budget_bytes)} is below {which} step peaked at "
-                f"{format_bytes(measured)} ({measured:.0f} bytes; the allocator's count of "
-                "one forward and backward on the example batch). Raise the budget to at "
-                "least that, use a smaller micro-batch (more accumulation steps) or a "
-                f"'*-master' precision"
-                + ("" if optimal else ", or let strategy='optimal' choose")
-                + f". The prediction: {exc}"
-            ) from None
-        solution, measured_fit = fit.solution, fit
     else:
-        if run is not None and optimal:
+        choice = stored(solution) if storing and solution.recompute_seconds > 0 else None
+        if choice is not None:
+            solution = choice.solution
+        elif run is not None and optimal:
             # Between the budget less the reserve and the budget may lie a plan that
             # recomputes less: its measured step decides, not the reserve.
             cheaper = measured_within_reserve(run, solution, budget_bytes)
             if cheaper is not None:
                 solution, measured_fit = cheaper.solution, cheaper
+    if choice is not None:
+        root = choice.tree
     return result_of_solution(
         solution,
         measured_fit,
@@ -289,7 +324,141 @@ def solve_profile(
         accumulation_steps=accumulation_steps,
         layout=layout,
         zero_grad=zero_grad,
+        storage=None if choice is None else choice.storage,
+        activation_storage=activation_storage,
+        storage_tolerance=storage_tolerance,
+        storage_errors=None if choice is None else choice.errors,
     )
+
+
+def _measured_or_refused(
+    run: StepRun,
+    root: UnitCost,
+    strategy: str,
+    budget_bytes: float,
+    exc: BudgetError,
+    frontier: bool,
+) -> tuple[Solution, MeasuredFit]:
+    """A budget the prediction with its reserve cannot decide, decided by measuring: the
+    plan predicted within the budget itself, then the least plan (a fixed strategy has one
+    plan: it is measured). Raises ``exc`` where nothing could be measured, and a
+    BudgetError with the measured number where the least plan's step does not fit."""
+    optimal = parse_strategy(strategy)[0] == "optimal"
+    fit = measured_plan(run, root, strategy, budget_bytes, frontier=frontier)
+    if fit is None:
+        raise exc from None
+    if not fit.verdict.fits:
+        measured = fit.measured_peak_bytes
+        which = (
+            "the smallest peak any checkpoint plan reaches, measured: the least plan's"
+            if optimal
+            else f"what strategy {strategy!r} reaches, measured: its"
+        )
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below {which} step peaked at "
+            f"{format_bytes(measured)} ({measured:.0f} bytes; the allocator's count of "
+            "one forward and backward on the example batch). Raise the budget to at "
+            "least that, use a smaller micro-batch (more accumulation steps) or a "
+            f"'*-master' precision"
+            + ("" if optimal else ", or let strategy='optimal' choose")
+            + ", or let the planner store activations coded "
+            "(activation_storage=('keep', 'recompute', 'bf16', 'fp8'))" + f". The prediction: {exc}"
+        ) from None
+    return fit.solution, fit
+
+
+def _storage_choice(
+    model: nn.Module,
+    profiled: ModelProfile,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    root: UnitCost,
+    strategy: str,
+    budget_bytes: float,
+    coded: list[str],
+    tolerance: float,
+    plain: Solution | None,
+) -> StorageChoice | None:
+    """:func:`~memfit.checkpoint.storage_stage.choose_storage` on the profiled step: what
+    each candidate would code and each storage's gradient error, measured on the example
+    batch under the training precision."""
+    run_loss = profiled.run_loss
+    assert run_loss is not None
+    units = candidate_units(root)
+    if not units:
+        return None
+    device = module_device(model)
+    graded = list(
+        {
+            id(t): t
+            for t in [
+                *model.parameters(),
+                *([p for g in optimizer.param_groups for p in g["params"]] if optimizer else []),
+            ]
+            if t.requires_grad
+        }.values()
+    )
+
+    def forward() -> Any:
+        with policy.autocast(device.type):
+            return run_loss()
+
+    def step() -> None:
+        forward().backward()
+
+    with precision_applied(model, policy):
+        codes = measure_codable(model, units, forward)
+        errors = gradient_errors(model, graded, step, units, coded)
+
+    def solve_at(tree: UnitCost) -> Solution | None:
+        try:
+            return solve(
+                tree,
+                strategy,
+                budget_bytes,
+                mem.held_bytes,
+                mem.loss_bytes,
+                reserve=RESERVE,
+                frontier=False,
+            )
+        except BudgetError:
+            return None
+
+    def fits(tree: UnitCost, solution: Solution) -> bool:
+        peak = plan_cost(
+            tree,
+            solution.decisions,
+            solution.segments,
+            mem.held_bytes,
+            mem.loss_bytes,
+            shared_inputs=True,
+        ).peak_bytes
+        return max(peak, mem.floor_bytes) <= budget_bytes * (1 - RESERVE)
+
+    return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance)
+
+
+def check_activation_storage(choices: Sequence[str]) -> tuple[str, ...]:
+    """``choices`` checked: a tuple of ``"keep"``, ``"recompute"``, ``"bf16"``, ``"fp8"``,
+    ``"offload"`` holding ``"keep"``.
+
+    Example::
+
+        check_activation_storage(["keep", "recompute", "fp8"])
+    """
+    allowed = ("keep", "recompute", *CODED)
+    if isinstance(choices, str):
+        choices = (choices,)
+    found = tuple(choices)
+    bad = [c for c in found if c not in allowed]
+    if bad or "keep" not in found:
+        raise ConfigError(
+            f"activation_storage={found!r}: each choice is one of "
+            f"{', '.join(map(repr, allowed))}, and 'keep' is among them (e.g. "
+            "('keep', 'recompute', 'bf16', 'fp8'))"
+        )
+    return found
 
 
 def result_of_solution(
@@ -306,6 +475,10 @@ def result_of_solution(
     accumulation_steps: int,
     layout: RankLayout | None,
     zero_grad: ZeroGrad = "before_forward",
+    storage: dict[str, str] | None = None,
+    activation_storage: tuple[str, ...] = ("keep", "recompute"),
+    storage_tolerance: float = DEFAULT_TOLERANCE,
+    storage_errors: dict[str, float] | None = None,
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
     the whole step (``measured_fit``: the measurement that accepted it, if one did)."""
@@ -351,6 +524,13 @@ def result_of_solution(
             "allocator's count of one "
             "forward and backward on the example batch), within it: planned with it"
         )
+    if storage:
+        plan_.storage = dict(storage)
+        errors = ", ".join(f"{k} {v:.2%}" for k, v in (storage_errors or {}).items())
+        plan_.notes.append(
+            f"{len(storage)} kept units store their saved tensors coded (gradient error on "
+            f"the example batch, every candidate stored: {errors})"
+        )
     plan_.notes.extend(profiled.notes)
     plan_.notes.extend(_unstable_notes(profiled.unstable))
     return PlanResult(
@@ -365,6 +545,9 @@ def result_of_solution(
         zero_grad=zero_grad,
         measured_peak_bytes=measured_fit.measured_peak_bytes if measured_fit else None,
         measured_is_least=bool(measured_fit and measured_fit.least),
+        activation_storage=activation_storage,
+        storage_tolerance=storage_tolerance,
+        storage_errors=dict(storage_errors or {}),
     )
 
 

@@ -97,6 +97,9 @@ class Engine(FirstBatchStage):
     (:mod:`memfit.precision.optimizer_state`: 2 or 4 bytes a parameter for AdamW, not 8).
     ``release_gradients``: each update applied as its gradient is made in backward, so
     the gradients are never all held (:mod:`memfit.engine.release`; ``"auto"``: where legal).
+    ``activation_storage``: beside ``"keep"`` and ``"recompute"``, ``"bf16"``, ``"fp8"``
+    and (CUDA) ``"offload"`` let the plan store kept units' saved tensors coded where the
+    budget needs it (:mod:`memfit.checkpoint.storage_stage`; ``plan.storage``).
 
     A step is a whole batch (:meth:`train_step`) or micro-batches fed as they come
     (:meth:`backward` each, then :meth:`step`); both train bitwise the same.
@@ -134,6 +137,7 @@ class Engine(FirstBatchStage):
         micro_batch: str | None = None,
         optimizer_state: str = "fp32",
         release_gradients: bool | str = False,
+        activation_storage: Sequence[str] = ("keep", "recompute"),
     ) -> None:
         check_arguments(
             accumulation_steps=accumulation_steps,
@@ -162,7 +166,14 @@ class Engine(FirstBatchStage):
             log_every=int(log_every),
             max_consecutive_skips=int(max_consecutive_skips),
             optimizer_state=optimizer_state,
+            activation_storage=_checked_storage(activation_storage),
         )
+        if set(self.settings.activation_storage) - {"keep", "recompute"} and checkpoint == "none":
+            raise ConfigError(
+                f"activation_storage={self.settings.activation_storage!r} is chosen by the "
+                "planner: give a memory_budget (checkpoint='auto'), or a Plan made with "
+                "memfit.plan(..., activation_storage=...)"
+            )
         self.scaler = scaler if scaler is not None else default_scaler(self.policy)
         # DDP or FSDP2 (memfit/engine/data_parallel.py); None on one process.
         self.parallel = EngineParallel.of(model, optimizer, self.policy, self.scaler, checkpoint)
@@ -709,3 +720,11 @@ class Engine(FirstBatchStage):
             self._signal_stop.uninstall()
         self._signal_stop = saving_stop(self.save, path, extra, signals)
         return self._signal_stop.install()
+
+
+def _checked_storage(choices: Sequence[str]) -> tuple[str, ...]:
+    """:func:`~memfit.checkpoint.planner.check_activation_storage` (the planner loads with
+    the first plan, not with the Engine)."""
+    from memfit.checkpoint.planner import check_activation_storage
+
+    return check_activation_storage(choices)

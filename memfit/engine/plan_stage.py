@@ -42,6 +42,7 @@ def make_engine_plan(
     accumulation_steps: int,
     units: list[str] | None = None,
     zero_grad: ZeroGrad = "before_forward",
+    activation_storage: tuple[str, ...] = ("keep", "recompute"),
 ) -> EnginePlan:
     """The plan under ``budget``; where the model predicts none fits, the ``full`` plan,
     whose first step the closed loop then measures against the budget: a budget the
@@ -57,7 +58,15 @@ def make_engine_plan(
 
     profiled = profile_step(model, batch, loss_fn, policy, units)
     return plan_from_profile(
-        model, profiled, policy, optimizer, strategy, budget, accumulation_steps, zero_grad
+        model,
+        profiled,
+        policy,
+        optimizer,
+        strategy,
+        budget,
+        accumulation_steps,
+        zero_grad,
+        activation_storage,
     )
 
 
@@ -101,6 +110,7 @@ def strategy_plan(
         units,
         # With gradients released in backward no moment holds them all.
         "in_backward" if settings.release_gradients else "before_forward",
+        settings.activation_storage,
     )
     optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
@@ -116,6 +126,7 @@ def plan_from_profile(
     budget: int | None,
     accumulation_steps: int,
     zero_grad: ZeroGrad = "before_forward",
+    activation_storage: tuple[str, ...] = ("keep", "recompute"),
 ) -> EnginePlan:
     """:func:`make_engine_plan` from a profile already made (``profile_step`` of the
     micro-batch under ``policy``): the timed splits plan several strategies on one.
@@ -138,6 +149,7 @@ def plan_from_profile(
             accumulation_steps,
             frontier=False,
             zero_grad=zero_grad,
+            activation_storage=activation_storage,
         )
 
     try:

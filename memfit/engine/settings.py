@@ -40,6 +40,9 @@ class EngineSettings:
     release_gradients: bool = False
     """Each update applied as its gradient is made in backward (:mod:`memfit.engine.release`);
     ``"auto"`` given to the Engine is resolved to where it is legal."""
+    activation_storage: tuple[str, ...] = ("keep", "recompute")
+    """What a plan may do with a kept unit's saved tensors (``"bf16"``, ``"fp8"``,
+    ``"offload"`` beside keep and recompute: :mod:`memfit.checkpoint.storage_stage`)."""
     kernel_islands: tuple[str, ...] = ()
     """Modules trained as fp32 islands because their kind has no kernel in the precision's
     dtype on this device (an LSTM in bf16 on an AVX2-only CPU): found on the machine that

@@ -1,0 +1,427 @@
+"""Activation storage: a unit's saved tensors kept compressed (bf16, fp8) or off the device.
+
+Keep and recompute are two ways to hold what backward needs; this module adds the third:
+keep it, but in fewer bytes. Per unit, through ``torch.autograd.graph.saved_tensors_hooks``
+(the same mechanism as ActNN, GACT and COAT's FP8 activations; torchtune and DeepSpeed's
+activation offload):
+
+* ``"bf16"``    floating tensors wider than 16 bits stored as bfloat16 (half an fp32
+                tensor; a tensor already 16-bit is left as it is).
+* ``"fp8"``     floating tensors stored as float8 e4m3 with one fp32 scale per tensor
+                (``448 / max|t|``): a quarter of fp32, half of bf16.
+* ``"offload"`` the tensors copied to host memory (pinned, on a side stream, on CUDA) and
+                brought back, all of a unit's at once, when backward first needs one of
+                them. On a CPU the host is the device: the same code runs and saves nothing,
+                so the planner offers it on CUDA only.
+
+What is compressed. A unit's saved tensors are packed as they are saved but compressed
+only when the unit's forward has returned, and only those that nothing else holds: a
+tensor the unit received or returned (its neighbours hold it), a parameter, a view another
+tensor shares, or a tensor another unit saves too stays as it is, since compressing it
+would add a copy rather than remove one. "Nothing else holds" is read from the tensor's
+and its storage's reference counts at that moment (no host sync). Tensors under
+``min_bytes`` (default 64 KiB), integer and boolean tensors (masks, indices) are not
+touched.
+
+Backward decodes a saved tensor each time an op needs it (fp8: ``q.float() / scale``) and
+frees the copy with that op's backward: at most one op's inputs are decoded at a time.
+
+Units the plan recomputes are not stored (a checkpoint's own hooks hold their tensors);
+a unit between a stored ancestor and its own stored or recomputed children runs its ops
+under the nearest enclosing storage, and a unit marked ``"keep"`` inside a stored one is
+shielded with identity hooks, so each op's tensors follow the decision of its innermost
+unit.
+
+Example::
+
+    handles = apply_storage(model, {"blocks.0": "fp8", "blocks.1": "bf16"})
+    loss_fn(model, batch).backward()      # gradients within fp8's rounding of exact
+    remove_storage(model)
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+__all__ = [
+    "STORAGES",
+    "Codable",
+    "codable",
+    "Storage",
+    "apply_storage",
+    "compressed_size",
+    "remove_storage",
+    "stored_units",
+]
+
+Storage = Literal["keep", "bf16", "fp8", "offload"]
+"""How a unit holds its saved tensors between forward and backward."""
+STORAGES: tuple[Storage, ...] = get_args(Storage)
+
+# Tensors smaller than this stay as they are: a scale, a bias's saved input or a mask row
+# costs more to code than it saves.
+DEFAULT_MIN_BYTES = 64 * 1024
+
+# float8 e4m3's largest finite value: a tensor's max |x| maps to it.
+_E4M3_MAX = 448.0
+
+_ATTR = "_memfit_storage"
+
+
+def compressed_size(storage: str, nbytes: float, element_size: int) -> float:
+    """Bytes ``nbytes`` of ``element_size``-byte floats take under ``storage`` on the device.
+
+    Example::
+
+        compressed_size("fp8", 4096, 4)    # 1024.0
+        compressed_size("bf16", 4096, 2)   # 4096.0: already 16-bit
+    """
+    if storage == "bf16":
+        return nbytes * 2 / element_size if element_size > 2 else nbytes
+    if storage == "fp8":
+        return nbytes / element_size if element_size > 1 else nbytes
+    if storage == "offload":
+        return 0.0
+    return nbytes
+
+
+class _Held:
+    """One saved tensor, as packed: the tensor until the unit's forward ends, then its code."""
+
+    __slots__ = (
+        "tensor",
+        "code",
+        "scale",
+        "dtype",
+        "device",
+        "back",
+        "event",
+        "group",
+        "__weakref__",
+    )
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.code: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        # Offload: the copy on its way back to the device, the event that says it is there,
+        # and the unit call's other tensors (brought back with it).
+        self.back: torch.Tensor | None = None
+        self.event: Any = None
+        # Weak references: a strong one would make a cycle, freed only by the garbage
+        # collector, not when the graph goes.
+        self.group: list[weakref.ref[_Held]] | None = None
+
+
+def _alone(group: list[_Held]) -> bool:
+    """Whether the tensors packed in ``group`` (one storage) are all that hold it.
+
+    Counted, not traced: every other holder of the memory shows in a reference count. A
+    tensor the caller holds in Python has more references than the packed one; one another
+    op saved (or an unhooked view of it) has more C++ users; a view of its storage anywhere
+    else makes the storage's count higher; a view's base that someone holds shows the same
+    way. A wrong "no" only leaves a tensor uncoded; it never changes a result.
+    """
+    tensors = [h.tensor for h in group]
+    bases: dict[int, torch.Tensor] = {}
+    views_of: dict[int, int] = {}
+    for t in tensors:
+        b = t._base  # type: ignore[union-attr]
+        if b is not None:
+            views_of[id(b)] = views_of.get(id(b), 0) + 1
+            if isinstance(b, nn.Parameter):
+                return False
+            if not any(b is u for u in tensors):
+                bases[id(b)] = b
+    # The loop's names would count as holders below.
+    t = b = None  # type: ignore[assignment]
+    for t in tensors:
+        # held.tensor, the list, the loop variable, getrefcount's argument, and the C++
+        # tensor's own reference to its Python object once C++ shares it (a view's base).
+        uses = t._use_count()  # type: ignore[union-attr]
+        if uses > 1 + views_of.get(id(t), 0) or sys.getrefcount(t) > 4 + (uses > 1):
+            return False
+    for b in bases.values():
+        # The dict, the loop variable, getrefcount's argument and the same C++ reference.
+        uses = b._use_count()
+        if uses > 1 + views_of[id(b)] or sys.getrefcount(b) > 3 + (uses > 1):
+            return False
+    try:
+        # Every tensor sharing the memory, and the handle untyped_storage() makes here.
+        users = torch._C._storage_Use_Count(tensors[0].untyped_storage()._cdata)  # type: ignore[union-attr]
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return users <= len(tensors) + len(bases) + 1
+
+
+@dataclass
+class _UnitStorage:
+    """The hooks one unit runs its forward under, and what they packed in the current call."""
+
+    name: str
+    storage: Storage
+    min_bytes: int
+    side_stream: Any = None
+    held: list[_Held] = field(default_factory=list)
+    # The call's packed tensors by id (each alive while packed): a tensor two ops save is
+    # packed and coded once.
+    by_id: dict[int, _Held] = field(default_factory=dict)
+    contexts: list[Any] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if (
+            self.storage == "keep"
+            or not t.is_floating_point()
+            or isinstance(t, nn.Parameter)
+            or t.layout != torch.strided
+            or nbytes < self.min_bytes
+            or compressed_size(self.storage, nbytes, t.element_size()) >= nbytes
+        ):
+            return t
+        held = self.by_id.get(id(t))
+        if held is None:
+            held = self.by_id[id(t)] = _Held(t)
+            self.held.append(held)
+        return held
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Held):
+            return packed
+        if packed.tensor is not None:
+            return packed.tensor
+        assert packed.code is not None
+        if self.storage == "offload":
+            if packed.back is None:
+                self.prefetch(packed)
+            out, packed.back = packed.back, None
+            if packed.event is not None:
+                torch.cuda.current_stream(packed.device).wait_event(packed.event)
+                packed.event = None
+            return out if out is not None else packed.code.to(packed.device)
+        if self.storage == "fp8":
+            assert packed.scale is not None
+            return (packed.code.to(torch.float32) / packed.scale).to(packed.dtype)
+        return packed.code.to(packed.dtype)
+
+    def prefetch(self, first: _Held) -> None:
+        """Offload on CUDA: bring back every tensor of the unit's call that ``first`` is
+        from, on the side stream, when backward asks for the first of them."""
+        if self.side_stream is None or first.device.type != "cuda":
+            return
+        group = [r() for r in first.group] if first.group is not None else [first]
+        with torch.cuda.stream(self.side_stream):
+            for held in group:
+                if held is not None and held.code is not None and held.back is None:
+                    held.back = held.code.to(held.device, non_blocking=True)
+                    held.event = torch.cuda.Event()
+                    held.event.record(self.side_stream)
+
+    def encode(self) -> None:
+        """The unit's forward returned: code what only its saved tensors hold."""
+        self.by_id = {}
+        by_storage: dict[int, list[_Held]] = {}
+        for held in self.held:
+            assert held.tensor is not None
+            by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
+        coded = [h for group in by_storage.values() if _alone(group) for h in group]
+        family = [weakref.ref(h) for h in coded]
+        for held in coded:
+            t = held.tensor
+            assert t is not None
+            if self.storage == "bf16":
+                held.code = t.to(torch.bfloat16)
+            elif self.storage == "fp8":
+                amax = t.detach().abs().amax().to(torch.float32)
+                # No host sync: an all-zero or non-finite tensor gets scale 1 (non-finite
+                # values come back NaN, which the loss scaler's overflow check sees).
+                ok = torch.isfinite(amax) & (amax > 0)
+                held.scale = torch.where(ok, _E4M3_MAX / amax, torch.ones_like(amax))
+                held.code = (t.to(torch.float32) * held.scale).to(torch.float8_e4m3fn)
+            else:
+                held.code = self._to_host(t)
+                held.group = family
+            held.tensor = None
+            del t
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(t.device)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        # The copy runs beside compute; the tensor must outlive it on the side stream.
+        self.side_stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.side_stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.side_stream)
+        return host
+
+
+@dataclass
+class Codable:
+    """What a unit's storage would code in one forward, measured (:func:`codable`)."""
+
+    bytes_by_element_size: dict[int, int] = field(default_factory=dict)
+    """Bytes of the tensors it would code, by their element size (4: fp32, 2: bf16/fp16)."""
+    largest_bytes: int = 0
+    """The largest of them: backward decodes one op's tensors at a time."""
+
+    def coded_bytes(self, storage: str) -> float:
+        """What those tensors take on the device under ``storage``."""
+        return sum(compressed_size(storage, n, e) for e, n in self.bytes_by_element_size.items())
+
+    def total_bytes(self) -> int:
+        """What they take as they are."""
+        return sum(self.bytes_by_element_size.values())
+
+
+class _Probe(_UnitStorage):
+    """A unit's storage that codes nothing: it counts what :meth:`encode` would code."""
+
+    found: Codable
+
+    def encode(self) -> None:
+        self.by_id = {}
+        by_storage: dict[int, list[_Held]] = {}
+        for held in self.held:
+            assert held.tensor is not None
+            by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
+        for group in by_storage.values():
+            if not _alone(group):
+                continue
+            for held in group:
+                t = held.tensor
+                assert t is not None
+                nbytes = t.numel() * t.element_size()
+                sizes = self.found.bytes_by_element_size
+                sizes[t.element_size()] = sizes.get(t.element_size(), 0) + nbytes
+                self.found.largest_bytes = max(self.found.largest_bytes, nbytes)
+                del t
+
+
+def codable(
+    model: nn.Module, units: list[str], forward: Any, *, min_bytes: int = DEFAULT_MIN_BYTES
+) -> dict[str, Codable]:
+    """Per unit, what storing it would code, counted on one call of ``forward()`` (the
+    model's forward on the example batch, under the training precision): each unit is
+    stored alone, with the same rule as in training (:func:`_alone`), and nothing is
+    coded. Units must not contain one another.
+
+    Example::
+
+        codable(model, ["blocks.0", "blocks.1"], lambda: model(x))["blocks.0"].total_bytes()
+    """
+    remove_storage(model)
+    modules = dict(model.named_modules())
+    probes: dict[str, _Probe] = {}
+    for name in units:
+        probe = probes[name] = _Probe(name, "fp8", min_bytes)
+        probe.found = Codable()
+        probe.handles = [
+            modules[name].register_forward_pre_hook(
+                lambda m, a, k, u=probe: _pre(u, m, a, k), with_kwargs=True
+            ),
+            modules[name].register_forward_hook(
+                lambda m, a, k, o, u=probe: _post(u, m, a, k, o),
+                with_kwargs=True,
+                always_call=True,
+            ),
+        ]
+    try:
+        out = forward()
+        del out
+    finally:
+        for probe in probes.values():
+            for handle in probe.handles:
+                handle.remove()
+    return {name: probe.found for name, probe in probes.items()}
+
+
+def _pre(unit: _UnitStorage, module: nn.Module, args: Any, kwargs: Any) -> None:
+    if not torch.is_grad_enabled():
+        return
+    # A new call: what the last one packed stays reachable from its graph through the
+    # packed objects, not from here.
+    unit.held = []
+    ctx = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
+    ctx.__enter__()
+    unit.contexts.append(ctx)
+
+
+def _post(unit: _UnitStorage, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    if not unit.contexts:
+        return
+    unit.contexts.pop().__exit__(None, None, None)
+    # Drop our own references to the call's arguments and output before counting who
+    # else holds the saved tensors: the caller still holds them, so they stay uncoded.
+    del args, kwargs, output
+    unit.encode()
+    unit.held = []
+
+
+def apply_storage(
+    model: nn.Module, storage: Mapping[str, str], *, min_bytes: int = DEFAULT_MIN_BYTES
+) -> nn.Module:
+    """Store the saved tensors of each named unit as ``storage`` says (in place, reversible).
+
+    Example::
+
+        apply_storage(model, {"blocks.0": "fp8"})
+        stored_units(model)   # {"blocks.0": "fp8"}
+    """
+    remove_storage(model)
+    modules = dict(model.named_modules())
+    for name, kind in storage.items():
+        if kind not in STORAGES:
+            raise ValueError(
+                f"activation storage {kind!r} for unit {name!r} is not one of "
+                f"{', '.join(map(repr, STORAGES))}; 'recompute' is a plan decision"
+            )
+        if name not in modules:
+            raise ValueError(
+                f"activation storage names unit {name!r}, which the model does not have; "
+                "use the names model.named_modules() gives"
+            )
+    for name, kind in storage.items():
+        module = modules[name]
+        unit = _UnitStorage(name, kind, min_bytes)  # type: ignore[arg-type]
+        unit.handles = [
+            module.register_forward_pre_hook(
+                lambda m, a, k, u=unit: _pre(u, m, a, k), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                lambda m, a, k, o, u=unit: _post(u, m, a, k, o), with_kwargs=True, always_call=True
+            ),
+        ]
+        setattr(module, _ATTR, unit)
+    return model
+
+
+def stored_units(model: nn.Module) -> dict[str, str]:
+    """The storage applied to each unit of ``model`` (empty: none)."""
+    return {
+        name: unit.storage
+        for name, m in model.named_modules()
+        if (unit := getattr(m, _ATTR, None)) is not None
+    }
+
+
+def remove_storage(model: nn.Module) -> nn.Module:
+    """Take every activation storage off ``model``; its forward is the plain one again."""
+    for m in model.modules():
+        unit = m.__dict__.pop(_ATTR, None)
+        if unit is not None:
+            for handle in unit.handles:
+                handle.remove()
+    return model

@@ -1,0 +1,269 @@
+"""The planner's activation storage: which kept units store their saved tensors coded.
+
+Beside keep and recompute, a unit may keep what it saves in fewer bytes
+(:mod:`memfit.checkpoint.storage`: bf16, fp8, or off the device). The planner decides it
+with the same solver and budget, in three measured steps on the example batch:
+
+1. **What each unit would code** (:func:`~memfit.checkpoint.storage.codable`): one forward
+   with every candidate unit probed by the rule training uses. Candidates are the blocks
+   of the model's chains (a GPT's layers, a ResNet stage's blocks), else the root's
+   children.
+2. **What each storage costs in gradient**: the gradients of one step with every
+   candidate stored that way, against the exact ones (same RNG), as a relative L2 error
+   ``|g - g*| / |g*|``. A storage whose error passes ``tolerance`` is not offered.
+3. **The solve**: for each storage offered, the cost tree with every candidate made a
+   leaf that keeps its coded bytes (or is recomputed whole); the solver picks keep or
+   recompute per leaf under the budget. The storage whose plan recomputes least wins
+   (ties go to the first in bf16, fp8, offload: the least lossy), and it is used only
+   where it recomputes less than keeping everything as it is, or fits where that cannot.
+   Then stored units are put back to plain keep, the ones that code least first, while
+   the plan still fits: a unit is stored only where the budget needs it.
+
+Coding is a cast per tensor (fp8: a max, a multiply and a cast), counted as free beside
+a recompute: ``bench/storage.py`` measures what it costs.
+
+A stored unit's forward holds its tensors uncoded until it returns (they are coded then,
+when nothing else holds them): its moment holds them and their codes at once, which the
+prediction counts; its backward decodes one op's tensors at a time, the largest counted.
+
+Example::
+
+    choice = choose_storage(root, candidates, codes, errors, solve_at)
+    choice.storage     # {"blocks.6": "fp8", "blocks.7": "fp8"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.checkpoint.costs import KEEP, UnitCost
+from memfit.checkpoint.solvers import Solution, plan_cost
+from memfit.checkpoint.storage import Codable, apply_storage, codable, remove_storage
+
+__all__ = [
+    "CODED",
+    "DEFAULT_TOLERANCE",
+    "StorageChoice",
+    "candidate_units",
+    "choose_storage",
+    "gradient_errors",
+    "measure_codable",
+    "stored_tree",
+]
+
+#: The storages that code (beside keep and recompute), least lossy first.
+CODED = ("bf16", "fp8", "offload")
+
+#: The largest relative L2 gradient error a storage may add on the example batch.
+DEFAULT_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class StorageChoice:
+    """The storage the planner chose and the solution it planned with."""
+
+    storage: dict[str, str]
+    """Stored unit → storage (only those the budget needs)."""
+    solution: Solution
+    """The solve on the tree with those units coded."""
+    tree: UnitCost
+    """That tree (stored units as leaves keeping their coded bytes)."""
+    errors: dict[str, float]
+    """Each storage tried, its measured relative gradient error."""
+
+
+def candidate_units(root: UnitCost) -> list[str]:
+    """The units a storage may be applied to: the blocks of every chain (the children of
+    sequential units, not nested in one another), else the root's children.
+
+    Example::
+
+        candidate_units(result.profile.root)   # ['blocks.0', 'blocks.1', ...]
+    """
+    found: list[str] = []
+
+    def visit(unit: UnitCost) -> None:
+        if unit.sequential and unit.children:
+            found.extend(c.name for c in unit.children)
+            return
+        for child in unit.children:
+            visit(child)
+
+    visit(root)
+    if not found:
+        found = [c.name for c in root.children]
+    return [n for n in found if n]
+
+
+def measure_codable(
+    model: nn.Module, units: list[str], forward: Callable[[], Any]
+) -> dict[str, Codable]:
+    """:func:`~memfit.checkpoint.storage.codable`, with gradients on (nothing is saved
+    without them) and the outputs dropped."""
+    with torch.enable_grad():
+        return codable(model, units, forward)
+
+
+def gradient_errors(
+    model: nn.Module,
+    graded: list[torch.Tensor],
+    step: Callable[[], None],
+    units: list[str],
+    storages: list[str],
+) -> dict[str, float]:
+    """Per storage, the relative L2 error of the gradients of ``graded`` after ``step()``
+    (a forward and backward) with every unit of ``units`` stored that way, against the
+    exact step, both from the same RNG state. The gradients are put back as they were.
+
+    Example::
+
+        gradient_errors(model, list(model.parameters()), step, ["blocks.0"], ["fp8"])
+    """
+    saved = [t.grad for t in graded]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def run() -> list[torch.Tensor | None]:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for t in graded:
+            t.grad = None
+        step()
+        return [None if t.grad is None else t.grad.detach().float() for t in graded]
+
+    errors: dict[str, float] = {}
+    try:
+        exact = run()
+        norm = sum(float(g.pow(2).sum()) for g in exact if g is not None) ** 0.5
+        for storage in storages:
+            apply_storage(model, {u: storage for u in units})
+            try:
+                got = run()
+            finally:
+                remove_storage(model)
+            diff = sum(
+                float((a - b).pow(2).sum())
+                for a, b in zip(got, exact)
+                if a is not None and b is not None
+            )
+            errors[storage] = diff**0.5 / norm if norm > 0 else 0.0
+    finally:
+        for t, g in zip(graded, saved):
+            t.grad = g
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return errors
+
+
+def stored_tree(
+    root: UnitCost, storage: Mapping[str, str], codes: Mapping[str, Codable]
+) -> UnitCost:
+    """``root`` with each unit of ``storage`` made a leaf that keeps its subtree's saved
+    bytes less what its storage saves, and holds, at the end of its forward, the coded
+    tensors and their codes at once, and in its backward one decoded tensor more.
+
+    Example::
+
+        tree = stored_tree(root, {"blocks.0": "fp8"}, codes)
+    """
+
+    def visit(unit: UnitCost) -> UnitCost:
+        kind = storage.get(unit.name)
+        if kind is None:
+            return dataclasses.replace(unit, children=[visit(c) for c in unit.children])
+        code = codes[unit.name]
+        below = list(unit.walk())
+        saved = unit.total_saved_bytes()
+        coded = code.coded_bytes(kind)
+        return dataclasses.replace(
+            unit,
+            children=[],
+            sequential=False,
+            own_saved_bytes=max(0.0, saved - code.total_bytes() + coded),
+            own_saved_after_children_bytes=0.0,
+            forward_hold_bytes=max(
+                max(u.forward_hold_bytes for u in below), float(code.total_bytes())
+            ),
+            backward_hold_bytes=max(u.backward_hold_bytes for u in below)
+            + float(code.largest_bytes),
+            forward_workspace_bytes=max(u.forward_workspace_bytes for u in below),
+            backward_workspace_bytes=max(u.backward_workspace_bytes for u in below),
+        )
+
+    return visit(root)
+
+
+def _with_children_kept(decisions: Mapping[str, str], root: UnitCost) -> dict[str, str]:
+    """``decisions`` naming every unit of ``root`` (those a stored leaf hid keep)."""
+    return {u.name: decisions.get(u.name, KEEP) for u in root.walk()}
+
+
+def choose_storage(
+    root: UnitCost,
+    candidates: list[str],
+    codes: Mapping[str, Codable],
+    errors: Mapping[str, float],
+    solve_at: Callable[[UnitCost], Solution | None],
+    fits: Callable[[UnitCost, Solution], bool],
+    plain: Solution | None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> StorageChoice | None:
+    """The storage plan that recomputes least under the budget, or None where none
+    recomputes less than ``plain`` (the solve without storage; None: it found no plan).
+
+    ``solve_at(tree)`` solves a cost tree under the budget (None: nothing fits);
+    ``fits(tree, solution)`` says whether a solution's decisions on another tree still
+    fit (used to put stored units back to plain keep).
+
+    Example::
+
+        choice = choose_storage(root, units, codes, errors, solve_at, fits, plain)
+    """
+    best: StorageChoice | None = None
+    for kind in CODED:
+        if kind not in errors or errors[kind] > tolerance:
+            continue
+        useful = [u for u in candidates if codes[u].coded_bytes(kind) < codes[u].total_bytes()]
+        if not useful:
+            continue
+        storage = {u: kind for u in useful}
+        tree = stored_tree(root, storage, codes)
+        solution = solve_at(tree)
+        if solution is None:
+            continue
+        if best is None or solution.recompute_seconds < best.solution.recompute_seconds:
+            best = StorageChoice(storage, solution, tree, dict(errors))
+    if best is None:
+        return None
+    if plain is not None and best.solution.recompute_seconds >= plain.recompute_seconds:
+        return None
+    # Only the units the budget needs: the others keep their tensors as they are.
+    decisions = best.solution.decisions
+    stored = {u: k for u, k in best.storage.items() if decisions.get(u, KEEP) == KEEP}
+    tree = stored_tree(root, stored, codes)
+    for unit in sorted(
+        stored, key=lambda u: codes[u].total_bytes() - codes[u].coded_bytes(stored[u])
+    ):
+        trial = {u: k for u, k in stored.items() if u != unit}
+        trial_tree = stored_tree(root, trial, codes)
+        if fits(trial_tree, best.solution):
+            stored, tree = trial, trial_tree
+    solution = dataclasses.replace(
+        best.solution, decisions=_with_children_kept(best.solution.decisions, root)
+    )
+    return StorageChoice(stored, solution, tree, dict(errors))
+
+
+def storage_cost(tree: UnitCost, solution: Solution, held: float, loss: float) -> float:
+    """The predicted peak of ``solution``'s decisions on ``tree``."""
+    return plan_cost(
+        tree, solution.decisions, solution.segments, held, loss, shared_inputs=True
+    ).peak_bytes

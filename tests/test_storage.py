@@ -1,0 +1,205 @@
+"""Activation storage: saved tensors coded per unit (bf16, fp8, offload), and the planner's
+choice of it under a budget. Memory is the allocator's (torch.profiler on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.allocator import allocator_peak
+from memfit.checkpoint.api import make_plan
+from memfit.checkpoint.storage import apply_storage, remove_storage, stored_units
+from memfit.errors import ConfigError, PlanError
+from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.resnet import ResNet, ResNetConfig
+
+
+def _gpt() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=128, dropout=0.1)
+    return GPT(cfg), torch.randint(0, 256, (8, 64))
+
+
+def _gpt_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), x.view(-1))
+
+
+def _resnet() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ResNet(ResNetConfig()), torch.randn(16, 3, 32, 32)
+
+
+def _resnet_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).logsumexp(-1).mean()
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    if isinstance(model, GPT):
+        return [f"blocks.{i}" for i in range(len(model.blocks))]
+    return [n for n, m in model.named_modules() if type(m).__name__ == "BasicBlock"]
+
+
+def _grads(model: nn.Module, x: torch.Tensor, loss_fn) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same dropout masks in every run
+    loss_fn(model, x).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _relative_error(got: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    diff = sum(float((a - b).pow(2).sum()) for a, b in zip(got, exact))
+    return (diff / sum(float(b.pow(2).sum()) for b in exact)) ** 0.5
+
+
+def _held_after_forward(model: nn.Module, x: torch.Tensor, loss_fn) -> int:
+    """The allocator's bytes held by the end of forward (what is saved for backward,
+    the loss), above the parameters and the batch."""
+
+    def forward() -> torch.Tensor:
+        torch.manual_seed(1)
+        return loss_fn(model, x)
+
+    forward()  # a first run allocates what later ones reuse
+    peak = allocator_peak(forward, live=[*model.parameters(), x], live_complete=True)
+    assert peak.end_bytes is not None
+    return peak.end_bytes - peak.start_bytes
+
+
+@pytest.mark.parametrize("family", ["gpt", "resnet"])
+def test_stored_units_keep_or_offload_give_bitwise_gradients(family: str) -> None:
+    model, x = _gpt() if family == "gpt" else _resnet()
+    loss_fn = _gpt_loss if family == "gpt" else _resnet_loss
+    exact = _grads(model, x, loss_fn)
+    # Offload's code path on a CPU: the host is the device, the copies come back as sent.
+    for kind in ("keep", "offload"):
+        apply_storage(model, {u: kind for u in _blocks(model)})
+        got = _grads(model, x, loss_fn)
+        remove_storage(model)
+        assert all(torch.equal(a, b) for a, b in zip(got, exact)), kind
+    assert stored_units(model) == {}
+
+
+@pytest.mark.parametrize("family", ["gpt", "resnet"])
+def test_fp8_storage_holds_at_least_40_percent_less_at_the_same_recompute(family: str) -> None:
+    model, x = _gpt() if family == "gpt" else _resnet()
+    loss_fn = _gpt_loss if family == "gpt" else _resnet_loss
+    exact = _grads(model, x, loss_fn)
+    plain = _held_after_forward(model, x, loss_fn)
+    held: dict[str, int] = {}
+    errors: dict[str, float] = {}
+    for kind in ("bf16", "fp8"):
+        apply_storage(model, {u: kind for u in _blocks(model)})
+        held[kind] = _held_after_forward(model, x, loss_fn)
+        errors[kind] = _relative_error(_grads(model, x, loss_fn), exact)
+        remove_storage(model)
+    # Nothing is recomputed in either step; fp8 codes fp32 activations in a quarter.
+    assert held["fp8"] <= 0.6 * plain, (family, held, plain)
+    assert held["fp8"] < held["bf16"] < plain
+    assert 0 < errors["bf16"] < errors["fp8"] < 0.05, errors
+
+
+def test_storage_leaves_tensors_held_elsewhere_uncoded() -> None:
+    """A saved tensor the caller still holds (the unit's input) is not coded: coding it
+    would add a copy."""
+
+    class Unit(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x.sin() * 2).cos()
+
+    model = nn.Sequential(Unit())
+    x = torch.randn(256, 256, requires_grad=True)
+    plain = _held_after_forward(model, x, lambda m, b: m(b).sum())
+    apply_storage(model, {"0": "fp8"})
+    coded = _held_after_forward(model, x, lambda m, b: m(b).sum())
+    remove_storage(model)
+    # sin saves x (held by the caller: stays), cos saves x.sin() * 2 (coded to a quarter).
+    quarter = 256 * 256 * 4 // 4
+    assert plain - coded == pytest.approx(3 * quarter, rel=0.01)
+
+
+def test_apply_storage_refuses_what_no_training_could_use() -> None:
+    model, _ = _gpt()
+    with pytest.raises(ValueError, match="'int4'.*is not one of"):
+        apply_storage(model, {"blocks.0": "int4"})
+    with pytest.raises(ValueError, match="'blocks.9', which the model does not have"):
+        apply_storage(model, {"blocks.9": "fp8"})
+    plan = memfit.Plan(
+        {"": "keep", "blocks.0": "recompute"}, storage={"blocks.0": "fp8"}, structure=None
+    )
+    with pytest.raises(PlanError, match="stores unit 'blocks.0' as 'fp8' and recomputes"):
+        memfit.apply_plan(model, plan)
+    assert stored_units(model) == {} and not memfit.checkpoint.is_applied(model)
+
+
+def test_plan_json_keeps_its_storage() -> None:
+    plan = memfit.Plan({"": "keep", "blocks.0": "keep"}, storage={"blocks.0": "fp8"})
+    back = memfit.Plan.from_json(plan.to_json())
+    assert back.storage == {"blocks.0": "fp8"} and back == plan
+    assert "stored fp8" in plan.summary()
+    bad = plan.to_json().replace('"fp8"', '"int4"')
+    with pytest.raises(PlanError, match="storage"):
+        memfit.Plan.from_json(bad)
+
+
+def test_planner_stores_instead_of_recomputing_where_the_budget_needs_it() -> None:
+    model, x = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def plan(**settings) -> memfit.Plan:
+        # Counted costs: the same plans in every run, whatever the machine's timings.
+        return make_plan(
+            model, x, _gpt_loss, precision="fp32", optimizer=opt, costs="counted", **settings
+        ).plan
+
+    budget = int(plan().predicted_peak_bytes * 0.75)
+    plain = plan(budget=budget)
+    stored = plan(budget=budget, activation_storage=("keep", "recompute", "bf16", "fp8"))
+    assert plain.recompute_flops > 0 and not plain.storage
+    assert stored.storage and set(stored.storage.values()) <= {"bf16", "fp8"}
+    assert stored.recompute_flops < plain.recompute_flops
+    # Measured by the allocator on the example batch: within the budget, and the
+    # prediction within 10% of it.
+    assert stored.measured_peak_bytes is not None and stored.measured_peak_bytes <= budget
+    error = stored.predicted_peak_bytes / stored.measured_peak_bytes - 1
+    assert abs(error) <= 0.10, error
+    # Only the units the budget needs are stored; none inside a recomputed one.
+    assert len(stored.storage) <= len(_blocks(model))
+    assert all(stored.decisions[u] == "keep" for u in stored.storage)
+    # A tolerance below every storage's measured error offers none: the plain plan.
+    strict = plan(
+        budget=budget,
+        activation_storage=("keep", "recompute", "bf16", "fp8"),
+        storage_tolerance=0.0,
+    )
+    assert not strict.storage and strict.decisions == plain.decisions
+
+
+def test_engine_plans_storage_and_trains_under_it() -> None:
+    model, x = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    unplanned = memfit.plan(model, x, _gpt_loss, precision="fp32", optimizer=opt)
+    budget = int(unplanned.predicted_peak_bytes * 0.75)
+    engine = memfit.Engine(
+        model,
+        opt,
+        precision="fp32",
+        memory_budget=budget,
+        activation_storage=("keep", "recompute", "fp8"),
+    )
+    losses = [float(engine.train_step(x, _gpt_loss)) for _ in range(3)]
+    assert engine.plan.storage and set(engine.plan.storage.values()) == {"fp8"}
+    assert stored_units(model) == engine.plan.storage
+    assert engine.plan_check is not None and engine.plan_check.measured_peak_bytes <= budget
+    assert losses[-1] < losses[0]
+
+
+def test_engine_refuses_storage_without_a_planner() -> None:
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="chosen by the planner"):
+        memfit.Engine(model, opt, checkpoint="none", activation_storage=("keep", "fp8"))
+    with pytest.raises(ConfigError, match="'int8'"):
+        memfit.Engine(model, opt, memory_budget="1GiB", activation_storage=("keep", "int8"))
