@@ -144,14 +144,18 @@ def test_plan_json_keeps_its_storage() -> None:
         memfit.Plan.from_json(bad)
 
 
-def test_planner_stores_instead_of_recomputing_where_the_budget_needs_it() -> None:
-    model, x = _gpt()
+@pytest.mark.parametrize("family", ["gpt", "resnet"])
+def test_planner_stores_instead_of_recomputing_where_the_budget_needs_it(family: str) -> None:
+    """On the ResNet the plain plan recomputes a segment of stages: no stored unit may lie
+    in it."""
+    model, x = _gpt() if family == "gpt" else _resnet()
+    loss_fn = _gpt_loss if family == "gpt" else _resnet_loss
     opt = torch.optim.AdamW(model.parameters())
 
     def plan(**settings) -> memfit.Plan:
         # Counted costs: the same plans in every run, whatever the machine's timings.
         return make_plan(
-            model, x, _gpt_loss, precision="fp32", optimizer=opt, costs="counted", **settings
+            model, x, loss_fn, precision="fp32", optimizer=opt, costs="counted", **settings
         ).plan
 
     budget = int(plan().predicted_peak_bytes * 0.75)
@@ -168,6 +172,9 @@ def test_planner_stores_instead_of_recomputing_where_the_budget_needs_it() -> No
     # Only the units the budget needs are stored; none inside a recomputed one.
     assert len(stored.storage) <= len(_blocks(model))
     assert all(stored.decisions[u] == "keep" for u in stored.storage)
+    for container, ranges in stored.segments.items():
+        inside = {f"{container}.{i}" for a, b in ranges for i in range(a, b + 1)}
+        assert not inside & set(stored.storage), (stored.segments, stored.storage)
     # A tolerance below every storage's measured error offers none: the plain plan.
     strict = plan(
         budget=budget,

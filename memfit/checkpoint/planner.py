@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.compiled import unwrap_compiled
-from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.costs import KEEP, UnitCost
 from memfit.checkpoint.measured_fit import (
     FitVerdict,
     MeasuredFit,
@@ -525,6 +525,8 @@ def result_of_solution(
             "forward and backward on the example batch), within it: planned with it"
         )
     if storage:
+        # Every unit listed, as in any plan: those a stored unit's leaf hid keep.
+        plan_.decisions = {u.name: plan_.decisions.get(u.name, KEEP) for u in profiled.root.walk()}
         plan_.storage = dict(storage)
         errors = ", ".join(f"{k} {v:.2%}" for k, v in (storage_errors or {}).items())
         plan_.notes.append(

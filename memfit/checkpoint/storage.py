@@ -45,7 +45,7 @@ import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -122,15 +122,21 @@ class _Held:
         self.group: list[weakref.ref[_Held]] | None = None
 
 
-def _alone(group: list[_Held]) -> bool:
-    """Whether the tensors packed in ``group`` (one storage) are all that hold it.
+class _Counts(NamedTuple):
+    """Reference counts of one storage's packed tensors and of their bases, as
+    :func:`_counts` reads them."""
 
-    Counted, not traced: every other holder of the memory shows in a reference count. A
-    tensor the caller holds in Python has more references than the packed one; one another
-    op saved (or an unhooked view of it) has more C++ users; a view of its storage anywhere
-    else makes the storage's count higher; a view's base that someone holds shows the same
-    way. A wrong "no" only leaves a tensor uncoded; it never changes a result.
-    """
+    alone_possible: bool
+    """False where a base is a parameter (a weight's transpose): never coded."""
+    tensors: list[tuple[int, int, int]]
+    """Per packed tensor: Python references, C++ uses, views of it among the packed."""
+    bases: list[tuple[int, int, int]]
+    """The same for each base of a packed view that is not packed itself."""
+    storage_users: int
+    """Tensors sharing the memory, and the handle read here (-1: unreadable)."""
+
+
+def _counts(group: list[_Held]) -> _Counts:
     tensors = [h.tensor for h in group]
     bases: dict[int, torch.Tensor] = {}
     views_of: dict[int, int] = {}
@@ -139,28 +145,83 @@ def _alone(group: list[_Held]) -> bool:
         if b is not None:
             views_of[id(b)] = views_of.get(id(b), 0) + 1
             if isinstance(b, nn.Parameter):
-                return False
+                return _Counts(False, [], [], -1)
             if not any(b is u for u in tensors):
                 bases[id(b)] = b
     # The loop's names would count as holders below.
     t = b = None  # type: ignore[assignment]
-    for t in tensors:
-        # held.tensor, the list, the loop variable, getrefcount's argument, and the C++
-        # tensor's own reference to its Python object once C++ shares it (a view's base).
-        uses = t._use_count()  # type: ignore[union-attr]
-        if uses > 1 + views_of.get(id(t), 0) or sys.getrefcount(t) > 4 + (uses > 1):
-            return False
-    for b in bases.values():
-        # The dict, the loop variable, getrefcount's argument and the same C++ reference.
-        uses = b._use_count()
-        if uses > 1 + views_of[id(b)] or sys.getrefcount(b) > 3 + (uses > 1):
-            return False
+    counted = [
+        (sys.getrefcount(t), t._use_count(), views_of.get(id(t), 0))  # type: ignore[union-attr]
+        for t in tensors
+    ]
+    counted_bases = [(sys.getrefcount(b), b._use_count(), views_of[id(b)]) for b in bases.values()]
     try:
-        # Every tensor sharing the memory, and the handle untyped_storage() makes here.
         users = torch._C._storage_Use_Count(tensors[0].untyped_storage()._cdata)  # type: ignore[union-attr]
     except (RuntimeError, NotImplementedError, AttributeError):
+        users = -1
+    return _Counts(True, counted, counted_bases, users)
+
+
+def _baseline() -> tuple[int, int]:
+    """The Python references :func:`_counts` reads of a packed tensor nothing else holds,
+    and of a base only its packed view holds: measured on fresh tensors, so the rule
+    does not depend on how an interpreter counts its own frames' references."""
+    alone = _counts([_Held(torch.empty(4))])
+    viewed = _counts([_Held(torch.empty(4).view(2, 2))])
+    return alone.tensors[0][0], viewed.bases[0][0]
+
+
+_BASELINE: tuple[int, int] | None = None
+
+
+def _alone(group: list[_Held]) -> bool:
+    """Whether the tensors packed in ``group`` (one storage) are all that hold it.
+
+    Counted, not traced: every other holder of the memory shows in a reference count. A
+    tensor the caller holds in Python has more Python references than a packed one nothing
+    else holds; one another op saved (or an unhooked view of it) has more C++ uses; a view
+    of its storage anywhere else makes the storage's count higher; a view's base that
+    someone holds shows the same way. A wrong "no" only leaves a tensor uncoded; it never
+    changes a result.
+    """
+    global _BASELINE
+    if _BASELINE is None:
+        _BASELINE = _baseline()
+    tensor_refs, base_refs = _BASELINE
+    counts = _counts(group)
+    if not counts.alone_possible or counts.storage_users < 0:
         return False
-    return users <= len(tensors) + len(bases) + 1
+    for refs, uses, views in counts.tensors:
+        # Shared with C++ (its views hold it), the tensor's Python object gains one
+        # reference of its own.
+        if uses > 1 + views or refs > tensor_refs + (uses > 1):
+            return False
+    for refs, uses, views in counts.bases:
+        if uses > 1 + views or refs > base_refs:
+            return False
+    # Every tensor sharing the memory, and the handle read.
+    return counts.storage_users <= len(counts.tensors) + len(counts.bases) + 1
+
+
+@dataclass
+class _UnitCall:
+    """One running call of a stored unit: its hooks and what they packed."""
+
+    hooks: Any
+    held: list[_Held] = field(default_factory=list)
+    # The call's packed tensors by id (each alive while packed): a tensor two ops save is
+    # packed and coded once.
+    by_id: dict[int, _Held] = field(default_factory=dict)
+
+
+def _to_code(call: _UnitCall) -> list[_Held]:
+    """What a call packed that only its packed objects hold, storage by storage."""
+    by_storage: dict[int, list[_Held]] = {}
+    for held in call.held:
+        assert held.tensor is not None
+        by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
+    call.held, call.by_id = [], {}
+    return [h for group in by_storage.values() if _alone(group) for h in group]
 
 
 @dataclass
@@ -171,11 +232,9 @@ class _UnitStorage:
     storage: Storage
     min_bytes: int
     side_stream: Any = None
-    held: list[_Held] = field(default_factory=list)
-    # The call's packed tensors by id (each alive while packed): a tensor two ops save is
-    # packed and coded once.
-    by_id: dict[int, _Held] = field(default_factory=dict)
-    contexts: list[Any] = field(default_factory=list)
+    # The calls running, innermost last (a unit called inside itself has two); None for
+    # a call made without gradients, which packs nothing.
+    calls: list[_UnitCall | None] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -189,10 +248,12 @@ class _UnitStorage:
             or compressed_size(self.storage, nbytes, t.element_size()) >= nbytes
         ):
             return t
-        held = self.by_id.get(id(t))
+        call = self.calls[-1]
+        assert call is not None
+        held = call.by_id.get(id(t))
         if held is None:
-            held = self.by_id[id(t)] = _Held(t)
-            self.held.append(held)
+            held = call.by_id[id(t)] = _Held(t)
+            call.held.append(held)
         return held
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -227,14 +288,9 @@ class _UnitStorage:
                     held.event = torch.cuda.Event()
                     held.event.record(self.side_stream)
 
-    def encode(self) -> None:
+    def encode(self, call: _UnitCall) -> None:
         """The unit's forward returned: code what only its saved tensors hold."""
-        self.by_id = {}
-        by_storage: dict[int, list[_Held]] = {}
-        for held in self.held:
-            assert held.tensor is not None
-            by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
-        coded = [h for group in by_storage.values() if _alone(group) for h in group]
+        coded = _to_code(call)
         family = [weakref.ref(h) for h in coded]
         for held in coded:
             t = held.tensor
@@ -291,23 +347,15 @@ class _Probe(_UnitStorage):
 
     found: Codable
 
-    def encode(self) -> None:
-        self.by_id = {}
-        by_storage: dict[int, list[_Held]] = {}
-        for held in self.held:
-            assert held.tensor is not None
-            by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
-        for group in by_storage.values():
-            if not _alone(group):
-                continue
-            for held in group:
-                t = held.tensor
-                assert t is not None
-                nbytes = t.numel() * t.element_size()
-                sizes = self.found.bytes_by_element_size
-                sizes[t.element_size()] = sizes.get(t.element_size(), 0) + nbytes
-                self.found.largest_bytes = max(self.found.largest_bytes, nbytes)
-                del t
+    def encode(self, call: _UnitCall) -> None:
+        for held in _to_code(call):
+            t = held.tensor
+            assert t is not None
+            nbytes = t.numel() * t.element_size()
+            sizes = self.found.bytes_by_element_size
+            sizes[t.element_size()] = sizes.get(t.element_size(), 0) + nbytes
+            self.found.largest_bytes = max(self.found.largest_bytes, nbytes)
+            del t
 
 
 def codable(
@@ -350,24 +398,26 @@ def codable(
 
 def _pre(unit: _UnitStorage, module: nn.Module, args: Any, kwargs: Any) -> None:
     if not torch.is_grad_enabled():
+        unit.calls.append(None)
         return
-    # A new call: what the last one packed stays reachable from its graph through the
-    # packed objects, not from here.
-    unit.held = []
-    ctx = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
-    ctx.__enter__()
-    unit.contexts.append(ctx)
+    call = _UnitCall(torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack))
+    unit.calls.append(call)
+    call.hooks.__enter__()
 
 
 def _post(unit: _UnitStorage, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-    if not unit.contexts:
+    if not unit.calls:
         return
-    unit.contexts.pop().__exit__(None, None, None)
+    call = unit.calls.pop()
+    if call is None:
+        return
+    call.hooks.__exit__(None, None, None)
     # Drop our own references to the call's arguments and output before counting who
     # else holds the saved tensors: the caller still holds them, so they stay uncoded.
     del args, kwargs, output
-    unit.encode()
-    unit.held = []
+    # What the call packed stays reachable from its graph through the packed objects,
+    # not from here.
+    unit.encode(call)
 
 
 def apply_storage(

@@ -201,9 +201,17 @@ def stored_tree(
     return visit(root)
 
 
-def _with_children_kept(decisions: Mapping[str, str], root: UnitCost) -> dict[str, str]:
-    """``decisions`` naming every unit of ``root`` (those a stored leaf hid keep)."""
-    return {u.name: decisions.get(u.name, KEEP) for u in root.walk()}
+def _within(unit: str, outer: str) -> bool:
+    return unit == outer or not outer or unit.startswith(outer + ".")
+
+
+def _recomputed(solution: Solution) -> list[str]:
+    """The units a solution recomputes: decided so, or members of its segments."""
+    found = [u for u, d in solution.decisions.items() if d != KEEP]
+    for container, ranges in solution.segments.items():
+        prefix = f"{container}." if container else ""
+        found += [f"{prefix}{i}" for a, b in ranges for i in range(a, b + 1)]
+    return found
 
 
 def choose_storage(
@@ -246,8 +254,12 @@ def choose_storage(
     if plain is not None and best.solution.recompute_seconds >= plain.recompute_seconds:
         return None
     # Only the units the budget needs: the others keep their tensors as they are.
-    decisions = best.solution.decisions
-    stored = {u: k for u, k in best.storage.items() if decisions.get(u, KEEP) == KEEP}
+    recomputed = _recomputed(best.solution)
+    stored = {
+        u: k
+        for u, k in best.storage.items()
+        if not any(_within(u, r) or _within(r, u) for r in recomputed)
+    }
     tree = stored_tree(root, stored, codes)
     for unit in sorted(
         stored, key=lambda u: codes[u].total_bytes() - codes[u].coded_bytes(stored[u])
@@ -256,8 +268,11 @@ def choose_storage(
         trial_tree = stored_tree(root, trial, codes)
         if fits(trial_tree, best.solution):
             stored, tree = trial, trial_tree
+    # Decisions of the units in ``tree`` (a stored unit's own units are hidden in its leaf).
+    names = {u.name for u in tree.walk()}
     solution = dataclasses.replace(
-        best.solution, decisions=_with_children_kept(best.solution.decisions, root)
+        best.solution,
+        decisions={u: d for u, d in best.solution.decisions.items() if u in names},
     )
     return StorageChoice(stored, solution, tree, dict(errors))
 

@@ -1,0 +1,212 @@
+"""Activation storage against keeping and recomputing: what the end of forward holds
+(the allocator's count), the gradient error, the step time, and what the planner chooses
+at a budget where keeping everything does not fit (docs/tiers.md's tables).
+
+Per model (a GPT and a ResNet in fp32 and bf16-mixed) and storage (keep, bf16, fp8: every
+block stored, nothing recomputed): the bytes held at the end of forward above the
+parameters and the batch, the relative L2 error of the gradients against the exact step
+(same dropout masks), and the median step time over interleaved rounds. Then
+``memfit.plan`` at 75% of the unplanned step's predicted peak, with and without
+``activation_storage``: the recompute each plan needs, its predicted and measured peak.
+
+With ``--convergence``: the built-in GPT and LSTM (``memfit train``'s defaults, fp32,
+AdamW, the standard-library corpus) trained from the same seed on the same batches with
+every block's activations kept, in bf16 and in fp8, and each final validation loss
+against the kept run's (limit: 2%).
+
+    python bench/storage.py                   # the tables in docs/tiers.md
+    python bench/storage.py --convergence     # the fidelity table in docs/tiers.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import memfit
+from memfit.allocator import allocator_peak
+from memfit.checkpoint.api import make_plan
+from memfit.checkpoint.storage import apply_storage, remove_storage
+from memfit.models import GPT, GPTConfig, ResNet, ResNetConfig, build_model
+
+Loss = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _gpt() -> tuple[nn.Module, torch.Tensor, Loss, list[str]]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.1)
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        logits = m(x)
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), x.view(-1))
+
+    return GPT(cfg), torch.randint(0, 512, (8, 128)), loss, [f"blocks.{i}" for i in range(4)]
+
+
+def _resnet() -> tuple[nn.Module, torch.Tensor, Loss, list[str]]:
+    torch.manual_seed(0)
+    model = ResNet(ResNetConfig())
+    blocks = [n for n, m in model.named_modules() if type(m).__name__ == "BasicBlock"]
+    x = torch.randn(32, 3, 32, 32)
+    y = torch.randint(0, 10, (32,))
+    return model, x, lambda m, b: nn.functional.cross_entropy(m(b), y), blocks
+
+
+def _grads(model: nn.Module, x: Any, loss: Loss, autocast: Any) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with autocast():
+        value = loss(model, x)
+    value.backward()
+    return [p.grad.float().clone() for p in model.parameters()]
+
+
+def _held(model: nn.Module, x: Any, loss: Loss, autocast: Any) -> int:
+    def forward() -> torch.Tensor:
+        torch.manual_seed(1)
+        with autocast():
+            return loss(model, x)
+
+    forward()
+    peak = allocator_peak(forward, live=[*model.parameters(), x], live_complete=True)
+    return int(peak.end_bytes - peak.start_bytes)
+
+
+def _error(got: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    diff = sum(float((a - b).pow(2).sum()) for a, b in zip(got, exact))
+    return (diff / sum(float(b.pow(2).sum()) for b in exact)) ** 0.5
+
+
+def storage_table(rounds: int) -> None:
+    print(
+        "| model | precision | storage | held at end of forward | vs keep | gradient error | step time | vs keep |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name, build in (("GPT 4x256 b8", _gpt), ("ResNet-20 b32", _resnet)):
+        for precision in ("fp32", "bf16-mixed"):
+            model, x, loss, blocks = build()
+            policy = memfit.PrecisionPolicy(precision)
+
+            def autocast(policy: Any = policy) -> Any:
+                return policy.autocast("cpu")
+
+            exact = _grads(model, x, loss, autocast)
+            held, errors, times = {}, {}, {k: [] for k in ("keep", "bf16", "fp8")}
+            for kind in times:
+                apply_storage(model, {b: kind for b in blocks})
+                held[kind] = _held(model, x, loss, autocast)
+                errors[kind] = _error(_grads(model, x, loss, autocast), exact)
+                remove_storage(model)
+            for _ in range(rounds):  # interleaved: the machine's drift hits each alike
+                for kind in times:
+                    apply_storage(model, {b: kind for b in blocks})
+                    t0 = time.perf_counter()
+                    _grads(model, x, loss, autocast)
+                    times[kind].append(time.perf_counter() - t0)
+                    remove_storage(model)
+            base_t = statistics.median(times["keep"])
+            for kind in times:
+                t = statistics.median(times[kind])
+                print(
+                    f"| {name} | {precision} | {kind} | {held[kind] / 2**20:.2f} MiB | "
+                    f"{held[kind] / held['keep'] - 1:+.0%} | {errors[kind]:.2e} | "
+                    f"{t * 1e3:.1f} ms | {t / base_t:.2f}x |"
+                )
+
+
+def planner_table() -> None:
+    print()
+    print(
+        "| model | plan at 75% of the unplanned peak | stored | recompute | predicted | measured |"
+    )
+    print("|---|---|---|---:|---:|---:|")
+    for name, build in (("GPT 4x256 b8", _gpt), ("ResNet-20 b32", _resnet)):
+        model, x, loss, _ = build()
+        opt = torch.optim.AdamW(model.parameters())
+
+        def plan(model=model, x=x, loss=loss, opt=opt, **kw: Any) -> memfit.Plan:
+            return make_plan(
+                model, x, loss, precision="fp32", optimizer=opt, costs="counted", **kw
+            ).plan
+
+        budget = int(plan().predicted_peak_bytes * 0.75)
+        for label, storage in (
+            ("keep / recompute", ("keep", "recompute")),
+            ("+ bf16, fp8", ("keep", "recompute", "bf16", "fp8")),
+        ):
+            p = plan(budget=budget, activation_storage=storage)
+            kinds = ", ".join(sorted(set(p.storage.values()))) or "-"
+            measured = p.measured_peak_bytes or float("nan")
+            print(
+                f"| {name} | {label} | {len(p.storage)} blocks {kinds} | "
+                f"{p.recompute_flops / 1e9:.3f} GFLOP | {p.predicted_peak_bytes / 2**20:.2f} MiB | "
+                f"{measured / 2**20:.2f} MiB ({p.predicted_peak_bytes / measured - 1:+.1%}) |"
+            )
+
+
+def _train(name: str, storage: str, steps: int, eval_batches: int) -> float:
+    """The final validation loss of ``name`` trained ``steps`` steps with every block's
+    activations stored as ``storage`` (fp32, AdamW, lr 1e-3, memfit train's batch)."""
+    torch.manual_seed(0)
+    built = build_model(name)
+    model = built.model
+    blocks = (
+        [f"blocks.{i}" for i in range(len(model.blocks))]
+        if name == "gpt"
+        else [f"layers.{i}" for i in range(len(model.layers))]
+    )
+    apply_storage(model, {b: storage for b in blocks})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = memfit.Engine(model, opt, precision="fp32", checkpoint="none", monitor=False)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        engine.train_step(built.batch_fn(16, generator=data), built.loss_fn)
+    remove_storage(model)
+    val = torch.Generator().manual_seed(2)
+    model.eval()
+    with torch.no_grad():
+        losses = [
+            float(built.loss_fn(model, built.batch_fn(16, generator=val, split="val")))
+            for _ in range(eval_batches)
+        ]
+    return statistics.fmean(losses)
+
+
+def convergence_table(steps: int, eval_batches: int) -> None:
+    print(f"| model | storage | final validation loss ({steps} steps) | vs keep |")
+    print("|---|---|---:|---:|")
+    for name in ("gpt", "lstm"):
+        base = None
+        for storage in ("keep", "bf16", "fp8"):
+            loss = _train(name, storage, steps, eval_batches)
+            base = loss if base is None else base
+            print(f"| {name} | {storage} | {loss:.4f} | {loss / base - 1:+.2%} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per storage")
+    parser.add_argument("--convergence", action="store_true", help="the fidelity table")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (--convergence)")
+    parser.add_argument("--eval-batches", type=int, default=32, help="validation batches")
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    if args.convergence:
+        convergence_table(args.steps, args.eval_batches)
+        return
+    storage_table(args.rounds)
+    planner_table()
+
+
+if __name__ == "__main__":
+    main()
