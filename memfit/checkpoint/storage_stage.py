@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.costs import KEEP, UnitCost
-from memfit.checkpoint.solvers import Solution, plan_cost
+from memfit.checkpoint.solvers import Solution
 from memfit.checkpoint.storage import Codable, apply_storage, codable, remove_storage
 
 __all__ = [
@@ -276,9 +276,3 @@ def choose_storage(
     )
     return StorageChoice(stored, solution, tree, dict(errors))
 
-
-def storage_cost(tree: UnitCost, solution: Solution, held: float, loss: float) -> float:
-    """The predicted peak of ``solution``'s decisions on ``tree``."""
-    return plan_cost(
-        tree, solution.decisions, solution.segments, held, loss, shared_inputs=True
-    ).peak_bytes
