@@ -275,4 +275,3 @@ def choose_storage(
         decisions={u: d for u, d in best.solution.decisions.items() if u in names},
     )
     return StorageChoice(stored, solution, tree, dict(errors))
-
