@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import KEEP, UnitCost
 from memfit.checkpoint.measured_fit import (
@@ -407,7 +408,9 @@ def _storage_choice(
     def step() -> None:
         forward().backward()
 
-    with precision_applied(model, policy):
+    # Measured without the plan the model may carry (the Engine re-plans with one
+    # applied), which is put back as it was.
+    with suspended(model), precision_applied(model, policy):
         codes = measure_codable(model, units, forward)
         errors = gradient_errors(model, graded, step, units, coded)
 

@@ -364,28 +364,19 @@ def codable(
     """Per unit, what storing it would code, counted on one call of ``forward()`` (the
     model's forward on the example batch, under the training precision): each unit is
     stored alone, with the same rule as in training (:func:`_alone`), and nothing is
-    coded. Units must not contain one another.
+    coded. Units must not contain one another, and the model carries no storage of its
+    own (the planner measures under :func:`~memfit.checkpoint.suspended`).
 
     Example::
 
         codable(model, ["blocks.0", "blocks.1"], lambda: model(x))["blocks.0"].total_bytes()
     """
-    remove_storage(model)
     modules = dict(model.named_modules())
     probes: dict[str, _Probe] = {}
     for name in units:
         probe = probes[name] = _Probe(name, "fp8", min_bytes)
         probe.found = Codable()
-        probe.handles = [
-            modules[name].register_forward_pre_hook(
-                lambda m, a, k, u=probe: _pre(u, m, a, k), with_kwargs=True
-            ),
-            modules[name].register_forward_hook(
-                lambda m, a, k, o, u=probe: _post(u, m, a, k, o),
-                with_kwargs=True,
-                always_call=True,
-            ),
-        ]
+        probe.handles = _hooked(modules[name], probe)
     try:
         out = forward()
         del out
@@ -420,6 +411,16 @@ def _post(unit: _UnitStorage, module: nn.Module, args: Any, kwargs: Any, output:
     unit.encode(call)
 
 
+def _hooked(module: nn.Module, unit: _UnitStorage) -> list[Any]:
+    """``unit``'s hooks on ``module``'s forward: its storage's context around each call."""
+    return [
+        module.register_forward_pre_hook(lambda m, a, k: _pre(unit, m, a, k), with_kwargs=True),
+        module.register_forward_hook(
+            lambda m, a, k, o: _post(unit, m, a, k, o), with_kwargs=True, always_call=True
+        ),
+    ]
+
+
 def apply_storage(
     model: nn.Module, storage: Mapping[str, str], *, min_bytes: int = DEFAULT_MIN_BYTES
 ) -> nn.Module:
@@ -446,14 +447,7 @@ def apply_storage(
     for name, kind in storage.items():
         module = modules[name]
         unit = _UnitStorage(name, kind, min_bytes)  # type: ignore[arg-type]
-        unit.handles = [
-            module.register_forward_pre_hook(
-                lambda m, a, k, u=unit: _pre(u, m, a, k), with_kwargs=True
-            ),
-            module.register_forward_hook(
-                lambda m, a, k, o, u=unit: _post(u, m, a, k, o), with_kwargs=True, always_call=True
-            ),
-        ]
+        unit.handles = _hooked(module, unit)
         setattr(module, _ATTR, unit)
     return model
 
