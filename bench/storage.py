@@ -34,6 +34,7 @@ import memfit
 from memfit.allocator import allocator_peak
 from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.storage import apply_storage, remove_storage
+from memfit.cli.train_command import lr_lambda
 from memfit.models import GPT, GPTConfig, ResNet, ResNetConfig, build_model
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -153,7 +154,9 @@ def planner_table() -> None:
 
 def _train(name: str, storage: str, steps: int, eval_batches: int) -> float:
     """The final validation loss of ``name`` trained ``steps`` steps with every block's
-    activations stored as ``storage`` (fp32, AdamW, lr 1e-3, memfit train's batch)."""
+    activations stored as ``storage``: fp32 and ``memfit train``'s recipe (AdamW lr 1e-3,
+    weight decay 0.1, betas 0.9/0.95, 20 warm-up steps then cosine, clipping at 1.0,
+    batch 16), the same seed and data for every storage."""
     torch.manual_seed(0)
     built = build_model(name)
     model = built.model
@@ -163,8 +166,17 @@ def _train(name: str, storage: str, steps: int, eval_batches: int) -> float:
         else [f"layers.{i}" for i in range(len(model.layers))]
     )
     apply_storage(model, {b: storage for b in blocks})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = memfit.Engine(model, opt, precision="fp32", checkpoint="none", monitor=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(20, steps))
+    engine = memfit.Engine(
+        model,
+        opt,
+        precision="fp32",
+        checkpoint="none",
+        clip_grad_norm=1.0,
+        lr_scheduler=schedule,
+        monitor=False,
+    )
     data = torch.Generator().manual_seed(1)
     for _ in range(steps):
         engine.train_step(built.batch_fn(16, generator=data), built.loss_fn)

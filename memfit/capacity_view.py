@@ -69,22 +69,39 @@ MEMORY_TIERS = ("none", "all")
 @dataclass(frozen=True)
 class Tiers:
     """What a row assumes beyond precision and checkpointing (docs/tiers.md): how the
-    optimizer keeps its state, and whether gradients are released in backward."""
+    optimizer keeps its state, whether gradients are released in backward, and the coded
+    storage the ``optimal`` plan may keep activations in."""
 
     optimizer_state: str = "fp32"
     release_gradients: bool = False
+    activation_storage: str = ""
+    """``""`` (keep or recompute only), ``"bf16"`` or ``"fp8"``."""
 
     @property
     def name(self) -> str:
-        """``""`` for none, else e.g. ``"8bit state + released grads"``."""
+        """``""`` for none, else e.g. ``"8bit state + released grads + fp8 activations"``."""
         parts = [f"{self.optimizer_state} state"] if self.optimizer_state != "fp32" else []
         parts += ["released grads"] if self.release_gradients else []
+        parts += [f"{self.activation_storage} activations"] if self.activation_storage else []
         return " + ".join(parts)
 
+    @property
+    def storage_choices(self) -> tuple[str, ...]:
+        """What the plan may do with a unit's saved tensors (``activation_storage=``)."""
+        coded = (self.activation_storage,) if self.activation_storage else ()
+        return ("keep", "recompute", *coded)
 
-#: The tiers ``memory_tiers="all"`` searches: each alone and together (bf16 state lies
-#: between fp32's and 8-bit's, so 8-bit stands for it).
-ALL_TIERS = (Tiers(), Tiers("8bit"), Tiers("fp32", True), Tiers("8bit", True))
+
+#: The tiers ``memory_tiers="all"`` searches: each alone and all together (bf16 state lies
+#: between fp32's and 8-bit's, so 8-bit stands for it; fp8 activations for bf16's).
+ALL_TIERS = (
+    Tiers(),
+    Tiers("8bit"),
+    Tiers("fp32", True),
+    Tiers("fp32", False, "fp8"),
+    Tiers("8bit", True),
+    Tiers("8bit", True, "fp8"),
+)
 #: The precisions ``memory_tiers="all"`` estimates when none are given.
 TIER_PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr")
 
@@ -354,7 +371,8 @@ def capacity(
             as :func:`memfit.estimator.estimate` takes it.
         memory_tiers: ``"all"`` searches the memory tiers too (docs/tiers.md): each
             precision and strategy with the optimizer's state in fp32 and in 8 bits, its
-            gradients kept and released in backward (:data:`ALL_TIERS`), and ``bf16-sr``
+            gradients kept and released in backward, activations kept in fp8 where the
+            ``optimal`` plan needs it (:data:`ALL_TIERS`), and ``bf16-sr``
             among the default precisions; each row names its tiers (``tiers``), the
             baseline stays plain fp32. ``"none"``: ``optimizer_state`` alone.
 
@@ -455,6 +473,7 @@ def _rows(
         world_size=world_size,
         data_parallel=data_parallel,
         release_gradients=tiers.release_gradients,
+        activation_storage=tiers.storage_choices,
     )
     return [
         CapacityRow(

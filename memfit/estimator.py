@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,8 +54,9 @@ from torch import nn
 from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.costs import UnitCost, counted_times
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.planner import PlanResult, solve_profile
+from memfit.checkpoint.planner import PlanResult, check_activation_storage, solve_profile
 from memfit.checkpoint.profile_stage import ModelProfile, profile_step
+from memfit.checkpoint.profiler.runner import fake_run
 from memfit.checkpoint.solvers import STRATEGIES as PLAN_STRATEGIES
 from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, static_bytes
 from memfit.checkpoint.tree import find_units
@@ -265,6 +267,11 @@ class _Estimator:
     )
     zero_grad: ZeroGrad = "before_forward"
     """Where the step frees the gradients: ``"in_backward"`` when they are released."""
+    activation_storage: tuple[str, ...] = ("keep", "recompute")
+    """What ``optimal`` may do with a unit's saved tensors (:func:`estimate`)."""
+    forwards: dict[tuple[str, int], Callable[[], Any]] = field(default_factory=dict)
+    """Each profiled step's loss on its meta batch, which the storage's codes are
+    counted on (kept apart: a profile drawn on a line has no step of its own)."""
 
     def model(self, policy: PrecisionPolicy) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if policy.mode not in self.models:
@@ -287,6 +294,7 @@ class _Estimator:
             self.profiles[key] = dataclasses.replace(
                 prof, root=counted_times(prof.root), run_loss=None
             )
+            self.forwards[key] = functools.partial(_fake_loss, model, inputs, self.loss_fn, policy)
         return self.profiles[key]
 
     def line(self, policy: PrecisionPolicy) -> tuple[ModelProfile, ModelProfile]:
@@ -311,11 +319,17 @@ class _Estimator:
         key = (policy.mode, batch_size, strategy, budget, searching)
         if key not in self.solved:
             model, optimizer = self.model(policy)
-            prof = self.searched if searching else self.profiled
+            if searching:
+                prof = self.searched(policy, batch_size)
+            else:
+                prof = self.profiled(policy, batch_size)
+                stepped = self.forwards.get((policy.mode, batch_size))
+                if len(self.activation_storage) > 2 and stepped is not None:
+                    prof = dataclasses.replace(prof, run_loss=stepped)
             try:
                 self.solved[key] = solve_profile(
                     model,
-                    prof(policy, batch_size),
+                    prof,
                     policy,
                     optimizer,
                     strategy,
@@ -324,6 +338,7 @@ class _Estimator:
                     frontier=False,
                     layout=self.layout,
                     zero_grad=self.zero_grad,
+                    activation_storage=self.activation_storage,
                 )
             except BudgetError as exc:
                 self.solved[key] = exc
@@ -380,6 +395,15 @@ class _Estimator:
         return probe, max(1, probe // 16)
 
 
+def _fake_loss(
+    model: nn.Module, inputs: Any, loss_fn: LossFn, policy: PrecisionPolicy
+) -> torch.Tensor:
+    """The step's loss on fake tensors, under the precision's autocast (meta tensors
+    cannot autocast): what a storage's codes are counted on."""
+    with fake_run(model, inputs, None) as (fakes, _, device), policy.autocast(device.type):
+        return loss_fn(model, fakes)
+
+
 def _largest(fits: Callable[[int], bool], probe: int, step: int) -> int:
     """The largest batch in ``1 .. MAX_BATCH`` for which ``fits`` holds, given that it holds
     for 1 and for a prefix: gallop from ``probe`` (steps from ``step``, doubling) to a batch
@@ -427,6 +451,7 @@ def estimate(
     data_parallel: str | None = None,
     optimizer_state: str = "fp32",
     release_gradients: bool = False,
+    activation_storage: Sequence[str] = ("keep", "recompute"),
 ) -> Estimate:
     """Estimate an ``Engine.train_step`` at every precision and strategy, on fake tensors.
 
@@ -461,6 +486,11 @@ def estimate(
             takes it: ``"fp32"`` (torch's own), ``"bf16"`` or ``"8bit"`` (docs/tiers.md).
         release_gradients: each update applied as its gradient is made in backward, as
             ``Engine(release_gradients=True)`` trains (no accumulation, one process).
+        activation_storage: what ``optimal`` may do with a kept unit's saved tensors, as
+            ``Engine(activation_storage=)`` takes it (e.g. ``("keep", "recompute",
+            "fp8")``): the codes are counted on the meta step, and each storage's gradient
+            error, which nothing fake can measure, is taken as within the tolerance (the
+            plan made on the real model measures it and may refuse it).
 
     Raises:
         ConfigError: an unknown precision or strategy, a model that cannot be built or
@@ -503,6 +533,7 @@ def estimate(
         int(accumulation_steps),
         RankLayout.of(world_size, data_parallel),
         zero_grad="in_backward" if release_gradients else "before_forward",
+        activation_storage=check_activation_storage(activation_storage),
     )
     rows: list[EstimateRow] = []
     parameters = 0

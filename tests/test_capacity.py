@@ -223,7 +223,9 @@ def test_affine_profile_moves_numbers_and_refuses_other_differences() -> None:
         affine_profile([1, 2], [1, 2, 3], 3, 1, 2)
 
 
-def _tier_estimates(depth: int, width: int, precision: str, bits: str, release: bool):
+def _tier_estimates(
+    depth: int, width: int, precision: str, bits: str, release: bool, storage: str = ""
+):
     return memfit.estimate(
         lambda: _family(depth, width),
         INPUTS,
@@ -234,6 +236,7 @@ def _tier_estimates(depth: int, width: int, precision: str, bits: str, release: 
         device_memory=MEMORY,
         optimizer_state=bits,
         release_gradients=release,
+        activation_storage=("keep", "recompute", *([storage] if storage else [])),
     ).rows
 
 
@@ -249,16 +252,23 @@ def test_memory_tiers_are_searched_and_named() -> None:
         strategies=["none", "optimal"],
         memory_tiers="all",
     )
-    tiers = ["", "8bit state", "released grads", "8bit state + released grads"]
+    tiers = ["", "8bit state", "released grads", "fp8 activations", "8bit state + released grads"]
+    tiers.append("8bit state + released grads + fp8 activations")
     assert cap.combos() == [
         (p, s, t) for p in ("fp32", "bf16-sr") for t in tiers for s in ("none", "optimal")
     ]
     # Each row is the estimate made with its tiers directly.
-    settings = {"": ("fp32", False), tiers[1]: ("8bit", False), tiers[2]: ("fp32", True)}
-    settings[tiers[3]] = ("8bit", True)
+    settings = {
+        "": ("fp32", False, ""),
+        tiers[1]: ("8bit", False, ""),
+        tiers[2]: ("fp32", True, ""),
+    }
+    settings[tiers[3]] = ("fp32", False, "fp8")
+    settings[tiers[4]] = ("8bit", True, "")
+    settings[tiers[5]] = ("8bit", True, "fp8")
     for precision in ("fp32", "bf16-sr"):
-        for name, (bits, release) in settings.items():
-            direct = _tier_estimates(2, 64, precision, bits, release)
+        for name, (bits, release, storage) in settings.items():
+            direct = _tier_estimates(2, 64, precision, bits, release, storage)
             rows = [r for s in ("none", "optimal") for r in cap.of(precision, s, name)]
             rows = [r for r in rows if r.size == "2x64"]
             for row, d in zip(rows, direct):
@@ -267,15 +277,15 @@ def test_memory_tiers_are_searched_and_named() -> None:
                 assert row.max_micro_batch == d.max_micro_batch
     # Every tier holds less than plain training, and together they fit a larger batch.
     plain = cap.largest_batch("fp32", "none")
-    both = cap.largest_batch("bf16-sr", "optimal", tiers[3])
+    both = cap.largest_batch("bf16-sr", "optimal", tiers[4])
     assert both > plain
     static = {t: cap.of("bf16-sr", "none", t)[-1].static_bytes for t in tiers}
-    assert static[tiers[1]] < static[""] and static[tiers[3]] < static[""]
+    assert static[tiers[1]] < static[""] and static[tiers[4]] < static[""]
     headline = {(h["precision"], h["strategy"], h["tiers"]): h for h in cap.headline()}
-    assert headline[("bf16-sr", "optimal", tiers[3])]["batch_x"] == both / plain
+    assert headline[("bf16-sr", "optimal", tiers[4])]["batch_x"] == both / plain
     table = cap.summary()
     assert "tiers" in table and "released grads" in table
-    assert json.loads(cap.to_json())["rows"][-1]["tiers"] == tiers[3]
+    assert json.loads(cap.to_json())["rows"][-1]["tiers"] == tiers[5]
 
 
 def test_bad_memory_tiers_are_refused() -> None:

@@ -12,7 +12,7 @@ from memfit.allocator import allocator_peak
 from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.storage import apply_storage, remove_storage, stored_units
 from memfit.errors import ConfigError, PlanError
-from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.resnet import ResNet, ResNetConfig
 
 
@@ -210,3 +210,47 @@ def test_engine_refuses_storage_without_a_planner() -> None:
         memfit.Engine(model, opt, checkpoint="none", activation_storage=("keep", "fp8"))
     with pytest.raises(ConfigError, match="'int8'"):
         memfit.Engine(model, opt, memory_budget="1GiB", activation_storage=("keep", "int8"))
+
+
+def test_estimates_count_codes_on_fakes_and_fit_a_larger_batch() -> None:
+    """On the meta device the codes are counted on fake tensors: never more than the real
+    model codes (a projection that under-promises), and enough to fit a larger batch."""
+    from memfit.checkpoint.profiler.runner import fake_run
+    from memfit.checkpoint.storage import codable
+
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
+    units = [f"blocks.{i}" for i in range(4)]
+    counted = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GPT(cfg)
+        x = torch.randint(0, 256, (8, 129)).to(device)
+
+        def loss(model: nn.Module = model, x: torch.Tensor = x) -> torch.Tensor:
+            with fake_run(model, x, "cpu") as (fakes, _, _):
+                return gpt_loss(model, fakes)
+
+        counted[device] = codable(model, units, loss)
+    for unit in units:
+        real, fake = counted["cpu"][unit].total_bytes(), counted["meta"][unit].total_bytes()
+        assert 0 < fake <= real
+
+    def rows(storage: tuple[str, ...]) -> list:
+        return memfit.estimate(
+            lambda: GPT(cfg),
+            lambda b: torch.randint(0, 256, (b, 129)),
+            gpt_loss,
+            batch_size=3,
+            precisions=["fp32"],
+            strategies=["optimal"],
+            device_memory="60MB",
+            activation_storage=storage,
+        ).rows
+
+    plain, stored = rows(("keep", "recompute")), rows(("keep", "recompute", "fp8"))
+    assert stored[0].max_micro_batch > plain[0].max_micro_batch
+    # At batch 3 no plan without storage fits; with it, one does.
+    assert plain[0].plan is None and stored[0].plan is not None and stored[0].fits
+    assert set(stored[0].plan.storage.values()) == {"fp8"}
+    assert any("fp8 not measured" in note for note in stored[0].plan.notes)

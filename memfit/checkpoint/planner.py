@@ -116,9 +116,9 @@ class PlanResult:
     ``"bf16"``, ``"fp8"``, ``"offload"``); a re-plan keeps it."""
     storage_tolerance: float = DEFAULT_TOLERANCE
     """The largest relative gradient error a storage may add (a re-plan keeps it)."""
-    storage_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    storage_errors: dict[str, float | None] = dataclasses.field(default_factory=dict)
     """Each coded storage tried, its measured relative gradient error on the example
-    batch (empty: none tried)."""
+    batch (empty: none tried; None: not measured, on the meta device)."""
     measured_is_least: bool = False
     """The plan accepted on its measured step is the least any plan reaches: the Engine
     then judges its first training step against the budget itself (over it, nothing
@@ -254,13 +254,23 @@ def solve_profile(
     # strategy the plan at the budget's edge, for ``optimal`` also a cheaper one within it.
     # A measured step is a usual one, which holds every gradient: it cannot judge a plan
     # for a loop that releases them in backward (the prediction decides there).
-    measurable = budget_bytes is not None and zero_grad != "in_backward"
+    # On the meta device (the estimator's fake steps) nothing can be measured: no
+    # measured plan, and a storage's codes are counted on a meta forward, its gradient
+    # error assumed within the tolerance (the plan made on the real model measures it).
+    meta = device.type == "meta"
+    measurable = budget_bytes is not None and zero_grad != "in_backward" and not meta
     run = step_run(model, profiled, mem, policy, optimizer) if measurable else None
     choice: StorageChoice | None = None
     coded = [
         k for k in activation_storage if k in CODED and (k != "offload" or device.type == "cuda")
     ]
-    storing = bool(coded) and optimal and budget_bytes is not None and run is not None
+    storing = (
+        bool(coded)
+        and optimal
+        and budget_bytes is not None
+        and profiled.run_loss is not None
+        and (run is not None or meta)
+    )
 
     def stored(plain: Solution | None) -> StorageChoice | None:
         return _storage_choice(
@@ -291,11 +301,11 @@ def solve_profile(
             edge=optimal and run is not None,
         )
     except BudgetError as exc:
-        if run is None:
-            raise
         choice = stored(None) if storing else None
         if choice is not None:
             solution = choice.solution
+        elif run is None:
+            raise
         else:
             solution, measured_fit = _measured_or_refused(
                 run, root, strategy, budget_bytes, exc, frontier
@@ -402,6 +412,8 @@ def _storage_choice(
     )
 
     def forward() -> Any:
+        if device.type == "meta":  # the estimator's step autocasts on its fake device
+            return run_loss()
         with policy.autocast(device.type):
             return run_loss()
 
@@ -412,7 +424,11 @@ def _storage_choice(
     # applied), which is put back as it was.
     with suspended(model), precision_applied(model, policy):
         codes = measure_codable(model, units, forward)
-        errors = gradient_errors(model, graded, step, units, coded)
+        errors: dict[str, float | None] = (
+            dict.fromkeys(coded)
+            if device.type == "meta"
+            else dict(gradient_errors(model, graded, step, units, coded))
+        )
 
     def solve_at(tree: UnitCost) -> Solution | None:
         try:
@@ -481,7 +497,7 @@ def result_of_solution(
     storage: dict[str, str] | None = None,
     activation_storage: tuple[str, ...] = ("keep", "recompute"),
     storage_tolerance: float = DEFAULT_TOLERANCE,
-    storage_errors: dict[str, float] | None = None,
+    storage_errors: dict[str, float | None] | None = None,
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
     the whole step (``measured_fit``: the measurement that accepted it, if one did)."""
@@ -531,7 +547,10 @@ def result_of_solution(
         # Every unit listed, as in any plan: those a stored unit's leaf hid keep.
         plan_.decisions = {u.name: plan_.decisions.get(u.name, KEEP) for u in profiled.root.walk()}
         plan_.storage = dict(storage)
-        errors = ", ".join(f"{k} {v:.2%}" for k, v in (storage_errors or {}).items())
+        errors = ", ".join(
+            f"{k} {'not measured' if v is None else f'{v:.2%}'}"
+            for k, v in (storage_errors or {}).items()
+        )
         plan_.notes.append(
             f"{len(storage)} kept units store their saved tensors coded (gradient error on "
             f"the example batch, every candidate stored: {errors})"

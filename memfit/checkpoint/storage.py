@@ -165,13 +165,28 @@ def _counts(group: list[_Held]) -> _Counts:
 def _baseline() -> tuple[int, int]:
     """The Python references :func:`_counts` reads of a packed tensor nothing else holds,
     and of a base only its packed view holds: measured on fresh tensors, so the rule
-    does not depend on how an interpreter counts its own frames' references."""
+    does not depend on how an interpreter counts its own frames' references. Made where
+    the tensors being coded are: under a fake tensor mode (the estimator's meta steps)
+    fresh tensors are fakes, which hold references of their own."""
     alone = _counts([_Held(torch.empty(4))])
     viewed = _counts([_Held(torch.empty(4).view(2, 2))])
-    return alone.tensors[0][0], viewed.bases[0][0]
+    refs, uses, views = viewed.bases[0]
+    return _Baseline(alone.tensors[0][0], refs, uses - 1 - views)
 
 
-_BASELINE: tuple[int, int] | None = None
+class _Baseline(NamedTuple):
+    """What :func:`_counts` reads of fresh tensors nothing else holds."""
+
+    tensor_refs: int
+    """Python references of a packed tensor."""
+    base_refs: int
+    """Python references of a base only its packed view holds."""
+    base_extra_uses: int
+    """C++ uses of that base beyond its own and its view's (a fake tensor's mode holds one)."""
+
+
+# Per kind of tensor (plain, fake): the baseline of :func:`_alone`.
+_BASELINES: dict[type, _Baseline] = {}
 
 
 def _alone(group: list[_Held]) -> bool:
@@ -184,10 +199,10 @@ def _alone(group: list[_Held]) -> bool:
     someone holds shows the same way. A wrong "no" only leaves a tensor uncoded; it never
     changes a result.
     """
-    global _BASELINE
-    if _BASELINE is None:
-        _BASELINE = _baseline()
-    tensor_refs, base_refs = _BASELINE
+    kind = type(group[0].tensor)
+    if kind not in _BASELINES:
+        _BASELINES[kind] = _baseline()
+    tensor_refs, base_refs, base_extra_uses = _BASELINES[kind]
     counts = _counts(group)
     if not counts.alone_possible or counts.storage_users < 0:
         return False
@@ -197,7 +212,7 @@ def _alone(group: list[_Held]) -> bool:
         if uses > 1 + views or refs > tensor_refs + (uses > 1):
             return False
     for refs, uses, views in counts.bases:
-        if uses > 1 + views or refs > base_refs:
+        if uses > 1 + views + base_extra_uses or refs > base_refs:
             return False
     # Every tensor sharing the memory, and the handle read.
     return counts.storage_users <= len(counts.tensors) + len(counts.bases) + 1
@@ -219,7 +234,7 @@ def _to_code(call: _UnitCall) -> list[_Held]:
     by_storage: dict[int, list[_Held]] = {}
     for held in call.held:
         assert held.tensor is not None
-        by_storage.setdefault(held.tensor.untyped_storage().data_ptr(), []).append(held)
+        by_storage.setdefault(held.tensor.untyped_storage()._cdata, []).append(held)
     call.held, call.by_id = [], {}
     return [h for group in by_storage.values() if _alone(group) for h in group]
 

@@ -74,8 +74,9 @@ class StorageChoice:
     """The solve on the tree with those units coded."""
     tree: UnitCost
     """That tree (stored units as leaves keeping their coded bytes)."""
-    errors: dict[str, float]
-    """Each storage tried, its measured relative gradient error."""
+    errors: dict[str, float | None]
+    """Each storage tried, its measured relative gradient error (None: not measured,
+    on the meta device, where it is taken as within the tolerance)."""
 
 
 def candidate_units(root: UnitCost) -> list[str]:
@@ -218,7 +219,7 @@ def choose_storage(
     root: UnitCost,
     candidates: list[str],
     codes: Mapping[str, Codable],
-    errors: Mapping[str, float],
+    errors: Mapping[str, float | None],
     solve_at: Callable[[UnitCost], Solution | None],
     fits: Callable[[UnitCost, Solution], bool],
     plain: Solution | None,
@@ -237,7 +238,8 @@ def choose_storage(
     """
     best: StorageChoice | None = None
     for kind in CODED:
-        if kind not in errors or errors[kind] > tolerance:
+        error = errors.get(kind, float("inf"))
+        if error is not None and error > tolerance:
             continue
         useful = [u for u in candidates if codes[u].coded_bytes(kind) < codes[u].total_bytes()]
         if not useful:

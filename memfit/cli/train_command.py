@@ -50,6 +50,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -228,7 +229,15 @@ def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in vars(args).items() if key in TRAIN_DEFAULTS}
 
 
-def _lr_lambda(warmup: int, total: int) -> Any:
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """``memfit train``'s learning-rate factor at a step: linear warm-up over ``warmup``
+    steps, then a cosine down to 10% at ``total`` (for ``LambdaLR``).
+
+    Example::
+
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(20, 300))
+    """
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -549,7 +558,7 @@ def _engine(
     # The schedule keeps the length the run started with: a resume that trains longer
     # continues at the floor, exactly where the saved run's schedule was.
     horizon = s.setdefault("lr_schedule_steps", s["steps"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(s["warmup"], horizon))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s["warmup"], horizon))
     if start.state_files:
         monitoring = {**monitoring, "log_every": s["log_every"]}
         return _resume(start, model, optimizer, scheduler, monitoring)
