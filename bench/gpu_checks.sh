@@ -7,7 +7,9 @@
 #    planning; they are skipped on machines without a GPU);
 # 2. the checkpoint head-to-head on the GPU at the benchmark's CPU size (--pairs-only);
 # 3. the full checkpoint frontier at a GPU size (n_embd 1024, context 1024), where the
-#    matmuls are most of a block's time and the saved FLOPs should show as saved time.
+#    matmuls are most of a block's time and the saved FLOPs should show as saved time;
+# 4. activation offload (pinned host memory, side stream, prefetch) beside keep and fp8:
+#    what the end of forward holds on the GPU, gradients bitwise, step time.
 #
 # Each step has its own time limit and writes its log (and the plot) to OUTDIR; a step
 # that fails does not stop the others. Uses the python that has torch (PYTHON to choose).
@@ -25,3 +27,4 @@ timeout 150 $py bench/checkpoint.py --device cuda --pairs-only --rounds 51 \
 timeout 200 $py bench/checkpoint.py --device cuda --n-embd 1024 --n-head 16 \
     --block-size 1024 --batch-size 8 --budgets 3 --rounds 21 \
     --plot "$out/checkpoint_frontier_cuda.png" 2>&1 | tee "$out/checkpoint_large.txt"
+timeout 120 $py bench/storage.py --cuda --rounds 5 2>&1 | tee "$out/storage_offload.txt"

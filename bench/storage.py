@@ -16,6 +16,7 @@ against the kept run's (limit: 2%).
 
     python bench/storage.py                   # the tables in docs/tiers.md
     python bench/storage.py --convergence     # the fidelity table in docs/tiers.md
+    python bench/storage.py --cuda            # offload on a GPU (bench/gpu_checks.sh)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.storage import apply_storage, remove_storage
 from memfit.cli.train_command import lr_lambda
 from memfit.models import GPT, GPTConfig, ResNet, ResNetConfig, build_model
+from memfit.models.gpt import gpt_loss
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -202,13 +204,81 @@ def convergence_table(steps: int, eval_batches: int) -> None:
             print(f"| {name} | {storage} | {loss:.4f} | {loss / base - 1:+.2%} |", flush=True)
 
 
+def cuda_table(rounds: int) -> None:
+    """Offload on a GPU beside keep and fp8 (every block stored): the bytes the CUDA
+    allocator holds at the end of forward above the parameters and the batch, whether the
+    gradients equal the kept step's bitwise, and the median step time (synchronized)."""
+    print(torch.cuda.get_device_name(0))
+    print(
+        "| model | precision | storage | held at end of forward | vs keep | gradients "
+        "| step time | vs keep |"
+    )
+    print("|---|---|---|---:|---:|---|---:|---:|")
+    for precision in ("fp32", "bf16-mixed"):
+        _cuda_rows(precision, rounds)
+
+
+def _cuda_rows(precision: str, rounds: int) -> None:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, block_size=1024, n_layer=8, n_head=16, n_embd=1024)
+    model = GPT(cfg).to(device)
+    x = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), device=device)
+    blocks = [f"blocks.{i}" for i in range(cfg.n_layer)]
+    policy = memfit.PrecisionPolicy(precision)
+
+    def forward() -> torch.Tensor:
+        with policy.autocast("cuda"):
+            return gpt_loss(model, x)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        forward().backward()
+        return [p.grad.float().clone() for p in model.parameters()]
+
+    exact = grads()
+    held, same, times = {}, {}, {k: [] for k in ("keep", "offload", "fp8")}
+    for kind in times:
+        apply_storage(model, {b: kind for b in blocks})
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = forward()
+        torch.cuda.synchronize()
+        held[kind] = torch.cuda.memory_allocated() - before
+        del loss
+        got = grads()
+        same[kind] = all(torch.equal(a, b) for a, b in zip(got, exact))
+        remove_storage(model)
+    for _ in range(rounds):  # interleaved: the machine's drift hits each alike
+        for kind in times:
+            apply_storage(model, {b: kind for b in blocks})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            grads()
+            torch.cuda.synchronize()
+            times[kind].append(time.perf_counter() - t0)
+            remove_storage(model)
+    base_t = statistics.median(times["keep"])
+    for kind in times:
+        t = statistics.median(times[kind])
+        print(
+            f"| GPT 8x1024 b8 | {precision} | {kind} | {held[kind] / 2**20:.1f} MiB | "
+            f"{held[kind] / held['keep'] - 1:+.0%} | {'bitwise' if same[kind] else 'differ'} "
+            f"| {t * 1e3:.1f} ms | {t / base_t:.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per storage")
     parser.add_argument("--convergence", action="store_true", help="the fidelity table")
     parser.add_argument("--steps", type=int, default=300, help="training steps (--convergence)")
     parser.add_argument("--eval-batches", type=int, default=32, help="validation batches")
+    parser.add_argument("--cuda", action="store_true", help="offload on a GPU (gpu_checks.sh)")
     args = parser.parse_args()
+    if args.cuda:
+        cuda_table(args.rounds)
+        return
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, capability {torch.backends.cpu.get_cpu_capability()}"

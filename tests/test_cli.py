@@ -232,3 +232,34 @@ def test_plan_reports_the_measured_peak_unless_told_not_to_measure(
     assert isinstance(measured, float) and measured > 0
     assert main([*args, "--no-verify"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["measured_peak_bytes"] is None
+
+
+GPT_SMALL = ["--set", "n_layer=4", "--set", "n_embd=256", "--set", "n_head=4"]
+GPT_SMALL += ["--set", "block_size=128", "--batch-size", "8", "--precision", "fp32"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_activation_storage_flag_reaches_the_plan_and_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The budget (75 MiB) is below this GPT's unplanned peak: plain,
+    the plan recomputes; given fp8, it stores blocks instead. A run keeps the setting."""
+    plan_args = ["plan", *GPT_SMALL, "--budget", "75MiB", "--json"]
+    assert main(plan_args) == 0, capsys.readouterr().err
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*plan_args, "--activation-storage", "fp8"]) == 0, capsys.readouterr().err
+    stored = json.loads(capsys.readouterr().out)
+    assert not plain["storage"] and "recompute" in plain["decisions"].values()
+    assert set(stored["storage"].values()) == {"fp8"}
+    assert stored["recompute_flops"] < plain["recompute_flops"]
+    run = tmp_path / "run"
+    train = ["train", *GPT_SMALL, "--budget", "75MiB", "--activation-storage", "fp8"]
+    train += ["--steps", "2", "--eval-batches", "1", "--out", str(run)]
+    assert main(train) == 0, capsys.readouterr().err
+    config = json.loads((run / "config.json").read_text())
+    assert config["activation_storage"] == ["keep", "recompute", "fp8"]
+    assert json.loads((run / "plan.json").read_text())["storage"]
+    with pytest.raises(SystemExit) as bad:  # argparse's own error
+        main(["plan", *GPT_SMALL, "--activation-storage", "int4"])
+    assert bad.value.code == 2
+    assert "takes one or more of bf16, fp8, offload" in capsys.readouterr().err

@@ -308,7 +308,7 @@ def solve_profile(
             raise
         else:
             solution, measured_fit = _measured_or_refused(
-                run, root, strategy, budget_bytes, exc, frontier
+                run, root, strategy, budget_bytes, exc, frontier, coded if storing else []
             )
     else:
         choice = stored(solution) if storing and solution.recompute_seconds > 0 else None
@@ -349,11 +349,13 @@ def _measured_or_refused(
     budget_bytes: float,
     exc: BudgetError,
     frontier: bool,
+    stored: Sequence[str] = (),
 ) -> tuple[Solution, MeasuredFit]:
     """A budget the prediction with its reserve cannot decide, decided by measuring: the
     plan predicted within the budget itself, then the least plan (a fixed strategy has one
     plan: it is measured). Raises ``exc`` where nothing could be measured, and a
-    BudgetError with the measured number where the least plan's step does not fit."""
+    BudgetError with the measured number where the least plan's step does not fit.
+    ``stored``: the coded storages the planner tried (the error then says none fitted)."""
     optimal = parse_strategy(strategy)[0] == "optimal"
     fit = measured_plan(run, root, strategy, budget_bytes, frontier=frontier)
     if fit is None:
@@ -372,8 +374,13 @@ def _measured_or_refused(
             "least that, use a smaller micro-batch (more accumulation steps) or a "
             f"'*-master' precision"
             + ("" if optimal else ", or let strategy='optimal' choose")
-            + ", or let the planner store activations coded "
-            "(activation_storage=('keep', 'recompute', 'bf16', 'fp8'))" + f". The prediction: {exc}"
+            + (
+                f"; no plan fitted with activations stored {' or '.join(stored)} either"
+                if stored
+                else ", or let the planner store activations coded "
+                "(activation_storage=('keep', 'recompute', 'bf16', 'fp8'))"
+            )
+            + f". The prediction: {exc}"
         ) from None
     return fit.solution, fit
 
@@ -510,7 +517,14 @@ def result_of_solution(
     counted = plan_cost(root, solution.decisions, solution.segments, held, loss, shared_inputs=True)
     predicted = max(counted.peak_bytes, floor)
     note = solution.note
-    if note and budget_bytes is not None and solution.recompute_flops == 0:
+    if storage and solution.recompute_flops == 0:
+        # The solver's note spoke of the tree with the stored units coded: the plain step
+        # did not fit, which is why they are.
+        note = (
+            f"nothing is recomputed: with {len(storage)} units' activations stored coded "
+            f"the step's predicted peak is {format_bytes(predicted)}"
+        )
+    elif note and budget_bytes is not None and solution.recompute_flops == 0:
         # The solver's note speaks of activations only; say it with the whole step's peak.
         note = (
             f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "

@@ -150,6 +150,42 @@ def positive_size(text: str) -> str:
         ) from None
 
 
+#: What ``--activation-storage`` takes, beside keep and recompute (each plan may use).
+CODED_STORAGES = ("bf16", "fp8", "offload")
+
+
+def activation_storage(text: str) -> tuple[str, ...]:
+    """The ``type`` of ``--activation-storage``: comma-separated coded storages, returned
+    as the ``activation_storage=`` the Engine and ``memfit.plan`` take.
+
+    Example::
+
+        activation_storage("bf16,fp8")   # ("keep", "recompute", "bf16", "fp8")
+        activation_storage("int4")       # ArgumentTypeError: each of bf16, fp8, offload
+    """
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in CODED_STORAGES]
+    if not kinds or bad:
+        raise argparse.ArgumentTypeError(
+            f"takes one or more of {', '.join(CODED_STORAGES)}, comma-separated "
+            f"(e.g. bf16,fp8), got {text!r}"
+        )
+    return ("keep", "recompute", *dict.fromkeys(kinds))
+
+
+def add_activation_storage_argument(p: argparse.ArgumentParser, **kwargs: Any) -> None:
+    """``--activation-storage KINDS`` on ``p`` (``kwargs``: argparse's, e.g. a default)."""
+    p.add_argument(
+        "--activation-storage",
+        type=activation_storage,
+        metavar="KINDS",
+        help="beside keep and recompute, the coded storages the optimal plan may keep a "
+        "block's activations in where the budget needs it, comma-separated: bf16, fp8, "
+        "offload (CUDA) (docs/tiers.md; default: none)",
+        **kwargs,
+    )
+
+
 def join_size_values(argv: list[str]) -> list[str]:
     """``argv`` with a size flag and a value that starts with ``-`` joined into one
     argument (``--budget -5MiB`` → ``--budget=-5MiB``): argparse takes ``-5MiB`` for an

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
+    add_activation_storage_argument,
     add_factory_argument,
     add_model_choice,
     load_workload,
@@ -126,12 +127,13 @@ def add_parser(sub: Any) -> None:
         help="each update applied as its gradient is made in backward (Engine("
         "release_gradients=True)): the gradients are never all held",
     )
+    add_activation_storage_argument(p, default=("keep", "recompute"))
     p.add_argument(
         "--tiers",
         default="none",
         choices=("none", "all"),
         help="--scale: 'all' searches the memory tiers too (8-bit state, released "
-        "gradients, bf16-sr), each row naming its tiers (default: none)",
+        "gradients, fp8 activations, bf16-sr), each row naming its tiers (default: none)",
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
@@ -308,10 +310,11 @@ def compute(args: argparse.Namespace) -> Any:
 
         if args.device_memory is None:
             raise UsageError("--scale needs --device-memory, e.g. --device-memory 80GB")
-        if args.release_gradients:
+        if args.release_gradients or len(args.activation_storage) > 2:
+            flag = "--release-gradients" if args.release_gradients else "--activation-storage"
             raise UsageError(
-                "--scale compares released gradients with kept ones under --tiers all; "
-                "drop --release-gradients"
+                "--scale compares released gradients and coded activations with plain ones "
+                f"under --tiers all; drop {flag}"
             )
         family, inputs_fn, loss_fn = _family(args)
         return capacity(
@@ -352,6 +355,7 @@ def compute(args: argparse.Namespace) -> Any:
         data_parallel=args.data_parallel,
         optimizer_state=args.optimizer_state,
         release_gradients=args.release_gradients,
+        activation_storage=args.activation_storage,
     )
 
 

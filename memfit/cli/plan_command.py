@@ -16,6 +16,7 @@ from typing import Any
 
 from memfit.cli.common import (
     UsageError,
+    add_activation_storage_argument,
     add_factory_argument,
     add_model_arguments,
     builtin_model,
@@ -46,6 +47,7 @@ def add_parser(sub: Any) -> None:
         "--strategy", default="optimal", help="none | full | uniform:K | sqrt | optimal (default)"
     )
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch size (default: 16)")
+    add_activation_storage_argument(p, default=("keep", "recompute"))
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="also write the plan's JSON to this file")
     p.add_argument(
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         precision=policy,
         optimizer=engine.optimizer,
         verify=args.verify,
+        activation_storage=args.activation_storage,
     )
     plan.notes.extend(chosen)
     text = plan.to_json()

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.cli.common import (
     MODEL_DEFAULTS,
     UsageError,
+    add_activation_storage_argument,
     add_factory_argument,
     add_model_arguments,
     builtin_model,
@@ -107,6 +108,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "factory": None,  # MODULE:FUNCTION or file.py:FUNCTION returning a memfit.Workload
     "precision": "auto",  # measured on the machine: bf16-mixed where it is faster
     "optimizer_state": "fp32",  # AdamW's moments as torch keeps them
+    "activation_storage": None,  # keep or recompute only
     "tune": False,
     "data": None,
     "steps": 300,
@@ -148,6 +150,7 @@ def add_parser(sub: Any) -> None:
         "how AdamW keeps its moments: fp32 (8 bytes a parameter) | bf16 (4) | 8bit (about 2)",
         choices=["fp32", "bf16", "8bit"],
     )
+    add_activation_storage_argument(p, default=argparse.SUPPRESS)
     setting("--data", "corpus | synthetic (default: the model's first)")
     setting("--steps", "optimizer steps in all", type=_positive_int)
     setting("--batch-size", "samples per optimizer step", type=_positive_int)
@@ -573,9 +576,17 @@ def _engine(
         lr_scheduler=scheduler,
         log_every=s["log_every"],
         optimizer_state=s.get("optimizer_state", "fp32"),
+        **storage_of(s),
         **monitoring,
     )
     return engine, None, []
+
+
+def storage_of(settings: dict[str, Any]) -> dict[str, Any]:
+    """The Engine's ``activation_storage=`` of a run's settings (none when not given: the
+    Engine's default, which a run without a planner needs)."""
+    kinds = settings.get("activation_storage")
+    return {} if kinds is None else {"activation_storage": tuple(kinds)}
 
 
 def _resume(
