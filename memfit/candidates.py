@@ -85,24 +85,41 @@ class Candidate:
     release_gradients: bool = False
     """Each update applied as its gradient is made in backward
     (``Engine(release_gradients=True)``)."""
+    activation_storage: tuple[str, ...] = ("keep", "recompute")
+    """What an ``optimal`` plan may do with a block's saved tensors
+    (``Engine(activation_storage=)``); the estimator's ``plan.storage`` says what it
+    stored."""
+
+    @property
+    def stored(self) -> dict[str, str]:
+        """The blocks the estimator's plan stores coded ({}: none)."""
+        return dict(self.plan.storage) if self.plan is not None else {}
 
     def describe(self) -> str:
         """One line: ``bf16-mixed, checkpoint sqrt, micro-batch 8 x 2`` (and the tiers
         where they are used: ``..., 8bit optimizer state, gradients released``)."""
+        tiers = tier_words(self.optimizer_state, self.release_gradients, self.stored)
         return (
             f"{self.precision}, checkpoint {self.checkpoint}, micro-batch {self.micro_batch}"
-            f" x {self.accumulation_steps}{tier_words(self.optimizer_state, self.release_gradients)}"
+            f" x {self.accumulation_steps}{tiers}"
         )
 
 
-def tier_words(optimizer_state: str, release_gradients: bool) -> str:
+def tier_words(
+    optimizer_state: str, release_gradients: bool, stored: dict[str, str] | None = None
+) -> str:
     """The memory tiers of a setting, as the tuner's lines name them (empty for none).
 
-    >>> tier_words("8bit", True)
-    ', 8bit optimizer state, gradients released'
+    >>> tier_words("8bit", True, {"blocks.3": "fp8"})
+    ', 8bit optimizer state, gradients released, 1 block's activations in fp8'
     """
     state = f", {optimizer_state} optimizer state" if optimizer_state != "fp32" else ""
-    return state + (", gradients released" if release_gradients else "")
+    words = state + (", gradients released" if release_gradients else "")
+    if stored:
+        kinds = " and ".join(sorted(set(stored.values())))
+        blocks = f"{len(stored)} block's" if len(stored) == 1 else f"{len(stored)} blocks'"
+        words += f", {blocks} activations in {kinds}"
+    return words
 
 
 def split_choices(global_batch: int, world_size: int = 1) -> list[tuple[int, int]]:
@@ -188,13 +205,16 @@ def rank_candidates(
     speed: MatmulSpeed | None = None,
     optimizer_state: str = "fp32",
     release_gradients: bool = False,
+    activation_storage: Sequence[str] = ("keep", "recompute"),
 ) -> list[Candidate]:
     """Every candidate with its predicted peak and step time, ranked: those that fit
     ``budget`` first, fastest first (ties: the larger micro-batch, then less recompute).
     ``optimizer_state``: how every candidate's optimizer keeps its state (``"fp32"``,
     ``"bf16"``, ``"8bit"``). ``release_gradients``: every candidate's updates applied as
-    its gradients are made (one micro-batch a step, one process). ``bf16-sr`` is not split
-    into micro-batches (it would sum them in bf16).
+    its gradients are made (one micro-batch a step, one process). ``activation_storage``:
+    what ``optimal`` candidates' plans may do with a block's saved tensors (the codes
+    counted on the fake step: :func:`~memfit.estimator.estimate`). ``bf16-sr`` is not
+    split into micro-batches (it would sum them in bf16).
 
     ``speed``: the FLOP rates per dtype (default: the matmul probe on ``device``).
     ``world_size`` > 1: every peak is one rank's, under ``data_parallel`` (``"ddp"``, the
@@ -233,8 +253,13 @@ def rank_candidates(
         budget=budget,
         layout=layout,
         release_gradients=release_gradients,
+        activation_storage=activation_storage,
     )
-    tiers = {"optimizer_state": optimizer_state, "release_gradients": release_gradients}
+    tiers = {
+        "optimizer_state": optimizer_state,
+        "release_gradients": release_gradients,
+        "activation_storage": tuple(activation_storage),
+    }
     out: list[Candidate] = []
     fitting_plain: set[tuple[str, int]] = set()
     for (precision, micro, strategy, accumulation), cell in zip(cells, found):

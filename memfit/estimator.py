@@ -697,13 +697,15 @@ def estimate_cells(
     budget: int | None = None,
     layout: RankLayout | None = None,
     release_gradients: bool = False,
+    activation_storage: Sequence[str] = ("keep", "recompute"),
 ) -> list[CellEstimate]:
     """Estimate many ``(precision, batch_size, strategy, accumulation_steps)`` cells with
     one meta model per precision and one fake profile per precision and batch size (the
     tuner's search); ``optimal`` plans at ``budget``; ``layout``: one rank of a
     data-parallel run (default: one process); ``release_gradients``: each update applied
     as its gradient is made (cells of one micro-batch in one process only, as the Engine
-    trains them). No largest-batch search.
+    trains them); ``activation_storage``: what ``optimal`` may do with a block's saved
+    tensors (:func:`estimate`). No largest-batch search.
 
     Example::
 
@@ -713,10 +715,29 @@ def estimate_cells(
     optimizer_fn = optimizer_fn or torch.optim.AdamW
     layout = layout or RankLayout()
     zero_grad: ZeroGrad = "in_backward" if release_gradients else "before_forward"
-    single = _Estimator(model_fn, inputs_fn, loss_fn, optimizer_fn, 1, layout, zero_grad=zero_grad)
+    storage = check_activation_storage(activation_storage)
+    single = _Estimator(
+        model_fn,
+        inputs_fn,
+        loss_fn,
+        optimizer_fn,
+        1,
+        layout,
+        zero_grad=zero_grad,
+        activation_storage=storage,
+    )
     # The gradients held through accumulation change the plans, never the profiles.
     accumulating = _Estimator(
-        model_fn, inputs_fn, loss_fn, optimizer_fn, 2, layout, single.models, single.profiles
+        model_fn,
+        inputs_fn,
+        loss_fn,
+        optimizer_fn,
+        2,
+        layout,
+        single.models,
+        single.profiles,
+        activation_storage=storage,
+        forwards=single.forwards,
     )
     out: list[CellEstimate] = []
     for precision, batch, strategy, accumulation in cells:

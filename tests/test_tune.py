@@ -858,3 +858,50 @@ def test_release_gradients_auto_releases_only_where_nothing_else_fits(monkeypatc
             global_batch=2,
             precisions=["fp32"],
         )
+
+
+def test_the_tuner_searches_activation_storage_and_the_engine_takes_it() -> None:
+    """At 75 MiB this GPT's step fits only checkpointed; with fp8 storage offered, an
+    ``optimal`` candidate stores blocks instead of recomputing them all, the choice says
+    so, and the Engine it makes plans with the storage (measuring its gradient error)."""
+    from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+
+    cfg = GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=256)
+
+    def tuned(storage: tuple[str, ...]) -> TuneResult:
+        return memfit.tune(
+            lambda: GPT(cfg),
+            lambda b: torch.randint(0, 256, (b, 129)),
+            gpt_loss,
+            budget="75MiB",
+            global_batch=8,
+            precisions=["fp32"],
+            measure_top=0,
+            activation_storage=storage,
+        )
+
+    plain, stored = tuned(("keep", "recompute")), tuned(("keep", "recompute", "fp8"))
+    assert all(not r.candidate.stored for r in plain.rows)
+    coded = [r for r in stored.rows if r.candidate.stored]
+    assert coded and all(r.checkpoint == "optimal" and r.fits for r in coded)
+    assert all(set(r.candidate.stored.values()) == {"fp8"} for r in coded)
+    assert "activations in fp8" in coded[0].candidate.describe()
+    # Beside each stored setting, the same split without storage recomputes more.
+    for row in coded:
+        same = next(
+            r
+            for r in plain.rows
+            if (r.checkpoint, r.micro_batch) == ("optimal", row.micro_batch) and r.fits
+        )
+        assert row.plan.recompute_seconds < same.plan.recompute_seconds
+    assert json.loads(stored.to_json())["rows"][0]["activation_storage"] == [
+        "keep",
+        "recompute",
+        "fp8",
+    ]
+    # Predicted fastest (fp32 alone: the ranking is counted FLOPs, whatever the machine).
+    assert stored.best.checkpoint == "optimal" and stored.best.candidate.stored
+    assert stored.engine_kwargs()["activation_storage"] == ("keep", "recompute", "fp8")
+    assert "activation_storage" not in plain.engine_kwargs()
+    with pytest.raises(ConfigError, match="activation_storage"):
+        tuned(("recompute", "fp8"))

@@ -165,11 +165,15 @@ def gradient_errors(
 
 
 def stored_tree(
-    root: UnitCost, storage: Mapping[str, str], codes: Mapping[str, Codable]
+    root: UnitCost,
+    storage: Mapping[str, str],
+    codes: Mapping[str, Codable],
+    frozen: bool = False,
 ) -> UnitCost:
     """``root`` with each unit of ``storage`` made a leaf that keeps its subtree's saved
     bytes less what its storage saves, and holds, at the end of its forward, the coded
     tensors and their codes at once, and in its backward one decoded tensor more.
+    ``frozen``: the stored leaves cannot be recomputed (the solver then plans the rest).
 
     Example::
 
@@ -188,6 +192,7 @@ def stored_tree(
             unit,
             children=[],
             sequential=False,
+            can_recompute=unit.can_recompute and not frozen,
             own_saved_bytes=max(0.0, saved - code.total_bytes() + coded),
             own_saved_after_children_bytes=0.0,
             forward_hold_bytes=max(
@@ -215,6 +220,55 @@ def _recomputed(solution: Solution) -> list[str]:
     return found
 
 
+def _legal(
+    root: UnitCost,
+    storage: dict[str, str],
+    codes: Mapping[str, Codable],
+    solve_at: Callable[[UnitCost], Solution | None],
+    fits: Callable[[UnitCost, Solution], bool],
+) -> tuple[dict[str, str], UnitCost, Solution] | None:
+    """The better of two legal plans with ``storage`` (a recomputed unit's tensors are its
+    checkpoint's, not coded): every stored unit kept, the solver planning the rest; or
+    the solve free to recompute them, less those it recomputes, solved again until it
+    recomputes none. The storage, its tree and the solution; None where neither finds a
+    plan the whole step's count fits (the solver's peak leaves out what a stored unit's
+    moments hold beside its codes: its tensors before coding, one decoded in backward)."""
+    tree = stored_tree(root, storage, codes, frozen=True)
+    solution = solve_at(tree)
+    kept = None
+    if solution is not None and fits(tree, solution):
+        recomputed = _recomputed(solution)  # a unit holding a stored one may be
+        if not any(_within(u, r) for u in storage for r in recomputed):
+            kept = (storage, tree, solution)
+    freed = _freed(root, storage, codes, solve_at, fits)
+    found = [c for c in (kept, freed) if c is not None]
+    return min(found, key=lambda c: c[2].recompute_seconds) if found else None
+
+
+def _freed(
+    root: UnitCost,
+    storage: dict[str, str],
+    codes: Mapping[str, Codable],
+    solve_at: Callable[[UnitCost], Solution | None],
+    fits: Callable[[UnitCost, Solution], bool],
+) -> tuple[dict[str, str], UnitCost, Solution] | None:
+    while storage:
+        tree = stored_tree(root, storage, codes)
+        solution = solve_at(tree)
+        if solution is None:
+            return None
+        recomputed = _recomputed(solution)
+        kept = {
+            u: k
+            for u, k in storage.items()
+            if not any(_within(u, r) or _within(r, u) for r in recomputed)
+        }
+        if kept == storage:
+            return (storage, tree, solution) if fits(tree, solution) else None
+        storage = kept
+    return None
+
+
 def choose_storage(
     root: UnitCost,
     candidates: list[str],
@@ -229,8 +283,7 @@ def choose_storage(
     recomputes less than ``plain`` (the solve without storage; None: it found no plan).
 
     ``solve_at(tree)`` solves a cost tree under the budget (None: nothing fits);
-    ``fits(tree, solution)`` says whether a solution's decisions on another tree still
-    fit (used to put stored units back to plain keep).
+    ``fits(tree, solution)`` says whether a solution fits by the whole step's count.
 
     Example::
 
@@ -244,36 +297,48 @@ def choose_storage(
         useful = [u for u in candidates if codes[u].coded_bytes(kind) < codes[u].total_bytes()]
         if not useful:
             continue
-        storage = {u: kind for u in useful}
-        tree = stored_tree(root, storage, codes)
-        solution = solve_at(tree)
-        if solution is None:
-            continue
-        if best is None or solution.recompute_seconds < best.solution.recompute_seconds:
-            best = StorageChoice(storage, solution, tree, dict(errors))
+        # Sets of units tried: each prefix of them ordered by what they save, most first
+        # and least first (a unit whose forward moment is the step's peak gains nothing
+        # stored: its moment holds its tensors and their codes at once). The least
+        # recompute is taken; ties go to fewer units stored, so only those the budget
+        # needs are.
+        useful.sort(key=lambda u: codes[u].coded_bytes(kind) - codes[u].total_bytes())
+        tried: set[frozenset[str]] = set()
+        for order in (useful, useful[::-1]):
+            for count in _prefix_sizes(len(order)):
+                units = frozenset(order[:count])
+                if units in tried:
+                    continue
+                tried.add(units)
+                legal = _legal(root, {u: kind for u in order[:count]}, codes, solve_at, fits)
+                if legal is None:
+                    continue
+                storage, tree, solution = legal
+                if best is None or (solution.recompute_seconds, len(storage)) < (
+                    best.solution.recompute_seconds,
+                    len(best.storage),
+                ):
+                    best = StorageChoice(storage, solution, tree, dict(errors))
     if best is None:
         return None
     if plain is not None and best.solution.recompute_seconds >= plain.recompute_seconds:
         return None
-    # Only the units the budget needs: the others keep their tensors as they are.
-    recomputed = _recomputed(best.solution)
-    stored = {
-        u: k
-        for u, k in best.storage.items()
-        if not any(_within(u, r) or _within(r, u) for r in recomputed)
-    }
-    tree = stored_tree(root, stored, codes)
-    for unit in sorted(
-        stored, key=lambda u: codes[u].total_bytes() - codes[u].coded_bytes(stored[u])
-    ):
-        trial = {u: k for u, k in stored.items() if u != unit}
-        trial_tree = stored_tree(root, trial, codes)
-        if fits(trial_tree, best.solution):
-            stored, tree = trial, trial_tree
-    # Decisions of the units in ``tree`` (a stored unit's own units are hidden in its leaf).
-    names = {u.name for u in tree.walk()}
-    solution = dataclasses.replace(
-        best.solution,
-        decisions={u: d for u, d in best.solution.decisions.items() if u in names},
-    )
-    return StorageChoice(stored, solution, tree, dict(errors))
+    return best
+
+
+#: Above this many candidates, prefixes of that many evenly spaced sizes are tried.
+_PREFIXES = 32
+
+
+def _prefix_sizes(n: int) -> list[int]:
+    """The prefix lengths tried of ``n`` candidates: each, or about :data:`_PREFIXES` of
+    them evenly spaced (the whole set always among them).
+
+    >>> _prefix_sizes(3)
+    [1, 2, 3]
+    >>> _prefix_sizes(100)[:3], _prefix_sizes(100)[-1]
+    ([3, 6, 9], 100)
+    """
+    if n <= _PREFIXES:
+        return list(range(1, n + 1))
+    return sorted({max(1, round(n * (i + 1) / _PREFIXES)) for i in range(_PREFIXES)})

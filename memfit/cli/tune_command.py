@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.cli.common import (
     UsageError,
+    add_activation_storage_argument,
     add_factory_argument,
     add_model_choice,
     builtin_model,
@@ -67,6 +68,7 @@ def add_parser(sub: Any) -> None:
         "one micro-batch a step, one process) or only where nothing fits without it (auto); "
         "default: off",
     )
+    add_activation_storage_argument(p, default=("keep", "recompute"))
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument(
         "--data-parallel",
@@ -149,6 +151,7 @@ def compute(args: argparse.Namespace) -> TuneResult:
         device=device,
         optimizer_state=args.optimizer_state,
         release_gradients={"off": False, "on": True}.get(args.release_gradients, "auto"),
+        activation_storage=args.activation_storage,
     )
 
 

@@ -60,6 +60,11 @@ class TuneRow:
         "release_gradients",
         "Each update applied as its gradient is made (``Engine(release_gradients=True)``).",
     )
+    activation_storage = _of_candidate(
+        "activation_storage",
+        "What an ``optimal`` plan may do with a block's saved tensors "
+        "(``Engine(activation_storage=)``).",
+    )
     predicted_peak_bytes = _of_candidate(
         "predicted_peak_bytes", "The estimator's peak (None: no plan under the budget)."
     )
@@ -92,6 +97,7 @@ _FIELDS = (
     "accumulation_steps",
     "optimizer_state",
     "release_gradients",
+    "activation_storage",
     "predicted_peak_bytes",
     "predicted_step_seconds",
     "recompute_fraction",
@@ -170,6 +176,10 @@ class TuneResult:
             state["optimizer_state"] = self.best.optimizer_state
         if self.best.release_gradients:
             state["release_gradients"] = True
+        if self.best.checkpoint == "optimal" and len(self.best.activation_storage) > 2:
+            # The Engine plans the real model: where it needs coded storage it measures
+            # each storage's gradient error, which the estimate could not.
+            state["activation_storage"] = self.best.activation_storage
         if self.world_size > 1:
             return {
                 "precision": self.best.precision,
@@ -307,7 +317,7 @@ class TuneResult:
         lines.append(
             f"best: {b.precision}, checkpoint {b.checkpoint}, micro-batch {b.micro_batch} x "
             f"{b.accumulation_steps} accumulation"
-            + tier_words(b.optimizer_state, b.release_gradients)
+            + tier_words(b.optimizer_state, b.release_gradients, b.candidate.stored)
             + (f" ({self.verdict})" if self.verdict else "")
         )
         lines += [f"advice: {a}" for a in self.advice]

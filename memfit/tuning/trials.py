@@ -130,6 +130,7 @@ class Trial:
                     accumulation_steps=row.accumulation_steps,
                     optimizer_state=row.optimizer_state,
                     release_gradients=row.release_gradients,
+                    **storage_setting(row.activation_storage, checkpoint),
                 )
                 batch = batch_fn(row.micro_batch * row.accumulation_steps)
                 engine.train_step(batch, loss_fn)  # plans; the optimizer makes its state
@@ -201,6 +202,20 @@ def timed_step(
     engine.train_step(batch, loss_fn)
     _sync(device)
     return time.perf_counter() - start
+
+
+def storage_setting(activation_storage: tuple[str, ...], checkpoint: Any) -> dict[str, Any]:
+    """The Engine's ``activation_storage=`` for a trial: only where the Engine plans the
+    real model (``optimal``; an estimator's plan carries its storage itself).
+
+    >>> storage_setting(("keep", "recompute", "fp8"), "optimal")
+    {'activation_storage': ('keep', 'recompute', 'fp8')}
+    >>> storage_setting(("keep", "recompute", "fp8"), "full")
+    {}
+    """
+    if checkpoint != "optimal" or len(activation_storage) <= 2:
+        return {}
+    return {"activation_storage": tuple(activation_storage)}
 
 
 def fresh_engine(

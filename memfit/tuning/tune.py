@@ -48,6 +48,7 @@ from memfit.candidates import (
     retime,
 )
 from memfit.checkpoint.api import default_step_loss
+from memfit.checkpoint.planner import check_activation_storage
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
 from memfit.monitor.advice import plan_unit_counts
@@ -99,6 +100,7 @@ def tune(
     device: str | torch.device | None = None,
     optimizer_state: str = "fp32",
     release_gradients: bool | str = False,
+    activation_storage: Sequence[str] = ("keep", "recompute"),
 ) -> TuneResult:
     """Choose precision, checkpoint plan, micro-batch and accumulation for ``budget``.
 
@@ -149,6 +151,12 @@ def tune(
             ``"auto"``: only where nothing fits the budget without it (after the state in
             fewer bits, where ``optimizer_state="auto"``). The choice is in ``best`` and
             :meth:`TuneResult.engine`.
+        activation_storage: beside ``"keep"`` and ``"recompute"``, the coded storages
+            (``"bf16"``, ``"fp8"``, ``"offload"`` on CUDA) every ``optimal`` setting's plan
+            may keep a block's activations in where the budget needs it (docs/tiers.md):
+            predicted with the codes counted on the fake step; a measured trial, and
+            :meth:`TuneResult.engine`, plan the real model, which measures each storage's
+            gradient error too.
 
     Raises:
         ConfigError: a global batch no split makes (the message lists valid ones), an
@@ -170,6 +178,7 @@ def tune(
     if int(steps) != steps or steps < 1:
         raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
     check_optimizer_state(optimizer_state, also=("auto",))
+    storage = check_activation_storage(activation_storage)
     if release_gradients not in (True, False, "auto"):
         raise ConfigError(
             f"release_gradients must be True, False or 'auto', got {release_gradients!r}"
@@ -208,6 +217,7 @@ def tune(
             speed=speed,
             optimizer_state=state,
             release_gradients=release,
+            activation_storage=storage,
         )
         if any(c.fits for c in ranked):
             break
