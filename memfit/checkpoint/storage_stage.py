@@ -5,19 +5,20 @@ Beside keep and recompute, a unit may keep what it saves in fewer bytes
 with the same solver and budget, in three measured steps on the example batch:
 
 1. **What each unit would code** (:func:`~memfit.checkpoint.storage.codable`): one forward
-   with every candidate unit probed by the rule training uses. Candidates are the blocks
-   of the model's chains (a GPT's layers, a ResNet stage's blocks), else the root's
-   children.
+   with every candidate unit probed by the rule training uses. Candidates are the
+   children of the outermost chains (a GPT's layers; the built-in ResNet's stages, its
+   outermost chain), else the root's children.
 2. **What each storage costs in gradient**: the gradients of one step with every
    candidate stored that way, against the exact ones (same RNG), as a relative L2 error
    ``|g - g*| / |g*|``. A storage whose error passes ``tolerance`` is not offered.
-3. **The solve**: for each storage offered, the cost tree with every candidate made a
-   leaf that keeps its coded bytes (or is recomputed whole); the solver picks keep or
-   recompute per leaf under the budget. The storage whose plan recomputes least wins
-   (ties go to the first in bf16, fp8, offload: the least lossy), and it is used only
-   where it recomputes less than keeping everything as it is, or fits where that cannot.
-   Then stored units are put back to plain keep, the ones that code least first, while
-   the plan still fits: a unit is stored only where the budget needs it.
+3. **The solve**: for each storage offered, sets of candidates (each prefix of them
+   ordered by the bytes they save, most first and least first) are made leaves that keep
+   their coded bytes, and the solver plans the rest, once with those leaves kept and once
+   free to recompute them (a recomputed unit leaves the set: its checkpoint holds its
+   tensors). A plan counts where the whole step's count fits. The least recompute wins
+   (ties: fewer units stored, then the first of bf16, fp8, offload: the least lossy), and
+   it is used only where it recomputes less than keeping everything as it is, or fits
+   where that cannot: a unit is stored only where the budget needs it.
 
 Coding is a cast per tensor (fp8: a max, a multiply and a cast), counted as free beside
 a recompute: ``bench/storage.py`` measures what it costs.
@@ -28,7 +29,7 @@ prediction counts; its backward decodes one op's tensors at a time, the largest 
 
 Example::
 
-    choice = choose_storage(root, candidates, codes, errors, solve_at)
+    choice = choose_storage(root, candidates, codes, errors, solve_at, fits, plain)
     choice.storage     # {"blocks.6": "fp8", "blocks.7": "fp8"}
 """
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -220,53 +221,61 @@ def _recomputed(solution: Solution) -> list[str]:
     return found
 
 
-def _legal(
-    root: UnitCost,
-    storage: dict[str, str],
-    codes: Mapping[str, Codable],
-    solve_at: Callable[[UnitCost], Solution | None],
-    fits: Callable[[UnitCost, Solution], bool],
-) -> tuple[dict[str, str], UnitCost, Solution] | None:
-    """The better of two legal plans with ``storage`` (a recomputed unit's tensors are its
-    checkpoint's, not coded): every stored unit kept, the solver planning the rest; or
-    the solve free to recompute them, less those it recomputes, solved again until it
-    recomputes none. The storage, its tree and the solution; None where neither finds a
-    plan the whole step's count fits (the solver's peak leaves out what a stored unit's
-    moments hold beside its codes: its tensors before coding, one decoded in backward)."""
-    tree = stored_tree(root, storage, codes, frozen=True)
-    solution = solve_at(tree)
-    kept = None
-    if solution is not None and fits(tree, solution):
-        recomputed = _recomputed(solution)  # a unit holding a stored one may be
-        if not any(_within(u, r) for u in storage for r in recomputed):
-            kept = (storage, tree, solution)
-    freed = _freed(root, storage, codes, solve_at, fits)
-    found = [c for c in (kept, freed) if c is not None]
-    return min(found, key=lambda c: c[2].recompute_seconds) if found else None
+class _Stored(NamedTuple):
+    """A legal plan with storage: what is stored, the tree it is solved on, the solution."""
+
+    storage: dict[str, str]
+    tree: UnitCost
+    solution: Solution
 
 
-def _freed(
-    root: UnitCost,
-    storage: dict[str, str],
-    codes: Mapping[str, Codable],
-    solve_at: Callable[[UnitCost], Solution | None],
-    fits: Callable[[UnitCost, Solution], bool],
-) -> tuple[dict[str, str], UnitCost, Solution] | None:
-    while storage:
-        tree = stored_tree(root, storage, codes)
-        solution = solve_at(tree)
-        if solution is None:
+@dataclass(frozen=True)
+class _Search:
+    """Legal plans with a given storage (a recomputed unit's tensors are its checkpoint's,
+    never coded): ``solve_at(tree)`` solves a cost tree under the budget (None: nothing
+    fits), ``fits(tree, solution)`` judges a solution by the whole step's count (the
+    solver's peak leaves out what a stored unit's moments hold beside its codes: its
+    tensors before coding, one decoded in backward)."""
+
+    root: UnitCost
+    codes: Mapping[str, Codable]
+    solve_at: Callable[[UnitCost], Solution | None]
+    fits: Callable[[UnitCost, Solution], bool]
+
+    def legal(self, storage: dict[str, str]) -> _Stored | None:
+        """The better of :meth:`kept` and :meth:`freed` (None: neither fits)."""
+        found = [c for c in (self.kept(storage), self.freed(storage)) if c is not None]
+        return min(found, key=lambda c: c.solution.recompute_seconds) if found else None
+
+    def kept(self, storage: dict[str, str]) -> _Stored | None:
+        """Every stored unit kept, the solver planning the rest."""
+        tree = stored_tree(self.root, storage, self.codes, frozen=True)
+        solution = self.solve_at(tree)
+        if solution is None or not self.fits(tree, solution):
             return None
-        recomputed = _recomputed(solution)
-        kept = {
-            u: k
-            for u, k in storage.items()
-            if not any(_within(u, r) or _within(r, u) for r in recomputed)
-        }
-        if kept == storage:
-            return (storage, tree, solution) if fits(tree, solution) else None
-        storage = kept
-    return None
+        recomputed = _recomputed(solution)  # a unit holding a stored one may be
+        if any(_within(u, r) for u in storage for r in recomputed):
+            return None
+        return _Stored(storage, tree, solution)
+
+    def freed(self, storage: dict[str, str]) -> _Stored | None:
+        """The solver free to recompute stored units, those it recomputes dropped from
+        the storage and the tree solved again, until it recomputes none."""
+        while storage:
+            tree = stored_tree(self.root, storage, self.codes)
+            solution = self.solve_at(tree)
+            if solution is None:
+                return None
+            recomputed = _recomputed(solution)
+            kept = {
+                u: k
+                for u, k in storage.items()
+                if not any(_within(u, r) or _within(r, u) for r in recomputed)
+            }
+            if kept == storage:
+                return _Stored(storage, tree, solution) if self.fits(tree, solution) else None
+            storage = kept
+        return None
 
 
 def choose_storage(
@@ -289,6 +298,7 @@ def choose_storage(
 
         choice = choose_storage(root, units, codes, errors, solve_at, fits, plain)
     """
+    search = _Search(root, codes, solve_at, fits)
     best: StorageChoice | None = None
     for kind in CODED:
         error = errors.get(kind, float("inf"))
@@ -310,15 +320,14 @@ def choose_storage(
                 if units in tried:
                     continue
                 tried.add(units)
-                legal = _legal(root, {u: kind for u in order[:count]}, codes, solve_at, fits)
+                legal = search.legal({u: kind for u in order[:count]})
                 if legal is None:
                     continue
-                storage, tree, solution = legal
-                if best is None or (solution.recompute_seconds, len(storage)) < (
+                if best is None or (legal.solution.recompute_seconds, len(legal.storage)) < (
                     best.solution.recompute_seconds,
                     len(best.storage),
                 ):
-                    best = StorageChoice(storage, solution, tree, dict(errors))
+                    best = StorageChoice(legal.storage, legal.solution, legal.tree, dict(errors))
     if best is None:
         return None
     if plain is not None and best.solution.recompute_seconds >= plain.recompute_seconds:
