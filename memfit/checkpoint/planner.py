@@ -258,6 +258,10 @@ def solve_profile(
     # measured plan, and a storage's codes are counted on a meta forward, its gradient
     # error assumed within the tolerance (the plan made on the real model measures it).
     meta = device.type == "meta"
+    # Nor is there an allocator to keep slack for: an estimate judges every plan, the
+    # fixed strategies' and the optimal one alike, against the whole budget (optimal
+    # never fits less than a fixed strategy does).
+    reserve = 0.0 if meta else RESERVE
     measurable = budget_bytes is not None and zero_grad != "in_backward" and not meta
     run = step_run(model, profiled, mem, policy, optimizer) if measurable else None
     choice: StorageChoice | None = None
@@ -285,6 +289,7 @@ def solve_profile(
             coded,
             storage_tolerance,
             plain,
+            reserve,
         )
 
     try:
@@ -296,7 +301,7 @@ def solve_profile(
             budget_bytes,
             held,
             mem.loss_bytes,
-            reserve=RESERVE,
+            reserve=reserve,
             frontier=frontier,
             edge=optimal and run is not None,
         )
@@ -339,6 +344,7 @@ def solve_profile(
         activation_storage=activation_storage,
         storage_tolerance=storage_tolerance,
         storage_errors=None if choice is None else choice.errors,
+        reserve=reserve,
     )
 
 
@@ -397,6 +403,7 @@ def _storage_choice(
     coded: list[str],
     tolerance: float,
     plain: Solution | None,
+    reserve: float = RESERVE,
 ) -> StorageChoice | None:
     """:func:`~memfit.checkpoint.storage_stage.choose_storage` on the profiled step: what
     each candidate would code and each storage's gradient error, measured on the example
@@ -445,7 +452,7 @@ def _storage_choice(
                 budget_bytes,
                 mem.held_bytes,
                 mem.loss_bytes,
-                reserve=RESERVE,
+                reserve=reserve,
                 frontier=False,
             )
         except BudgetError:
@@ -460,7 +467,7 @@ def _storage_choice(
             mem.loss_bytes,
             shared_inputs=True,
         ).peak_bytes
-        return max(peak, mem.floor_bytes) <= budget_bytes * (1 - RESERVE)
+        return max(peak, mem.floor_bytes) <= budget_bytes * (1 - reserve)
 
     return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance)
 
@@ -505,9 +512,11 @@ def result_of_solution(
     activation_storage: tuple[str, ...] = ("keep", "recompute"),
     storage_tolerance: float = DEFAULT_TOLERANCE,
     storage_errors: dict[str, float | None] | None = None,
+    reserve: float = RESERVE,
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
-    the whole step (``measured_fit``: the measurement that accepted it, if one did)."""
+    the whole step (``measured_fit``: the measurement that accepted it, if one did;
+    ``reserve``: the share of the budget the solve kept free)."""
     held, floor = mem.held_bytes, mem.floor_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
@@ -529,7 +538,7 @@ def result_of_solution(
         note = (
             f"budget {format_bytes(budget_bytes)} is at or above the step's predicted peak "
             f"without checkpointing, {format_bytes(predicted)} (memfit "
-            f"plans within {1 - RESERVE:.0%} of the budget): nothing is recomputed"
+            f"plans within {1 - reserve:.0%} of the budget): nothing is recomputed"
         )
     # A new Solution: the solver's (and a MeasuredFit's) stays as the solver made it.
     solution = dataclasses.replace(
