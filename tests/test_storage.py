@@ -254,3 +254,51 @@ def test_estimates_count_codes_on_fakes_and_fit_a_larger_batch() -> None:
     assert plain[0].plan is None and stored[0].plan is not None and stored[0].fits
     assert set(stored[0].plan.storage.values()) == {"fp8"}
     assert any("fp8 not measured" in note for note in stored[0].plan.notes)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage the garbage collector can reach."""
+    import gc
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def test_a_forward_without_backward_under_storage_leaves_nothing_alive() -> None:
+    # An evaluation with gradients on never reaches backward: its graph must go with its
+    # loss. A packed object holding an op's saved output (or a code made with gradients on)
+    # holds that graph through autograd's C++ nodes, a cycle gc cannot free.
+    model, x = _gpt()
+    before = _live_tensor_bytes()
+    for kind in ("keep", "bf16", "fp8", "offload"):
+        apply_storage(model, {b: kind for b in _blocks(model)})
+        loss = _gpt_loss(model, x)
+        del loss
+        remove_storage(model)
+        assert _live_tensor_bytes() == before, kind
+
+
+def test_planning_with_storage_leaves_nothing_alive() -> None:
+    # The planner counts each unit's codes on a forward it never takes backward.
+    model, x = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    whole = make_plan(model, x, _gpt_loss, precision="fp32", optimizer=opt, costs="counted")
+    before = _live_tensor_bytes()
+    planned = make_plan(
+        model,
+        x,
+        _gpt_loss,
+        precision="fp32",
+        optimizer=opt,
+        costs="counted",
+        budget=int(whole.plan.predicted_peak_bytes * 0.8),
+        activation_storage=("keep", "recompute", "bf16", "fp8"),
+    )
+    assert planned.plan.storage  # the case the leak was in
+    del planned
+    assert _live_tensor_bytes() == before

@@ -104,6 +104,7 @@ class _Held:
         "back",
         "event",
         "group",
+        "used",
         "__weakref__",
     )
 
@@ -120,6 +121,8 @@ class _Held:
         # Weak references: a strong one would make a cycle, freed only by the garbage
         # collector, not when the graph goes.
         self.group: list[weakref.ref[_Held]] | None = None
+        # Offload: backward has had it once (a second ask brings it back alone).
+        self.used = False
 
 
 class _Counts(NamedTuple):
@@ -229,6 +232,14 @@ class _UnitCall:
     by_id: dict[int, _Held] = field(default_factory=dict)
 
 
+def _without_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a saved tensor is kept: without its ``grad_fn``, which autograd restores
+    on unpacking. Kept with it, an op's saved output would hold its own graph through
+    autograd's C++ nodes, a cycle the garbage collector cannot see: a forward that never
+    reaches backward (an evaluation with gradients on) would never be freed."""
+    return t.detach() if t.grad_fn is not None else t
+
+
 def _to_code(call: _UnitCall) -> list[_Held]:
     """What a call packed that only its packed objects hold, storage by storage."""
     by_storage: dict[int, list[_Held]] = {}
@@ -262,7 +273,7 @@ class _UnitStorage:
             or nbytes < self.min_bytes
             or compressed_size(self.storage, nbytes, t.element_size()) >= nbytes
         ):
-            return t
+            return _without_graph(t)
         call = self.calls[-1]
         assert call is not None
         held = call.by_id.get(id(t))
@@ -278,13 +289,22 @@ class _UnitStorage:
             return packed.tensor
         assert packed.code is not None
         if self.storage == "offload":
-            if packed.back is None:
+            if packed.back is None and not packed.used:
                 self.prefetch(packed)
             out, packed.back = packed.back, None
+            packed.used = True
+            if out is None:
+                # A tensor backward asks for again (two ops saved it) comes back alone:
+                # bringing its whole call back again would hold every tensor twice.
+                return packed.code.to(packed.device, non_blocking=True)
             if packed.event is not None:
-                torch.cuda.current_stream(packed.device).wait_event(packed.event)
+                stream = torch.cuda.current_stream(packed.device)
+                stream.wait_event(packed.event)
+                # Made on the side stream, used and freed on this one: without the record
+                # the allocator could hand its memory to the next copy while still read.
+                out.record_stream(stream)
                 packed.event = None
-            return out if out is not None else packed.code.to(packed.device)
+            return out
         if self.storage == "fp8":
             assert packed.scale is not None
             return (packed.code.to(torch.float32) / packed.scale).to(packed.dtype)
@@ -298,22 +318,30 @@ class _UnitStorage:
         group = [r() for r in first.group] if first.group is not None else [first]
         with torch.cuda.stream(self.side_stream):
             for held in group:
-                if held is not None and held.code is not None and held.back is None:
+                if (
+                    held is not None
+                    and held.code is not None
+                    and held.back is None
+                    and not held.used
+                ):
                     held.back = held.code.to(held.device, non_blocking=True)
                     held.event = torch.cuda.Event()
                     held.event.record(self.side_stream)
 
     def encode(self, call: _UnitCall) -> None:
         """The unit's forward returned: code what only its saved tensors hold."""
+        packed = list(call.held)
         coded = _to_code(call)
         family = [weakref.ref(h) for h in coded]
         for held in coded:
-            t = held.tensor
-            assert t is not None
+            assert held.tensor is not None
+            # A code made with gradients on would hold the tensor's graph, which holds the
+            # code: a cycle the garbage collector cannot see (see _without_graph).
+            t = held.tensor.detach()
             if self.storage == "bf16":
                 held.code = t.to(torch.bfloat16)
             elif self.storage == "fp8":
-                amax = t.detach().abs().amax().to(torch.float32)
+                amax = t.abs().amax().to(torch.float32)
                 # No host sync: an all-zero or non-finite tensor gets scale 1 (non-finite
                 # values come back NaN, which the loss scaler's overflow check sees).
                 ok = torch.isfinite(amax) & (amax > 0)
@@ -324,6 +352,9 @@ class _UnitStorage:
                 held.group = family
             held.tensor = None
             del t
+        for held in packed:  # the uncoded, held as they are
+            if held.tensor is not None:
+                held.tensor = _without_graph(held.tensor)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda":
@@ -356,6 +387,13 @@ class Codable:
         """What they take as they are."""
         return sum(self.bytes_by_element_size.values())
 
+    def back_bytes(self, storage: str) -> int:
+        """What the unit's backward holds decoded at once under ``storage``: one op's
+        tensor at a time (the largest), except offloaded ones, all brought back together
+        when backward first asks for one (the copy runs ahead of the compute that needs
+        it)."""
+        return self.total_bytes() if storage == "offload" else self.largest_bytes
+
 
 class _Probe(_UnitStorage):
     """A unit's storage that codes nothing: it counts what :meth:`encode` would code."""
@@ -363,6 +401,7 @@ class _Probe(_UnitStorage):
     found: Codable
 
     def encode(self, call: _UnitCall) -> None:
+        packed = list(call.held)
         for held in _to_code(call):
             t = held.tensor
             assert t is not None
@@ -371,6 +410,11 @@ class _Probe(_UnitStorage):
             sizes[t.element_size()] = sizes.get(t.element_size(), 0) + nbytes
             self.found.largest_bytes = max(self.found.largest_bytes, nbytes)
             del t
+        # The probe's forward has no backward: a packed object holding a tensor whose own
+        # graph saved it (an op's output) would be a cycle through autograd's C++ nodes,
+        # which the garbage collector cannot see, and the whole graph would never be freed.
+        for held in packed:
+            held.tensor = None
 
 
 def codable(

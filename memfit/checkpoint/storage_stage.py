@@ -173,7 +173,8 @@ def stored_tree(
 ) -> UnitCost:
     """``root`` with each unit of ``storage`` made a leaf that keeps its subtree's saved
     bytes less what its storage saves, and holds, at the end of its forward, the coded
-    tensors and their codes at once, and in its backward one decoded tensor more.
+    tensors and their codes at once, and in its backward what comes back at once
+    (:meth:`~memfit.checkpoint.storage.Codable.back_bytes`).
     ``frozen``: the stored leaves cannot be recomputed (the solver then plans the rest).
 
     Example::
@@ -200,7 +201,7 @@ def stored_tree(
                 max(u.forward_hold_bytes for u in below), float(code.total_bytes())
             ),
             backward_hold_bytes=max(u.backward_hold_bytes for u in below)
-            + float(code.largest_bytes),
+            + float(code.back_bytes(kind)),
             forward_workspace_bytes=max(u.forward_workspace_bytes for u in below),
             backward_workspace_bytes=max(u.backward_workspace_bytes for u in below),
         )
