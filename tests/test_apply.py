@@ -806,3 +806,25 @@ def test_segments_of_a_sequential_its_parent_iterates_are_recomputed() -> None:
     assert model.layers(x).shape == (32, 64)  # called, it still works, in segments too
     remove_plan(model)
     assert type(model.layers) is nn.Sequential
+
+
+def test_selective_recomputes_an_attention_that_draws_random_numbers() -> None:
+    # Saved, an attention with dropout would not run in the rebuild, and every random op
+    # after it would draw from another generator state (on CUDA: other dropout masks).
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from memfit.checkpoint.recompute import save_matmul_outputs, saved_by_selective
+
+    aten = torch.ops.aten
+    q = torch.randn(1, 2, 4, 8)
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert saved_by_selective(aten.mm.default, (q[0, 0], q[0, 0].T), {})
+    assert saved_by_selective(efficient, (q, q, q, None, True), {})  # dropout_p defaults to 0
+    assert not saved_by_selective(efficient, (q, q, q, None, True), {"dropout_p": 0.1})
+    assert not saved_by_selective(efficient, (q, q, q, None, True, 0.1), {})
+    assert not saved_by_selective(flash, (q, q, q, 0.1), {})
+    assert saved_by_selective(flash, (q, q, q, 0.0), {})
+    assert not saved_by_selective(aten.relu.default, (q,), {})
+    assert save_matmul_outputs(None, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert save_matmul_outputs(None, flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE

@@ -2,9 +2,10 @@
 (:mod:`memfit.checkpoint.profiler`) share, so that what the profiler times and counts is
 what a plan runs.
 
-* :data:`MATMUL_OPS`, :func:`save_matmul_outputs` and :func:`selective_contexts`: the ops
-  whose outputs selective recompute saves, the policy that saves them, and the
-  ``context_fn`` that installs it.
+* :data:`MATMUL_OPS`, :func:`saved_by_selective`, :func:`save_matmul_outputs` and
+  :func:`selective_contexts`: the ops whose outputs selective recompute saves (those that
+  draw no random numbers), the policy that saves them, and the ``context_fn`` that
+  installs it.
 * :func:`run_checkpointed`: one checkpointed piece, as plans run it (non-reentrant
   ``torch.utils.checkpoint``, RNG replayed, the forward's modes and buffers kept for the
   rebuild); while ``torch.compile`` traces it, a plain checkpointed region for the
@@ -38,6 +39,7 @@ __all__ = [
     "has_own_forward",
     "run_checkpointed",
     "save_matmul_outputs",
+    "saved_by_selective",
     "selective_contexts",
     "stock_sequential",
 ]
@@ -83,10 +85,37 @@ def _packets(names: tuple[str, ...]) -> frozenset[Any]:
 MATMUL_OPS: frozenset[Any] = _packets(_MATMUL_OP_NAMES)
 
 
+def saved_by_selective(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether selective recompute saves this call's outputs: one of :data:`MATMUL_OPS`
+    that draws no random numbers. An attention with dropout is recomputed instead: saved,
+    it would not run in the rebuild, so it would not advance the generator, and every
+    random op after it in the rebuild would draw other numbers than its forward did (on
+    CUDA, a dropout's mask from another Philox offset: wrong gradients).
+
+    Example::
+
+        saved_by_selective(torch.ops.aten.mm.default, (a, b), {})   # True
+    """
+    if getattr(op, "overloadpacket", None) not in MATMUL_OPS:
+        return False
+    return not _dropout_p(op, args, kwargs)
+
+
+def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """The ``dropout_p`` argument of a call (0 where the op has none)."""
+    schema = getattr(op, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == "dropout_p":
+            if "dropout_p" in kwargs:
+                return float(kwargs["dropout_p"])
+            return float(args[i]) if i < len(args) else float(arg.default_value or 0.0)
+    return 0.0
+
+
 def save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpoint's policy: save the outputs of :data:`MATMUL_OPS`, recompute
-    the rest."""
-    if getattr(op, "overloadpacket", None) in MATMUL_OPS:
+    """Selective checkpoint's policy: save the outputs of :data:`MATMUL_OPS` (those that
+    draw no random numbers: :func:`saved_by_selective`), recompute the rest."""
+    if saved_by_selective(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

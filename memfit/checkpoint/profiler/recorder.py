@@ -25,7 +25,7 @@ from memfit.checkpoint.profiler.chains import ChainWatch
 from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
 from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.profiler.storage import storage_of
-from memfit.checkpoint.recompute import MATMUL_OPS
+from memfit.checkpoint.recompute import MATMUL_OPS, saved_by_selective
 from memfit.checkpoint.tree import Unit, UnitTree
 from memfit.nested import tensors
 
@@ -487,7 +487,7 @@ class Recorder:
         for call in self.stack:
             call.tail_flops += flops
             call.tail_op_seconds += op_time
-        if op.matmul:
+        if op.matmul and saved_by_selective(func, args, kwargs):
             st.matmul_op_own_seconds += op_time
             for t in outs:
                 key, nbytes, ref = storage_of(t)
