@@ -652,6 +652,10 @@ def _tracker_report(
     peak, method = tracked, "tracker"
     if allocator is not None:
         _add_untracked(by_kind, by_dtype, allocator.peak - tracked)
+        # What no tensor shows (cuBLAS's workspaces, which live from a handle's first
+        # matmul on, and the allocator's rounding) is held at the peak, so each kind's own
+        # peak is at least its share there.
+        peak_by_kind = {k: max(peak_by_kind.get(k, 0), v) for k, v in by_kind.items()}
         start, peak, end = allocator
         method = "cuda-allocator"
     return MemoryReport(

@@ -607,3 +607,32 @@ def test_allocator_peak_inside_a_running_profiler_leaves_it_running() -> None:
         y = x + 1
     assert inner.peak_bytes >= 256 * 256 * 4
     assert any(e.name == "aten::add" for e in prof.events()) and y.shape == x.shape
+
+
+def test_allocator_bytes_no_tensor_shows_are_in_each_kinds_peak() -> None:
+    # On CUDA the allocator's peak holds what no tensor shows (cuBLAS keeps a workspace per
+    # handle from its first matmul on): folded into 'temp' at the peak, it must be in
+    # temp's own peak too. The CUDA report is built here from a CPU tracker and allocator
+    # bytes 64 MiB above the tracked peak, as an H200's two handles showed.
+    from memfit.memory import _AllocatorBytes, _track, _tracker_report
+
+    model = nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    result, tracker = _track(
+        lambda: model(x).square().sum().backward(),
+        torch.device("cpu"),
+        model,
+        None,
+        False,
+        512,
+        True,
+    )
+    tracked = tracker.replay()[0]
+    extra = 64 * 2**20
+    report = _tracker_report(
+        tracker, torch.device("cpu"), result, _AllocatorBytes(0, tracked + extra, extra)
+    )
+    check_sums(report)
+    assert report.peak_bytes == tracked + extra
+    assert report.by_dtype["untracked"] == extra
+    assert report.peak_by_kind["temp"] >= extra

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from memfit.allocator import allocator_peak, storage_bytes
+from memfit.allocator import allocator_peak, release_kernel_workspaces, storage_bytes
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
@@ -425,6 +425,9 @@ def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
                 # held past the call, which would keep them alive), so a free the profiler
                 # sizes wrongly (memfit.allocator) moves no level.
                 kept_bytes = storage_bytes(module_tensors(model))
+                # On CUDA the rise holds cuBLAS's workspaces only if made in it; the
+                # prediction counts them in the measured workspace (step_workspace).
+                release_kernel_workspaces(device)
                 peak = allocator_peak(
                     step,
                     live=[*params, *model.buffers(), *module_tensors(model)],

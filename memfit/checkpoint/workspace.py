@@ -4,7 +4,8 @@ Two parts of a step's memory cannot be counted from tensors:
 
 * **the kernels' own workspace.** A CPU kernel may allocate buffers no tensor shows (a
   depthwise convolution's backward unfolds its input, for one). A dispatch-level tracker
-  cannot see them; the allocator can. Running one step under both at once
+  cannot see them; the allocator can (on CUDA, cuBLAS's workspaces, kept from a
+  handle's first matmul on: 32 MiB a handle on a Hopper GPU). Running one step under both at once
   (:mod:`memfit.allocator`, :mod:`memfit.memory`) and taking their difference at the
   peak of the units' part of the step measures them, and the planner counts it all step.
 * **the edges of the step**, while no unit runs: before the first unit's forward (an
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.allocator import Timeline, allocator_peak, storage_bytes
+from memfit.allocator import Timeline, allocator_peak, release_kernel_workspaces, storage_bytes
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.profiler.runner import preserved
 from memfit.memory import measure, tracked_bytes
@@ -98,8 +99,10 @@ def step_workspace(
     storage tracker at once (the allocator's window runs no garbage collection, so only
     the step's own memory shows): the kernels' workspace at the peak of the part of the
     step where ``units`` (the planned modules' names) run, and what the step
-    holds before and after them (:class:`StepEdges`). Gradients, buffers and the random
-    state are as before; on other devices nothing is measured (zeros, no edges).
+    holds before and after them (:class:`StepEdges`). On CUDA the workspace alone, no
+    edges (:func:`_cuda_workspace`: mostly cuBLAS's, which a step holds from its first
+    matmul on). Gradients, buffers and the random state are as before; on other devices
+    nothing is measured (zeros, no edges).
 
     Example::
 
@@ -109,10 +112,9 @@ def step_workspace(
     model = unwrap_compiled(model)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    if device.type == "cuda":
+        return StepWorkspace(_cuda_workspace(model, loss, policy, device), None)
     if device.type != "cpu":
-        # On CUDA the caching allocator counts every tensor on the device, the tracker
-        # only the model's: their difference is not the kernels'. The Engine's closed loop
-        # measures the allocator there and corrects the plan instead.
         return StepWorkspace(0, None)
 
     forward_end: list[int | None] = []
@@ -147,6 +149,34 @@ def step_workspace(
         begin, done = timeline.marks[_BEGIN][0], timeline.marks[_BACKWARD_DONE][-1]
         units_peak = peak.start_bytes + timeline.highest(begin, done)
     return StepWorkspace(max(0, int(units_peak - peak.result.tracked_peak_bytes)), edges)
+
+
+def _cuda_workspace(
+    model: nn.Module,
+    loss: Callable[[], torch.Tensor],
+    policy: PrecisionPolicy,
+    device: torch.device,
+) -> int:
+    """One forward and backward on CUDA, cuBLAS's workspaces freed first: the caching
+    allocator's rise less the storage tracker's. That is what kernels hold that no tensor
+    shows (the workspaces each handle makes at its first matmul and keeps, the allocator's
+    rounding), held from the step's first matmul on. The rises, not the levels: the
+    allocator counts every tensor on the device, the tracker only those of the step."""
+    tracked_start: list[int | None] = []
+
+    def step() -> None:
+        tracked_start.append(tracked_bytes())
+        with policy.autocast(device.type):
+            value = loss()
+        value.backward()
+
+    with preserved(model, train=None, rng_devices=[device.index or 0]):
+        release_kernel_workspaces(device)
+        report = measure(step, model=model, device=device)
+    start = tracked_start[0] if tracked_start and tracked_start[0] is not None else 0
+    allocator_rise = report.peak_bytes - report.start_bytes
+    tracker_rise = report.tracked_peak_bytes - start
+    return max(0, int(allocator_rise - tracker_rise))
 
 
 def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
