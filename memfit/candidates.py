@@ -2,7 +2,7 @@
 
 Every way to make the global batch (``micro_batch x accumulation_steps x world_size ==
 global_batch``) is tried under each precision and checkpoint strategy on the estimator's
-meta model and fake tensors (:func:`memfit.estimator.estimate_cells`): nothing real is
+meta model and fake tensors (:func:`memfit.estimate_cells.estimate_cells`): nothing real is
 allocated, so no candidate runs out of memory. Each candidate gets a predicted peak and a
 predicted step time, and they are ranked: those that fit first, then by time.
 
@@ -39,7 +39,8 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.deprecations import warn_renamed
 from memfit.errors import BudgetError, ConfigError
-from memfit.estimator import STRATEGIES, estimate_cells
+from memfit.estimate_cells import estimate_cells
+from memfit.estimator import STRATEGIES
 from memfit.precision.optimizer_state import kept_as
 from memfit.precision.policy import PrecisionPolicy
 from memfit.precision.speed import MatmulSpeed, expand_precisions, matmul_speed

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memfit.checkpoint.planner import storage_choices
 from memfit.checkpoint.step_memory import RankLayout, static_bytes
 from memfit.errors import ConfigError
 from memfit.estimator import (
@@ -88,8 +89,7 @@ class Tiers:
     @property
     def storage_choices(self) -> tuple[str, ...]:
         """What the plan may do with a unit's saved tensors (``activation_storage=``)."""
-        coded = (self.activation_storage,) if self.activation_storage else ()
-        return ("keep", "recompute", *coded)
+        return storage_choices([self.activation_storage] if self.activation_storage else [])
 
 
 #: The tiers ``memory_tiers="all"`` searches: each alone and all together (bf16 state lies

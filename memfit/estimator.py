@@ -46,7 +46,7 @@ import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ from memfit.precision.speed import expand_precisions
 from memfit.units import format_bytes, parse_bytes
 from memfit.workload import Workload, unpack_workload
 
-__all__ = ["STRATEGIES", "CellEstimate", "Estimate", "EstimateRow", "estimate", "estimate_cells"]
+__all__ = ["STRATEGIES", "Estimate", "EstimateRow", "estimate"]
 
 #: The strategies an estimate compares: no checkpointing, every unit, sqrt(n) segments,
 #: and the least recompute that fits ``device_memory``. Those a plan can be made with, but
@@ -251,7 +251,7 @@ def trained_optimizer(
 
 
 @dataclass
-class _Estimator:
+class Estimator:
     """Builds the meta model once per precision and profiles it per batch size (cached)."""
 
     model_fn: Callable[[], nn.Module]
@@ -525,7 +525,7 @@ def estimate(
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
     budget = None if device_memory is None else parse_bytes(device_memory, "cpu")
 
-    est = _Estimator(
+    est = Estimator(
         model_fn,
         inputs_fn,
         loss_fn or default_step_loss,
@@ -558,7 +558,7 @@ def estimate(
             else:
                 plan = result.plan
             rows.append(
-                _row(
+                row_of(
                     policy,
                     strategy,
                     result,
@@ -573,7 +573,7 @@ def estimate(
     return Estimate(rows, int(batch_size), budget, parameters, int(accumulation_steps))
 
 
-def _row(
+def row_of(
     policy: PrecisionPolicy,
     strategy: str,
     result: PlanResult,
@@ -584,6 +584,14 @@ def _row(
     max_batch: int | None,
     layout: RankLayout,
 ) -> EstimateRow:
+    """One estimate's row: a plan's predicted peak split by kind, its FLOPs and recompute,
+    the largest micro-batch when it was searched.
+
+    Example::
+
+        row = row_of(policy, "optimal", result, model, optimizer, budget, result.plan, None,
+                     RankLayout())
+    """
     mem = result.memory
     peak = float(result.plan.predicted_peak_bytes)
     parts = static_parts(model, policy, optimizer, layout, result.profile.root)
@@ -670,92 +678,3 @@ def _fake_error(doing: str, exc: Exception) -> ConfigError:
         "data-dependent shapes, a real device) cannot run; estimate a smaller real instance "
         "with memfit.measure or memfit.plan instead, or make model_fn avoid that code"
     )
-
-
-class CellEstimate(NamedTuple):
-    """One (precision, batch size, strategy, accumulation) cell of :func:`estimate_cells`."""
-
-    row: EstimateRow | None
-    """The estimate (None when the strategy has no plan under the budget)."""
-    forward_flops: float
-    """FLOPs of one micro-batch's forward (recompute comes on top)."""
-    counted_seconds: float
-    """One micro-batch's forward and backward in counted seconds (``counted_times``'
-    FLOPs at 1e11/s and bytes at 1e10/s; the row's plan's ``recompute_seconds`` comes on
-    top, in the same units)."""
-    error: BudgetError | None = None
-    """Why there is no row: the budget no plan of the strategy meets."""
-
-
-def estimate_cells(
-    model_fn: Callable[[], nn.Module],
-    inputs_fn: Callable[[int], Any],
-    cells: Iterable[tuple[str, int, str, int]],
-    *,
-    loss_fn: LossFn,
-    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer | None] | None = None,
-    budget: int | None = None,
-    layout: RankLayout | None = None,
-    release_gradients: bool = False,
-    activation_storage: Sequence[str] = ("keep", "recompute"),
-) -> list[CellEstimate]:
-    """Estimate many ``(precision, batch_size, strategy, accumulation_steps)`` cells with
-    one meta model per precision and one fake profile per precision and batch size (the
-    tuner's search); ``optimal`` plans at ``budget``; ``layout``: one rank of a
-    data-parallel run (default: one process); ``release_gradients``: each update applied
-    as its gradient is made (cells of one micro-batch in one process only, as the Engine
-    trains them); ``activation_storage``: what ``optimal`` may do with a block's saved
-    tensors (:func:`estimate`). No largest-batch search.
-
-    Example::
-
-        cells = estimate_cells(model_fn, inputs_fn, [("fp32", 8, "none", 2)], loss_fn=loss)
-        cells[0].row.peak_bytes
-    """
-    optimizer_fn = optimizer_fn or torch.optim.AdamW
-    layout = layout or RankLayout()
-    zero_grad: ZeroGrad = "in_backward" if release_gradients else "before_forward"
-    storage = check_activation_storage(activation_storage)
-    single = _Estimator(
-        model_fn,
-        inputs_fn,
-        loss_fn,
-        optimizer_fn,
-        1,
-        layout,
-        zero_grad=zero_grad,
-        activation_storage=storage,
-    )
-    # The gradients held through accumulation change the plans, never the profiles.
-    accumulating = _Estimator(
-        model_fn,
-        inputs_fn,
-        loss_fn,
-        optimizer_fn,
-        2,
-        layout,
-        single.models,
-        single.profiles,
-        activation_storage=storage,
-        forwards=single.forwards,
-    )
-    out: list[CellEstimate] = []
-    for precision, batch, strategy, accumulation in cells:
-        if release_gradients and accumulation > 1:
-            raise ConfigError(
-                f"cell {precision}/{strategy}/{batch}x{accumulation}: gradients released in "
-                "backward cannot be accumulated over micro-batches; estimate it with one"
-            )
-        est = accumulating if accumulation > 1 else single
-        policy = PrecisionPolicy.of(precision)
-        model, optimizer = est.model(policy)
-        root = est.profiled(policy, batch).root
-        forward, seconds = float(root.fwd_flops), float(root.fwd_seconds + root.bwd_seconds)
-        try:
-            result = est.solve(policy, batch, strategy, budget)
-        except BudgetError as exc:
-            out.append(CellEstimate(None, forward, seconds, exc))
-            continue
-        row = _row(policy, strategy, result, model, optimizer, budget, result.plan, None, layout)
-        out.append(CellEstimate(row, forward, seconds))
-    return out

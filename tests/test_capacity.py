@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import memfit
 from memfit.capacity_view import BASELINE, Capacity
+from memfit.checkpoint.planner import storage_choices
 from memfit.cli.estimate_command import builtin_spec
 from memfit.cli.main import main
 from memfit.errors import ConfigError
@@ -174,14 +175,14 @@ def test_largest_finds_the_end_of_a_prefix_from_any_start(last: int, probe: int,
 
 def test_a_good_guess_is_checked_in_two_fake_steps(monkeypatch) -> None:
     profiled: list[int] = []
-    real = estimate_module._Estimator.profiled
+    real = estimate_module.Estimator.profiled
 
     def counting(self, policy, batch_size):
         if (policy.mode, batch_size) not in self.profiles:
             profiled.append(batch_size)
         return real(self, policy, batch_size)
 
-    monkeypatch.setattr(estimate_module._Estimator, "profiled", counting)
+    monkeypatch.setattr(estimate_module.Estimator, "profiled", counting)
     row = _estimate(2, 64, "fp32", "none", 1)
     # Batch 1 (the row), 2 and 4 (the line), then the guess and the one after it.
     assert profiled[:3] == [1, 2, 4] and len(profiled) == 5
@@ -236,7 +237,7 @@ def _tier_estimates(
         device_memory=MEMORY,
         optimizer_state=bits,
         release_gradients=release,
-        activation_storage=("keep", "recompute", *([storage] if storage else [])),
+        activation_storage=storage_choices([storage] if storage else []),
     ).rows
 
 

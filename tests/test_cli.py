@@ -263,3 +263,12 @@ def test_activation_storage_flag_reaches_the_plan_and_the_run(
         main(["plan", *GPT_SMALL, "--activation-storage", "int4"])
     assert bad.value.code == 2
     assert "takes one or more of bf16, fp8, offload" in capsys.readouterr().err
+
+
+def test_the_cli_offers_every_coded_storage_the_planner_knows() -> None:
+    # Written out in memfit.cli.common so that building the parser imports no torch.
+    from memfit.checkpoint.storage_stage import CODED
+    from memfit.cli.common import CODED_STORAGES, activation_storage
+
+    assert CODED_STORAGES == CODED
+    assert activation_storage("fp8,bf16,fp8") == ("keep", "recompute", "fp8", "bf16")

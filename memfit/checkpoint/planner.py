@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -492,6 +492,17 @@ def check_activation_storage(choices: Sequence[str]) -> tuple[str, ...]:
             "('keep', 'recompute', 'bf16', 'fp8'))"
         )
     return found
+
+
+def storage_choices(coded: Iterable[str] = ()) -> tuple[str, ...]:
+    """The ``activation_storage=`` that lets a plan keep, recompute, or store a unit's
+    saved tensors as each of ``coded`` (checked, repeats dropped).
+
+    Example::
+
+        storage_choices(["fp8"])   # ("keep", "recompute", "fp8")
+    """
+    return check_activation_storage(("keep", "recompute", *dict.fromkeys(coded)))
 
 
 def result_of_solution(

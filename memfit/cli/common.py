@@ -150,7 +150,9 @@ def positive_size(text: str) -> str:
         ) from None
 
 
-#: What ``--activation-storage`` takes, beside keep and recompute (each plan may use).
+#: What ``--activation-storage`` takes, beside keep and recompute (each plan may use):
+#: ``memfit.checkpoint.storage_stage.CODED``, written out so that building the parser
+#: imports no torch (tests/test_cli.py checks that they agree).
 CODED_STORAGES = ("bf16", "fp8", "offload")
 
 
@@ -170,7 +172,9 @@ def activation_storage(text: str) -> tuple[str, ...]:
             f"takes one or more of {', '.join(CODED_STORAGES)}, comma-separated "
             f"(e.g. bf16,fp8), got {text!r}"
         )
-    return ("keep", "recompute", *dict.fromkeys(kinds))
+    from memfit.checkpoint.planner import storage_choices
+
+    return storage_choices(kinds)
 
 
 def add_activation_storage_argument(p: argparse.ArgumentParser, **kwargs: Any) -> None:
