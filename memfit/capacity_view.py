@@ -70,13 +70,15 @@ MEMORY_TIERS = ("none", "all")
 @dataclass(frozen=True)
 class Tiers:
     """What a row assumes beyond precision and checkpointing (docs/tiers.md): how the
-    optimizer keeps its state, whether gradients are released in backward, and the coded
-    storage the ``optimal`` plan may keep activations in."""
+    optimizer keeps its state, whether gradients are released in backward, the coded
+    storage the ``optimal`` plan may keep activations in, and whether the loss is the
+    chunked one (``capacity(chunked_loss_fn=...)``)."""
 
     optimizer_state: str = "fp32"
     release_gradients: bool = False
     activation_storage: str = ""
     """``""`` (keep or recompute only), ``"bf16"`` or ``"fp8"``."""
+    chunked_loss: bool = False
 
     @property
     def name(self) -> str:
@@ -84,6 +86,7 @@ class Tiers:
         parts = [f"{self.optimizer_state} state"] if self.optimizer_state != "fp32" else []
         parts += ["released grads"] if self.release_gradients else []
         parts += [f"{self.activation_storage} activations"] if self.activation_storage else []
+        parts += ["chunked loss"] if self.chunked_loss else []
         return " + ".join(parts)
 
     @property
@@ -93,7 +96,8 @@ class Tiers:
 
 
 #: The tiers ``memory_tiers="all"`` searches: each alone and all together (bf16 state lies
-#: between fp32's and 8-bit's, so 8-bit stands for it; fp8 activations for bf16's).
+#: between fp32's and 8-bit's, so 8-bit stands for it; fp8 activations for bf16's); those
+#: with the chunked loss only where ``capacity`` is given one.
 ALL_TIERS = (
     Tiers(),
     Tiers("8bit"),
@@ -101,6 +105,8 @@ ALL_TIERS = (
     Tiers("fp32", False, "fp8"),
     Tiers("8bit", True),
     Tiers("8bit", True, "fp8"),
+    Tiers(chunked_loss=True),
+    Tiers("8bit", True, "fp8", chunked_loss=True),
 )
 #: The precisions ``memory_tiers="all"`` estimates when none are given.
 TIER_PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr")
@@ -350,6 +356,7 @@ def capacity(
     data_parallel: str | None = None,
     optimizer_state: str = "fp32",
     memory_tiers: str = "none",
+    chunked_loss_fn: LossFn | None = None,
 ) -> Capacity:
     """The largest model and batch that fit ``device_memory``, per precision and strategy,
     over a family of sizes.
@@ -375,6 +382,10 @@ def capacity(
             ``optimal`` plan needs it (:data:`ALL_TIERS`), and ``bf16-sr``
             among the default precisions; each row names its tiers (``tiers``), the
             baseline stays plain fp32. ``"none"``: ``optimizer_state`` alone.
+        chunked_loss_fn: the same loss computed a piece of the tokens at a time, each
+            piece recomputed in backward (the built-in GPT's
+            :func:`~memfit.models.gpt.chunked_gpt_loss`); with ``memory_tiers="all"`` it
+            is a tier too, alone and with all the others ("chunked loss").
 
     Raises:
         ConfigError: no sizes, a size that is not two positive ints, or what
@@ -412,6 +423,8 @@ def capacity(
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
     tier_sets = ALL_TIERS if every else (Tiers(optimizer_state),)
+    if chunked_loss_fn is None:
+        tier_sets = tuple(t for t in tier_sets if not t.chunked_loss)
     rows: list[CapacityRow] = []
     for depth, width in sizes:
 
@@ -429,7 +442,7 @@ def capacity(
                     memory,
                     inputs_fn,
                     batch_size,
-                    loss_fn,
+                    chunked_loss_fn if tiers.chunked_loss else loss_fn,
                     optimizer_fn,
                     layout,
                     world_size,

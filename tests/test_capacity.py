@@ -311,3 +311,43 @@ def test_cli_tiers_and_released_gradients(capsys: pytest.CaptureFixture[str]) ->
     scale = [*args, "--scale", "--sizes", "1x32", "--device-memory", "6MiB"]
     assert main([*scale, "--release-gradients"]) == 2
     assert "--tiers all" in capsys.readouterr().err
+
+
+def test_the_chunked_loss_is_a_tier_where_capacity_is_given_one() -> None:
+    import functools
+
+    from memfit.models.gpt import chunked_gpt_loss
+
+    # A vocabulary large beside the width: the logits are most of a step's activations.
+    items = ["block_size=32", "vocab_size=4096"]
+    _, inputs, loss = builtin_spec("gpt", items)
+
+    def family(depth: int, width: int):
+        size = [f"n_layer={depth}", f"n_embd={width}", f"n_head={width // 32}"]
+        return builtin_spec("gpt", size + items)[0]()
+
+    kw = {"sizes": [(2, 64)], "batch_size": 2, "device_memory": 12 * 2**20, "loss_fn": loss}
+    kw |= {"precisions": ["fp32"], "strategies": ["optimal"], "memory_tiers": "all"}
+    chunked = functools.partial(chunked_gpt_loss, chunk_tokens=16)
+    cap = memfit.capacity(family, inputs, chunked_loss_fn=chunked, **kw)
+    names = [t for _, _, t in cap.combos()]
+    assert "chunked loss" in names
+    assert "8bit state + released grads + fp8 activations + chunked loss" in names
+    plain, pieces = (
+        cap.largest_batch("fp32", "optimal"),
+        cap.largest_batch("fp32", "optimal", "chunked loss"),
+    )
+    assert pieces > plain > 0
+    # The row is the estimate made with the chunked loss directly.
+    direct = memfit.estimate(
+        lambda: family(2, 64),
+        inputs,
+        batch_size=2,
+        loss_fn=chunked,
+        precisions=["fp32"],
+        strategies=["optimal"],
+        device_memory=kw["device_memory"],
+    ).rows[0]
+    assert direct.max_micro_batch == pieces
+    # Without a chunked loss there is no such tier.
+    assert not any("chunked" in t for _, _, t in memfit.capacity(family, inputs, **kw).combos())

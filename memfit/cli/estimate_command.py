@@ -16,7 +16,8 @@ The model comes from one of three places:
 family of sizes (``--sizes DEPTHxWIDTH,...`` of the built-in GPT or of a ``--hf-config``),
 the largest model and the largest batch that fit ``--device-memory`` under each precision
 and strategy, as tables (or ``--json``) and, with ``--plot PATH``, a figure; ``--tiers all``
-adds the memory tiers (8-bit optimizer state, gradients released in backward, ``bf16-sr``).
+adds the memory tiers (8-bit optimizer state, gradients released in backward, fp8
+activations, ``bf16-sr``, and for the built-in GPT its loss in token chunks).
 
 Computing (:func:`compute`) is kept apart from printing (:func:`run`).
 """
@@ -133,7 +134,8 @@ def add_parser(sub: Any) -> None:
         default="none",
         choices=("none", "all"),
         help="--scale: 'all' searches the memory tiers too (8-bit state, released "
-        "gradients, fp8 activations, bf16-sr), each row naming its tiers (default: none)",
+        "gradients, fp8 activations, bf16-sr, the built-in GPT's chunked loss), each row "
+        "naming its tiers (default: none)",
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(run=run)
@@ -271,9 +273,11 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callable, Any]:
-    """``(family, inputs_fn, loss_fn)`` for ``--scale``: ``family(depth, width)`` builds the
-    built-in GPT or the ``--hf-config`` model of that size, ``--set`` applied on top."""
+def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callable, Any, Any]:
+    """``(family, inputs_fn, loss_fn, chunked_loss_fn)`` for ``--scale``:
+    ``family(depth, width)`` builds the built-in GPT or the ``--hf-config`` model of that
+    size, ``--set`` applied on top; the built-in GPT's loss in token chunks (None for a
+    Hugging Face model, whose loss is its own)."""
     if args.factory:
         raise UsageError("--scale takes the built-in GPT or --hf-config, not --factory")
     if args.hf_config:
@@ -284,7 +288,7 @@ def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callab
             items = [f"{k}={v}" for k, v in sized(depth, width).items()]
             return hf_spec(args.hf_config, items + args.overrides, args.seq_len)[0]()
 
-        return hf_family, inputs_fn, loss_fn
+        return hf_family, inputs_fn, loss_fn, None
     if args.model != "gpt":
         raise UsageError(f"--scale sizes the built-in gpt by depth and width, not {args.model!r}")
     _, inputs_fn, loss_fn = builtin_spec("gpt", args.overrides)
@@ -293,7 +297,9 @@ def _family(args: argparse.Namespace) -> tuple[Callable[[int, int], Any], Callab
         items = [f"n_layer={depth}", f"n_embd={width}", f"n_head={max(1, width // 64)}"]
         return builtin_spec("gpt", items + args.overrides)[0]()
 
-    return gpt_family, inputs_fn, loss_fn
+    from memfit.models.gpt import chunked_gpt_loss
+
+    return gpt_family, inputs_fn, loss_fn, chunked_gpt_loss
 
 
 def compute(args: argparse.Namespace) -> Any:
@@ -316,7 +322,7 @@ def compute(args: argparse.Namespace) -> Any:
                 "--scale compares released gradients and coded activations with plain ones "
                 f"under --tiers all; drop {flag}"
             )
-        family, inputs_fn, loss_fn = _family(args)
+        family, inputs_fn, loss_fn, chunked_loss_fn = _family(args)
         return capacity(
             family,
             inputs_fn,
@@ -330,6 +336,7 @@ def compute(args: argparse.Namespace) -> Any:
             data_parallel=args.data_parallel,
             optimizer_state=args.optimizer_state,
             memory_tiers=args.tiers,
+            chunked_loss_fn=chunked_loss_fn,
         )
     if args.plot or args.tiers != "none":
         raise UsageError(

@@ -31,7 +31,7 @@ from torch import nn
 from memfit.data import synthetic
 from memfit.data.text import DEFAULT_MAX_BYTES, Split, TextCorpus
 from memfit.errors import ConfigError
-from memfit.models.gpt import GPT, Block, GPTConfig, gpt_loss, lm_cross_entropy
+from memfit.models.gpt import GPT, Block, GPTConfig, chunked_gpt_loss, gpt_loss, lm_cross_entropy
 from memfit.models.lstm import LSTMLM, LSTMConfig, LSTMLayer, lstm_loss
 from memfit.models.resnet import BasicBlock, ResNet, ResNetConfig, resnet_loss
 
@@ -270,6 +270,7 @@ __all__ = [
     "ResNet",
     "ResNetConfig",
     "build_model",
+    "chunked_gpt_loss",
     "gpt_loss",
     "lm_cross_entropy",
     "lstm_loss",
