@@ -272,3 +272,32 @@ def test_the_cli_offers_every_coded_storage_the_planner_knows() -> None:
 
     assert CODED_STORAGES == CODED
     assert activation_storage("fp8,bf16,fp8") == ("keep", "recompute", "fp8", "bf16")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_chunked_loss_trains_the_same_steps_and_is_kept_with_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memfit.models.gpt as gpt
+
+    calls = []
+    chunked = gpt.chunked_gpt_loss
+    monkeypatch.setattr(gpt, "chunked_gpt_loss", lambda *a: calls.append(1) or chunked(*a))
+    tiny = ["--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2"]
+    tiny += ["--set", "block_size=32", "--batch-size", "4", "--precision", "fp32"]
+    tiny += ["--steps", "3", "--eval-batches", "1", "--log-every", "1"]
+    losses = {}
+    for name, extra in (("plain", []), ("chunked", ["--chunked-loss"])):
+        run = tmp_path / name
+        assert main(["train", *tiny, *extra, "--out", str(run)]) == 0, capsys.readouterr().err
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    assert json.loads((tmp_path / "chunked" / "config.json").read_text())["chunked_loss"]
+    assert calls  # the run trained with it
+    # The same seed, data and updates: the same losses to rounding (the pieces are summed).
+    assert losses["chunked"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert len(losses["plain"]) == 3
+    bad = tmp_path / "lstm"
+    assert main(["train", "--model", "lstm", "--chunked-loss", "--out", str(bad)]) == 2
+    assert "--chunked-loss is the built-in gpt's loss" in capsys.readouterr().err
+    assert not bad.exists()  # a failed start leaves nothing

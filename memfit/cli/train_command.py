@@ -109,6 +109,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "precision": "auto",  # measured on the machine: bf16-mixed where it is faster
     "optimizer_state": "fp32",  # AdamW's moments as torch keeps them
     "activation_storage": None,  # keep or recompute only
+    "chunked_loss": False,  # the GPT's loss over the whole batch's logits at once
     "tune": False,
     "data": None,
     "steps": 300,
@@ -151,6 +152,14 @@ def add_parser(sub: Any) -> None:
         choices=["fp32", "bf16", "8bit"],
     )
     add_activation_storage_argument(p, default=argparse.SUPPRESS)
+    p.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="gpt: the final LayerNorm, head and loss a piece of the tokens at a time, each "
+        "recomputed in backward (memfit.models.chunked_gpt_loss): never the whole batch's "
+        "logits held, at one more forward of the head",
+    )
     setting("--data", "corpus | synthetic (default: the model's first)")
     setting("--steps", "optimizer steps in all", type=_positive_int)
     setting("--batch-size", "samples per optimizer step", type=_positive_int)
@@ -368,6 +377,13 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
         overrides = {}
     else:
         overrides = parse_overrides(s["overrides"], model_config_cls(s["model"]))
+    if s["chunked_loss"] and (s["factory"] is not None or s["model"] != "gpt"):
+        what = "--factory's workload" if s["factory"] is not None else f"--model {s['model']}"
+        raise UsageError(
+            f"--chunked-loss is the built-in gpt's loss taken in pieces, not {what}'s; drop "
+            "it (a factory's workload brings its own loss_fn, which may be "
+            "memfit.models.chunked_gpt_loss for a memfit GPT)"
+        )
     if s["precision"] != "auto":
         memfit.PrecisionPolicy(s["precision"]).check_device(device)
     if s["checkpoint"] is None:  # a budget plans (the Engine's rule), saved as resolved
@@ -391,6 +407,10 @@ def _build(args: argparse.Namespace, console: Console) -> Job:
         model, loss_fn, batch_fn = builtin_model(
             s["model"], overrides, data=s["data"], device=device, seed=s["seed"]
         )
+        if s["chunked_loss"]:
+            from memfit.models.gpt import chunked_gpt_loss
+
+            loss_fn = chunked_gpt_loss
         name = s["model"]
         seq_len = getattr(model.config, "block_size", getattr(model.config, "seq_len", None))
         tokens_per_sample = seq_len if s["model"] in ("gpt", "lstm") else None
