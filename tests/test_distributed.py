@@ -436,6 +436,10 @@ def test_cli_refuses_a_global_batch_the_ranks_cannot_share() -> None:
         _check_distributed(
             {**settings, "batch_size": 8, "precision": "bf16-master"}, 2, check_global_batch
         )
+    with pytest.raises(UsageError, match="--chunked-loss with --nproc"):
+        _check_distributed(
+            {**settings, "batch_size": 8, "chunked_loss": True}, 2, check_global_batch
+        )
     _check_distributed({**settings, "batch_size": 8}, 2, check_global_batch)
 
 

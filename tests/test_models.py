@@ -386,6 +386,8 @@ def test_chunked_gpt_loss_is_the_loss_without_the_whole_logits() -> None:
     assert peak(lambda m, b: chunked_gpt_loss(m, b, 100)) < 0.5 * peak(gpt_loss)
     with pytest.raises(ConfigError, match="chunk_tokens"):
         chunked_gpt_loss(model, batch, 0)
+    with pytest.raises(ConfigError, match="memfit's GPT itself"):  # a wrapper's forward
+        chunked_gpt_loss(nn.Sequential(model), batch)
 
 
 def test_the_planner_predicts_a_step_with_the_chunked_loss() -> None:

@@ -496,6 +496,12 @@ def _check_distributed(s: dict[str, Any], world_size: int, check_global_batch: A
             f"--accumulation {s['accumulation']} is more micro-batches than a rank's "
             f"{per_rank} samples (--batch-size {s['batch_size']} over {world_size} ranks)"
         )
+    if s["chunked_loss"]:
+        raise UsageError(
+            "--chunked-loss with --nproc: the chunked loss runs the GPT's trunk and head "
+            "apart, past DistributedDataParallel's forward, which would sync no gradient; "
+            "train it on one process, or drop --chunked-loss"
+        )
     if s["checkpoint"] not in (None, "none") or s["budget"] is not None:
         raise UsageError(
             "--checkpoint/--budget with --nproc: plan one rank's step with memfit.plan(..., "

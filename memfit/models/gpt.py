@@ -258,7 +258,7 @@ def gpt_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 #: Tokens per piece of :func:`chunked_gpt_loss`: a piece's fp32 logits are
-#: ``4 * vocab_size`` bytes a token (201 MB at a 50,304 vocabulary).
+#: ``4 * vocab_size`` bytes a token (206 MB a piece at a 50,304 vocabulary).
 CHUNK_TOKENS = 1024
 
 
@@ -280,6 +280,13 @@ def chunked_gpt_loss(
     """
     if chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if not isinstance(model, GPT):
+        # A wrapper (DistributedDataParallel, a compiled module) runs its own forward, which
+        # calling the trunk and the head apart would go around (DDP would sync no gradient).
+        raise ConfigError(
+            f"chunked_gpt_loss takes memfit's GPT itself (it runs its trunk, final LayerNorm "
+            f"and head apart), got {type(model).__name__}; use gpt_loss for a wrapped model"
+        )
     hidden = model.trunk(batch[:, :-1])
     hidden = hidden.reshape(-1, hidden.size(-1))
     targets = batch[:, 1:].reshape(-1)
