@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.allocator import allocator_peak
+from memfit.allocator import allocator_peak, storage_bytes
 from memfit.checkpoint.api import make_plan
 from memfit.checkpoint.storage import apply_storage, remove_storage, stored_units
 from memfit.errors import ConfigError, PlanError
@@ -261,12 +261,9 @@ def _live_tensor_bytes() -> int:
     import gc
 
     gc.collect()
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return storage_bytes(
+        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"
+    )
 
 
 def test_a_forward_without_backward_under_storage_leaves_nothing_alive() -> None:
