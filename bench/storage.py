@@ -3,7 +3,8 @@
 at a budget where keeping everything does not fit (docs/tiers.md's tables).
 
 Per model (a GPT and a ResNet in fp32 and bf16-mixed) and storage (keep, bf16, fp8: every
-block stored, nothing recomputed): the bytes held at the end of forward above the
+block stored, nothing recomputed; the ResNet also with its stages stored, the planner's
+units): the bytes held at the end of forward above the
 parameters and the batch, the relative L2 error of the gradients against the exact step
 (same dropout masks), and the median step time over interleaved rounds. Then
 ``memfit.plan`` at 75% of the unplanned step's predicted peak, with and without
@@ -63,6 +64,14 @@ def _resnet() -> tuple[nn.Module, torch.Tensor, Loss, list[str]]:
     return model, x, lambda m, b: nn.functional.cross_entropy(m(b), y), blocks
 
 
+def _resnet_stages() -> tuple[nn.Module, torch.Tensor, Loss, list[str]]:
+    """The ResNet with its stages stored, the units the planner offers storage for (the
+    children of its outermost chain): a block's input and output, held by its neighbour
+    when each block is stored alone, are inside a stage."""
+    model, x, loss, _ = _resnet()
+    return model, x, loss, [f"stages.{i}" for i in range(len(model.stages))]
+
+
 def _grads(model: nn.Module, x: Any, loss: Loss, autocast: Any) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
@@ -117,7 +126,12 @@ def storage_table(rounds: int) -> None:
         "| model | precision | storage | held at end of forward | vs keep | gradient error | step time | vs keep |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    for name, build in (("GPT 4x256 b8", _gpt), ("ResNet-20 b32", _resnet)):
+    models = (
+        ("GPT 4x256 b8", _gpt),
+        ("ResNet-20 b32, blocks", _resnet),
+        ("ResNet-20 b32, stages", _resnet_stages),
+    )
+    for name, build in models:
         for precision in ("fp32", "bf16-mixed"):
             model, x, loss, blocks = build()
             policy = memfit.PrecisionPolicy(precision)
@@ -126,7 +140,7 @@ def storage_table(rounds: int) -> None:
                 return policy.autocast("cpu")
 
             exact = _grads(model, x, loss, autocast)
-            kinds = ("keep", "bf16", "fp8")
+            kinds = ("keep", "bf16", "int8", "fp8")
             held, errors = {}, {}
             for kind in kinds:
                 apply_storage(model, {b: kind for b in blocks})
@@ -146,33 +160,40 @@ def storage_table(rounds: int) -> None:
 
 
 def planner_table() -> None:
+    """``memfit.plan`` at 75% of the unplanned peak, with and without coded storage, with
+    counted costs (FLOPs and bytes: coding counted in passes over its bytes) and measured
+    ones (this machine's recompute and coding times)."""
     print()
     print(
-        "| model | plan at 75% of the unplanned peak | stored | recompute | predicted | measured |"
+        "| model | costs | plan at 75% of the unplanned peak | stored | recompute | "
+        "predicted | measured |"
     )
-    print("|---|---|---|---:|---:|---:|")
+    print("|---|---|---|---|---:|---:|---:|")
     for name, build in (("GPT 4x256 b8", _gpt), ("ResNet-20 b32", _resnet)):
         model, x, loss, _ = build()
         opt = torch.optim.AdamW(model.parameters())
+        for costs in ("counted", "measured"):
 
-        def plan(model=model, x=x, loss=loss, opt=opt, **kw: Any) -> memfit.Plan:
-            return make_plan(
-                model, x, loss, precision="fp32", optimizer=opt, costs="counted", **kw
-            ).plan
+            def plan(model=model, x=x, loss=loss, opt=opt, costs=costs, **kw: Any) -> memfit.Plan:
+                return make_plan(
+                    model, x, loss, precision="fp32", optimizer=opt, costs=costs, **kw
+                ).plan
 
-        budget = int(plan().predicted_peak_bytes * 0.75)
-        for label, storage in (
-            ("keep / recompute", ("keep", "recompute")),
-            ("+ bf16, fp8", ("keep", "recompute", "bf16", "fp8")),
-        ):
-            p = plan(budget=budget, activation_storage=storage)
-            kinds = ", ".join(sorted(set(p.storage.values()))) or "-"
-            measured = p.measured_peak_bytes or float("nan")
-            print(
-                f"| {name} | {label} | {len(p.storage)} blocks {kinds} | "
-                f"{p.recompute_flops / 1e9:.3f} GFLOP | {p.predicted_peak_bytes / 2**20:.2f} MiB | "
-                f"{measured / 2**20:.2f} MiB ({p.predicted_peak_bytes / measured - 1:+.1%}) |"
-            )
+            budget = int(plan().predicted_peak_bytes * 0.75)
+            for label, storage in (
+                ("keep / recompute", ("keep", "recompute")),
+                ("+ bf16, int8, fp8", ("keep", "recompute", "bf16", "int8", "fp8")),
+            ):
+                p = plan(budget=budget, activation_storage=storage)
+                kinds = ", ".join(sorted(set(p.storage.values()))) or "-"
+                measured = p.measured_peak_bytes or float("nan")
+                print(
+                    f"| {name} | {costs} | {label} | {len(p.storage)} unit(s) {kinds} | "
+                    f"{p.recompute_flops / 1e9:.3f} GFLOP | "
+                    f"{p.predicted_peak_bytes / 2**20:.2f} MiB | {measured / 2**20:.2f} MiB "
+                    f"({p.predicted_peak_bytes / measured - 1:+.1%}) |",
+                    flush=True,
+                )
 
 
 def _train(name: str, storage: str, steps: int, eval_batches: int) -> float:
@@ -219,7 +240,7 @@ def convergence_table(steps: int, eval_batches: int) -> None:
     print("|---|---|---:|---:|")
     for name in ("gpt", "lstm"):
         base = None
-        for storage in ("keep", "bf16", "fp8"):
+        for storage in ("keep", "bf16", "int8", "fp8"):
             loss = _train(name, storage, steps, eval_batches)
             base = loss if base is None else base
             print(f"| {name} | {storage} | {loss:.4f} | {loss / base - 1:+.2%} |", flush=True)

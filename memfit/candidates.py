@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpoint.costs import COUNTED_FLOP_RATE
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.deprecations import warn_renamed
@@ -54,10 +55,6 @@ __all__ = [
     "retime",
     "split_choices",
 ]
-
-#: The FLOP rate of :func:`memfit.checkpoint.costs.counted_times`, in which the estimator
-#: counts times (its bytes move at a tenth of it).
-COUNTED_FLOP_RATE = 1e11
 
 #: The precisions the tuner compares by default (those of ``memfit.estimate``).
 DEFAULT_PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-master")
@@ -289,7 +286,9 @@ def rank_candidates(
             continue  # the same setting as "none", which fits
         # Counted seconds (FLOPs and bytes at counted_times' nominal speed) rescaled to the
         # FLOP rate the probe measured for this precision.
-        counted = accumulation * (cell.counted_seconds + row.plan.recompute_seconds)
+        # The plan's coding of stored activations is counted as its recompute is.
+        extra = row.plan.recompute_seconds + row.plan.storage_seconds
+        counted = accumulation * (cell.counted_seconds + extra)
         to_rate = COUNTED_FLOP_RATE / _rate(speed, precision)
         out.append(
             Candidate(

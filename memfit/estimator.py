@@ -292,7 +292,7 @@ class Estimator:
                 raise _fake_error("running its training step", exc) from exc
             # Nothing real can run on the meta model: no measured fallback (run_loss).
             self.profiles[key] = dataclasses.replace(
-                prof, root=counted_times(prof.root), run_loss=None
+                prof, root=counted_times(prof.root), run_loss=None, counted=True
             )
             self.forwards[key] = functools.partial(_fake_loss, model, inputs, self.loss_fn, policy)
         return self.profiles[key]

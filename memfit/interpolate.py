@@ -67,6 +67,10 @@ def _along(a: Any, b: Any, t: float) -> Any:
             raise NotAffine("sequences of different lengths")
         values = [_along(x, y, t) for x, y in zip(a, b)]
         return type(a)(*values) if hasattr(a, "_fields") else type(a)(values)  # NamedTuple
+    if isinstance(a, dict) and isinstance(b, dict):  # numbers by name (a parameter's)
+        if a.keys() != b.keys():
+            raise NotAffine("mappings with different keys")
+        return type(a)({k: _along(a[k], b[k], t) for k in a})
     if a is b or a == b:
         return a
     raise NotAffine(f"{type(a).__name__} values differ")

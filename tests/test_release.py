@@ -64,14 +64,23 @@ def test_no_moment_holds_every_gradient() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def _measured_step(release: bool) -> tuple[int, float]:
-    model, batch = _gpt(batch=1)
+def _measured_step(release: bool, batch_size: int = 1, state: str = "fp32") -> tuple[int, float]:
+    """The allocator's peak of an Engine's step (after a warm-up step) and memfit.plan's
+    prediction of it, for the Engine's optimizer (``state``: its optimizer state)."""
+    model, batch = _gpt(batch=batch_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     zero_grad = "in_backward" if release else "before_forward"
-    plan = memfit.plan(model, batch, gpt_loss, optimizer=opt, precision="fp32", zero_grad=zero_grad)
     engine = memfit.Engine(
-        model, opt, precision="fp32", release_gradients=release, monitor=False, checkpoint="none"
+        model,
+        opt,
+        precision="fp32",
+        release_gradients=release,
+        optimizer_state=state,
+        monitor=False,
+        checkpoint="none",
     )
+    opt = engine.optimizer
+    plan = memfit.plan(model, batch, gpt_loss, optimizer=opt, precision="fp32", zero_grad=zero_grad)
     engine.train_step(batch, gpt_loss)
     opt.zero_grad(set_to_none=True)
     measured = allocator_peak(
@@ -87,10 +96,20 @@ def test_the_released_step_is_lower_and_never_under_predicted() -> None:
     # A small batch, whose usual peak is the optimizer step with every gradient: lower.
     assert released < usual, (released, usual)
     assert abs(usual_predicted - usual) <= 0.03 * usual
-    # The release's cost model holds the largest tensor's gradient and its update's
-    # temporaries at every moment of backward: over, never under (measured +0.4% here,
-    # up to +12.1% where the gradients are not at the peak; docs/tiers.md).
+    # Each moment of backward is charged the update the profiled step made there: over,
+    # never under (measured +0.06% here).
     assert released <= predicted <= 1.05 * released, (released, predicted)
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_a_released_step_whose_peak_is_activations_is_predicted_within_ten_percent(
+    state: str,
+) -> None:
+    # Batch 4: the updates run while activations are held. Measured +3.8% (fp32 state)
+    # and +2.2% (8-bit); +7.5% and +10.6% when every moment of backward was charged the
+    # largest tensor's update, the head of backward's too, which updates none of them.
+    released, predicted = _measured_step(True, batch_size=4, state=state)
+    assert released <= predicted <= 1.10 * released, (released, predicted)
 
 
 def test_a_non_finite_gradient_leaves_its_parameter_and_counts_as_skipped() -> None:

@@ -860,10 +860,13 @@ def test_release_gradients_auto_releases_only_where_nothing_else_fits(monkeypatc
         )
 
 
+@pytest.mark.usefixtures("free_coding")
 def test_the_tuner_searches_activation_storage_and_the_engine_takes_it() -> None:
     """At 75 MiB this GPT's step fits only checkpointed; with fp8 storage offered, an
     ``optimal`` candidate stores blocks instead of recomputing them all, the choice says
-    so, and the Engine it makes plans with the storage (measuring its gradient error)."""
+    so, and the Engine it makes plans with the storage (measuring its gradient error).
+    Coding is free here (the fixture): counted, this small GPT's blocks cost less to
+    recompute than to code, and no candidate would store."""
     from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 
     cfg = GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=256)

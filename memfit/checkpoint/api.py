@@ -107,7 +107,7 @@ def make_plan(
     profiled = profile_step(model, batch, loss_fn, policy, units)
     profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
     if costs == "counted":
-        profiled = dataclasses.replace(profiled, root=counted_times(profiled.root))
+        profiled = dataclasses.replace(profiled, root=counted_times(profiled.root), counted=True)
     layout = RankLayout.of(world_size, data_parallel)
     result = solve_profile(
         model,
@@ -189,7 +189,7 @@ def plan(
     ``"before_forward"`` (default), ``"before_backward"`` (Lightning's order: alive
     through the forward) or ``"in_backward"`` (released as their updates are applied:
     ``Engine(release_gradients=True)``; :func:`make_plan`). ``activation_storage`` and
-    ``storage_tolerance``: kept units may store their saved tensors in bf16, fp8 or (CUDA)
+    ``storage_tolerance``: kept units may store their saved tensors in bf16, int8, fp8 or (CUDA)
     host memory where the budget needs it (:func:`make_plan`; ``plan.storage``). Raises :class:`~memfit.errors.BudgetError` when no plan fits, predicted or
     measured.
 

@@ -72,7 +72,7 @@ from memfit.checkpoint.recompute import (
     run_checkpointed,
     stock_sequential,
 )
-from memfit.checkpoint.storage import apply_storage, remove_storage
+from memfit.checkpoint.storage import CODINGS, apply_storage, remove_storage
 from memfit.checkpoint.tree import _lookup, iter_override_class, structure_fingerprint
 from memfit.errors import PlanError
 
@@ -258,10 +258,10 @@ def _stored(
             f"{name}.{i}" if name else str(i) for a, b in ranges for i in range(a, b + 1)
         ]
     for unit, kind in storage.items():
-        if kind not in ("bf16", "fp8", "offload"):
+        if kind not in CODINGS:
             raise PlanError(
-                f"the plan stores unit {unit!r} as {kind!r}; activation storage is 'bf16', "
-                "'fp8' or 'offload'"
+                f"the plan stores unit {unit!r} as {kind!r}; activation storage is one of "
+                f"{', '.join(map(repr, CODINGS))}"
             )
         for other in recomputed:
             if _within(unit, other) or _within(other, unit):

@@ -282,7 +282,7 @@ def _measured_fallback(
         result.policy,
         result.accumulation_steps,
         result.layout,
-        result.memory.released_bytes if result.zero_grad == "in_backward" else None,
+        result.memory.released_by_param if result.zero_grad == "in_backward" else None,
         result.memory.forward_offset_bytes,
     )
     least = measured_least_plan(run, root, result.strategy, budget_bytes, frontier=False)

@@ -46,6 +46,13 @@ SELECTIVE: Decision = "selective"
 #: Every decision, in that order (the one place the vocabulary is spelt).
 DECISIONS: tuple[Decision, ...] = get_args(Decision)
 
+Storage = Literal["keep", "bf16", "int8", "fp8", "offload"]
+"""How a kept unit holds its saved tensors between forward and backward
+(:mod:`memfit.checkpoint.storage`)."""
+STORAGES: tuple[Storage, ...] = get_args(Storage)
+#: The storages that code what a unit saves (all but keep), least lossy first.
+CODINGS: tuple[Storage, ...] = tuple(k for k in STORAGES if k != "keep")
+
 
 @dataclass
 class UnitCost:
@@ -107,6 +114,15 @@ class UnitCost:
     had not reached yet, and what backward had made and still held (the gradient passed
     in, the parameter gradients made by then, its own temporaries: a wide layer's input
     gradient, attention scores' gradients)."""
+    backward_peak_released_bytes: float = 0.0
+    """``backward_peak_bytes`` for a loop that releases each gradient in backward: the most
+    alive at any moment of the subtree's backward less the parameter gradients accumulated
+    by then (measured; 0 where not)."""
+    release_levels: dict[str, float] = field(default_factory=dict)
+    """For each parameter whose gradient was accumulated during the subtree's backward (by
+    name): what was alive at that moment less every accumulated gradient, its own too. A
+    loop that releases gradients updates it there, with its gradient and its update's
+    temporaries on top (measured; empty where not)."""
     backward_hold_bytes: float = 0.0
     """What the subtree's backward holds beyond all it saves, above the step's static
     bytes: ``backward_peak_bytes`` less the saved bytes and less what the static bytes
@@ -189,10 +205,15 @@ class UnitCost:
             yield from child.walk()
 
 
+#: The nominal speeds of :func:`counted_times` (FLOP/s, bytes/s).
+COUNTED_FLOP_RATE = 1e11
+COUNTED_BANDWIDTH = 1e10
+
+
 def counted_times(
     root: UnitCost,
-    flop_rate: float = 1e11,
-    bandwidth: float = 1e10,
+    flop_rate: float = COUNTED_FLOP_RATE,
+    bandwidth: float = COUNTED_BANDWIDTH,
     piece_seconds: float = 1e-4,
 ) -> UnitCost:
     """``root`` with every time replaced by one counted from FLOPs and bytes: a unit's

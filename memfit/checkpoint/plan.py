@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.checkpoint.costs import DECISIONS, KEEP, RECOMPUTE, SELECTIVE, UnitCost
+from memfit.checkpoint.costs import CODINGS, DECISIONS, KEEP, RECOMPUTE, SELECTIVE, UnitCost
 from memfit.checkpoint.solvers import FrontierPoint, Solution
 from memfit.errors import PlanError
 from memfit.units import format_bytes
@@ -126,8 +126,12 @@ class Plan:
     """The plan format version."""
     storage: dict[str, str] = field(default_factory=dict)
     """Kept units whose saved tensors are stored compressed or off the device: unit
-    qualified name → ``"bf16"`` | ``"fp8"`` | ``"offload"`` (each over its whole subtree,
-    :mod:`memfit.checkpoint.storage`); empty: every kept unit keeps them as they are."""
+    qualified name → ``"bf16"`` | ``"int8"`` | ``"fp8"`` | ``"offload"`` (each over its
+    whole subtree, :mod:`memfit.checkpoint.storage`); empty: every kept unit keeps them as
+    they are."""
+    storage_seconds: float = 0.0
+    """Extra time per step coding and decoding the stored units' tensors, in the terms of
+    ``recompute_seconds`` (measured, or counted with counted costs)."""
     measured_peak_bytes: float | None = None
     """The step's peak under the plan as the allocator measured it on the example batch
     (one forward and backward over the step's static bytes) when the planner verified it;
@@ -253,6 +257,7 @@ class Plan:
             "notes": list(self.notes),
             "decisions": dict(self.decisions),
             "storage": dict(self.storage),
+            "storage_seconds": self.storage_seconds,
             "segments": {k: [[a, b] for a, b in v] for k, v in self.segments.items()},
             "structure": self.structure
             if self.structure is None or isinstance(self.structure, str)
@@ -379,6 +384,7 @@ class Plan:
                 f" and {len(units) - max_rows} more" if len(units) > max_rows else ""
             )
             out.append(f"  stored {kind:<8} {shown}")
+        out.append(f"  coding           {self.storage_seconds * 1e3:.2f} ms per step")
         return out
 
     def _measured_rows(self) -> list[str]:
@@ -629,10 +635,9 @@ def _read(data: dict[str, Any], version: int) -> Plan:
     storage = field_(
         "storage",
         lambda v: (
-            isinstance(v, dict)
-            and all(isinstance(k, str) and x in ("bf16", "fp8", "offload") for k, x in v.items())
+            isinstance(v, dict) and all(isinstance(k, str) and x in CODINGS for k, x in v.items())
         ),
-        "an object of unit name to 'bf16', 'fp8' or 'offload'",
+        f"an object of unit name to one of {', '.join(map(repr, CODINGS))}",
         {},
     )
     notes = field_(
@@ -667,6 +672,7 @@ def _read(data: dict[str, Any], version: int) -> Plan:
         else [(n, c) for n, c in structure],
         notes=list(notes),
         storage=dict(storage),
+        storage_seconds=field_("storage_seconds", number, "a finite number", 0.0),
         exact=field_("exact", lambda v: isinstance(v, bool), "true or false", True),
         measured_peak_bytes=field_(
             "measured_peak_bytes", lambda v: v is None or number(v), "a number or null", None

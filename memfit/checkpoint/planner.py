@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +65,9 @@ from memfit.checkpoint.storage_stage import (
     StorageChoice,
     candidate_units,
     choose_storage,
-    gradient_errors,
+    coding_rates,
     measure_codable,
+    try_storages,
 )
 from memfit.errors import BudgetError, ConfigError
 from memfit.precision.apply import precision_applied
@@ -242,7 +243,7 @@ def solve_profile(
             "plan can fit it. Raise the budget, use a smaller micro-batch (more accumulation "
             "steps), or name units that include those layers (units=[...])."
         )
-    released = mem.released_bytes if zero_grad == "in_backward" else None
+    released = mem.released_by_param if zero_grad == "in_backward" else None
     root = cost_tree(
         model, profiled, policy, accumulation_steps, layout, released, mem.forward_offset_bytes
     )
@@ -344,6 +345,7 @@ def solve_profile(
         activation_storage=activation_storage,
         storage_tolerance=storage_tolerance,
         storage_errors=None if choice is None else choice.errors,
+        storage_seconds=0.0 if choice is None else choice.coding_seconds,
         reserve=reserve,
     )
 
@@ -438,11 +440,12 @@ def _storage_choice(
     # applied), which is put back as it was.
     with suspended(model), precision_applied(model, policy):
         codes = measure_codable(model, units, forward)
-        errors: dict[str, float | None] = (
-            dict.fromkeys(coded)
-            if device.type == "meta"
-            else dict(gradient_errors(model, graded, step, units, coded))
-        )
+        trials = None if device.type == "meta" else try_storages(model, graded, step, units, coded)
+    errors: dict[str, float | None] = (
+        dict.fromkeys(coded) if trials is None else dict(trials.errors)
+    )
+    # Coding time as the recompute's is: measured, or counted with counted costs.
+    rates = coding_rates(coded, codes, units, None if profiled.counted else trials)
 
     def solve_at(tree: UnitCost) -> Solution | None:
         try:
@@ -469,12 +472,12 @@ def _storage_choice(
         ).peak_bytes
         return max(peak, mem.floor_bytes) <= budget_bytes * (1 - reserve)
 
-    return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance)
+    return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance, rates)
 
 
 def check_activation_storage(choices: Sequence[str]) -> tuple[str, ...]:
-    """``choices`` checked: a tuple of ``"keep"``, ``"recompute"``, ``"bf16"``, ``"fp8"``,
-    ``"offload"`` holding ``"keep"``.
+    """``choices`` checked: a tuple of ``"keep"``, ``"recompute"``, ``"bf16"``, ``"int8"``,
+    ``"fp8"``, ``"offload"`` holding ``"keep"``.
 
     Example::
 
@@ -523,6 +526,7 @@ def result_of_solution(
     activation_storage: tuple[str, ...] = ("keep", "recompute"),
     storage_tolerance: float = DEFAULT_TOLERANCE,
     storage_errors: dict[str, float | None] | None = None,
+    storage_seconds: float = 0.0,
     reserve: float = RESERVE,
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
@@ -581,13 +585,16 @@ def result_of_solution(
         # Every unit listed, as in any plan: those a stored unit's leaf hid keep.
         plan_.decisions = {u.name: plan_.decisions.get(u.name, KEEP) for u in profiled.root.walk()}
         plan_.storage = dict(storage)
+        plan_.storage_seconds = float(storage_seconds)
         errors = ", ".join(
             f"{k} {'not measured' if v is None else f'{v:.2%}'}"
             for k, v in (storage_errors or {}).items()
         )
+        kind = "counted" if profiled.counted else "measured"
         plan_.notes.append(
             f"{len(storage)} kept units store their saved tensors coded (gradient error on "
-            f"the example batch, every candidate stored: {errors})"
+            f"the example batch, every candidate stored: {errors}; coding time {kind}, "
+            "weighed with the recompute)"
         )
     plan_.notes.extend(profiled.notes)
     plan_.notes.extend(_unstable_notes(profiled.unstable))
@@ -615,12 +622,12 @@ def cost_tree(
     policy: PrecisionPolicy,
     accumulation_steps: int,
     layout: RankLayout | None,
-    released_bytes: float | None = None,
+    released: Mapping[str, float] | None = None,
     forward_offset_bytes: float = 0.0,
 ) -> UnitCost:
     """The profiled cost tree with each unit's backward costs for this step (what its
     rebuild casts again, the gradients made by then; where the loop releases each in
-    backward, none, and ``released_bytes`` instead: ``StepMemory.released_bytes``; the last
+    backward, none, and each unit's own update instead: ``StepMemory.released_by_param``; the last
     step's gradients alive through forward and the like, ``forward_offset_bytes``: see
     StepMemory.forward_offset_bytes), as the solver sees it.
 
@@ -635,7 +642,7 @@ def cost_tree(
         accumulating=accumulation_steps > 1,
         layout=layout,
         sparse_grads=sparse_grad_sizes(profiled.profile, accumulation_steps),
-        released_bytes=released_bytes,
+        released=released,
         forward_offset_bytes=forward_offset_bytes,
     )
 

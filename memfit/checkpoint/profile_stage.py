@@ -77,6 +77,10 @@ class ModelProfile:
     notes: tuple[str, ...] = ()
     """What profiling changed that plans must say (the model's own gradient checkpointing
     turned off: :mod:`memfit.checkpoint.native`)."""
+    counted: bool = False
+    """The tree's times are counted from FLOPs and bytes
+    (:func:`~memfit.checkpoint.costs.counted_times`), not measured: what the planner adds
+    to them (a storage's coding time) is counted too."""
 
 
 def profile_model(
@@ -187,9 +191,11 @@ class _StepModule(nn.Module):
 
 
 def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
+    """``unit``'s tree named as in the model: its units and the parameters it notes."""
     name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
     children = [_strip_prefix(c, prefix) for c in unit.children]
-    return dataclasses.replace(unit, name=name, children=children)
+    levels = {n.removeprefix(prefix): v for n, v in unit.release_levels.items()}
+    return dataclasses.replace(unit, name=name, children=children, release_levels=levels)
 
 
 def profile_step(

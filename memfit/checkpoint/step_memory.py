@@ -40,9 +40,10 @@ optimization runs ``training_step`` first and ``zero_grad`` between it and the b
 forward, so the end of forward holds them too (``StepMemory.forward_grad_bytes``), and
 backward does not. A loop that applies each update in backward and frees the gradient
 at once (``"in_backward"``: ``Engine(release_gradients=True)``, :mod:`memfit.engine.release`)
-never holds them all: each moment of backward may hold one trained tensor's gradient and
-its update's temporaries (``StepMemory.released_bytes``), and no rebuild holds the
-gradients made before it.
+never holds them all: a moment of backward holds the gradient of the tensor it updates
+and its update's temporaries (``StepMemory.released_by_param``, at the moments the
+profiled step accumulated each gradient: :attr:`UnitCost.release_levels`), and no
+rebuild holds the gradients made before it.
 
 :func:`static_bytes` counts the weights, buffers, gradients, masters and optimizer state
 (:func:`optimizer_state_bytes`) for every caller: the step memory, the estimator's rows and
@@ -68,9 +69,10 @@ from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler import Profile
+from memfit.checkpoint.released import released_backward_peak, released_tensors
 from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
-from memfit.fake import one_tensor_step_temp_bytes, optimizer_step_temp_bytes
+from memfit.fake import optimizer_step_temp_bytes
 from memfit.nested import tensors
 from memfit.precision.optimizer_state import predicted_state_bytes as predicted_low_bit_state_bytes
 from memfit.precision.optimizer_state import step_temp_bytes as low_bit_step_temp_bytes
@@ -333,10 +335,16 @@ class StepMemory:
 
     released_bytes: float = 0.0
     """With gradients released in backward (``zero_grad="in_backward"``): the largest
-    trained tensor's gradient and its update's temporaries, which any moment of backward
-    may hold (counted in each unit's backward hold, :func:`with_backward_costs`, and in
-    the head of backward's moment, ``loss_bytes``; not at the end of forward); then
-    ``grad_bytes`` and ``optimizer_temp_bytes`` are those of that one tensor. 0 otherwise."""
+    trained tensor's gradient and its update's temporaries, the most any moment of backward
+    may hold for an update; then ``grad_bytes`` and ``optimizer_temp_bytes`` are those of
+    that one tensor. 0 otherwise."""
+    released_by_param: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """With gradients released in backward: each trained tensor's gradient and update
+    temporaries by parameter name (:func:`memfit.checkpoint.released.released_tensors`).
+    A unit's backward is charged them at the moments the profiled step accumulated each
+    (:func:`~memfit.checkpoint.released.released_backward_peak`), the head of backward (in
+    ``loss_bytes``, not at the end of forward) the most of those the model trains outside
+    every unit. Empty otherwise."""
 
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
@@ -472,9 +480,16 @@ def step_memory(
     # last block, which ``made`` counts (an EmbeddingBag recommender's 4 MiB one
     # over-predicted its unplanned step by 4.8%). Both moments are given less it: they may
     # lie below what is held with it (``loss_bytes`` < 0).
-    # A gradient released in backward: the head's backward may update a tensor.
-    one_grad, one_temp = _released_bytes(optimizer, static) if released else (0.0, 0.0)
-    backward_head += one_grad + one_temp - in_flight
+    # A gradient released in backward: the head's backward may update a tensor the model
+    # trains outside its units (those inside are updated in the units' backward).
+    charges = released_tensors(model, optimizer, static.masters) if released else {}
+    largest = max(charges.values(), key=lambda c: c.total_bytes, default=None)
+    one_grad, one_temp = (largest.grad_bytes, largest.temp_bytes) if largest else (0.0, 0.0)
+    released_by_param = {name: c.total_bytes for name, c in charges.items()}
+    head_params = _own_params(model, root)
+    head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
+    backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
+    backward_head -= in_flight
     loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
     uncast = max(uncast_end + forward_grads - in_flight, backward_head)
     if loss_spike_bytes:
@@ -501,25 +516,8 @@ def step_memory(
         forward_grad_bytes=forward_grads,
         retained_bytes=float(sum(prof.retained_bytes.values())),
         released_bytes=one_grad + one_temp,
+        released_by_param=released_by_param,
     )
-
-
-def _released_bytes(
-    optimizer: torch.optim.Optimizer | None, static: StaticBytes
-) -> tuple[float, float]:
-    """With gradients released in backward: the largest trained tensor's gradient (as the
-    optimizer sees it: fp32 for a master) and the temporaries of an update of that tensor
-    alone (:func:`memfit.fake.one_tensor_step_temp_bytes`)."""
-    if optimizer is None:
-        return 0.0, 0.0
-    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    largest = max(trained, key=lambda p: p.numel(), default=None)
-    if largest is None:
-        return 0.0, 0.0
-    width = 4 if static.masters else largest.element_size()
-    low_bit = low_bit_step_temp_bytes(optimizer)
-    temp = low_bit if low_bit is not None else one_tensor_step_temp_bytes(optimizer)
-    return float(largest.numel() * width), float(temp)
 
 
 def check_zero_grad(zero_grad: str) -> None:
@@ -604,6 +602,12 @@ def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]
     return widths
 
 
+def _own_params(model: nn.Module, unit: UnitCost) -> set[int]:
+    """The ids of the parameters ``unit``'s module holds outside its child units."""
+    inner = {id(p) for c in unit.children for p in model.get_submodule(c.name).parameters()}
+    return {id(p) for p in model.get_submodule(unit.name).parameters() if id(p) not in inner}
+
+
 def _in_flight_bytes(root: UnitCost) -> float:
     """The largest activation gradient passed from one unit's backward to another's: the
     gradient of a unit's output, over the units inside the model. The model's own output
@@ -641,7 +645,7 @@ def with_backward_costs(
     accumulating: bool = False,
     layout: RankLayout | None = None,
     sparse_grads: Mapping[str, float] | None = None,
-    released_bytes: float | None = None,
+    released: Mapping[str, float] | None = None,
     forward_offset_bytes: float = 0.0,
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
@@ -658,10 +662,10 @@ def with_backward_costs(
       unit and of every unit after it in forward order, and (not knowing where in their
       forward they are used) those of its ancestors' own parameters. With ``accumulating``
       they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``);
-      with ``released_bytes`` (gradients freed in backward as their updates are applied)
-      too: none is held by then, and each unit's backward holds instead the one being
-      released with its update's temporaries, ``released_bytes``
-      (``StepMemory.released_bytes``).
+      with ``released`` (gradients freed in backward as their updates are applied) too:
+      none is held by then, and each unit's backward holds instead the one being released
+      with its update's temporaries: the most of its own tensors', from ``released``
+      (by parameter name: ``StepMemory.released_by_param``).
 
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
@@ -676,6 +680,7 @@ def with_backward_costs(
     shards = layout.world_size if sharded else 1
 
     sparse = _by_param(model, sparse_grads)
+    releasing = _by_param(model, released)
 
     def grad_bytes(params: list[nn.Parameter]) -> float:
         sizes = (sparse.get(id(p), p.numel() * (width or p.element_size())) for p in params)
@@ -684,10 +689,13 @@ def with_backward_costs(
     order: list[UnitCost] = list(root.walk())  # forward order: parents before children
     own: dict[str, float] = {}
     for unit in order:
-        module = model.get_submodule(unit.name)
-        inner = {id(p) for c in unit.children for p in model.get_submodule(c.name).parameters()}
+        mine = _own_params(model, unit)
         own[unit.name] = grad_bytes(
-            [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
+            [
+                p
+                for p in model.get_submodule(unit.name).parameters()
+                if p.requires_grad and id(p) in mine
+            ]
         )
     after: dict[str, float] = {}
     total = 0.0
@@ -705,15 +713,17 @@ def with_backward_costs(
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own
         # new gradients are made beside the accumulated ones before they are added in.
-        # Released in backward, none of the gradients made by then is held (the profiled
-        # step held them all), but the one being released, with its update's temporaries.
+        # Released in backward: the peak of a loop that holds no gradient but the one it
+        # updates (:func:`_released_backward_peak`).
+        peak = unit.backward_peak_bytes
+        held_grads = 0.0
         if accumulating:
             held_grads = grads - subtree_grads[unit.name]
-        elif released_bytes is not None:
-            held_grads = grads - released_bytes
-        else:
-            held_grads = 0.0
-        hold = unit.backward_peak_bytes - unit.total_saved_bytes() - in_flight - held_grads
+        elif released is not None:
+            module = model.get_submodule(unit.name)
+            most = max((releasing.get(id(p), 0.0) for p in module.parameters()), default=0.0)
+            peak = released_backward_peak(unit, released, grads, most)
+        hold = peak - unit.total_saved_bytes() - in_flight - held_grads
         return dataclasses.replace(
             unit,
             children=children,
@@ -722,7 +732,7 @@ def with_backward_costs(
                 0.0,
                 float(_cast_bytes(model.get_submodule(unit.name), policy)) - unit.saved_cast_bytes,
             ),
-            grads_from_bytes=0.0 if accumulating or released_bytes is not None else grads,
+            grads_from_bytes=0.0 if accumulating or released is not None else grads,
             backward_hold_bytes=max(0.0, hold),
             # Forward has no gradient in flight yet, which the held bytes count (see
             # StepMemory.forward_offset_bytes for the rest). Not measured (0): no moment.

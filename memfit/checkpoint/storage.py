@@ -1,4 +1,4 @@
-"""Activation storage: a unit's saved tensors kept compressed (bf16, fp8) or off the device.
+"""Activation storage: a unit's saved tensors kept compressed (bf16, int8, fp8) or off the device.
 
 Keep and recompute are two ways to hold what backward needs; this module adds the third:
 keep it, but in fewer bytes. Per unit, through ``torch.autograd.graph.saved_tensors_hooks``
@@ -7,6 +7,10 @@ activation offload):
 
 * ``"bf16"``    floating tensors wider than 16 bits stored as bfloat16 (half an fp32
                 tensor; a tensor already 16-bit is left as it is).
+* ``"int8"``    floating tensors stored as int8 with one fp32 scale per block of
+                :data:`INT8_BLOCK` elements (``127 / max|block|``, rounded to nearest):
+                a quarter of fp32 and a sixteenth more for the scales. Each block keeps
+                its own range, so an outlier costs only its block's precision.
 * ``"fp8"``     floating tensors stored as float8 e4m3 with one fp32 scale per tensor
                 (``448 / max|t|``): a quarter of fp32, half of bf16.
 * ``"offload"`` the tensors copied to host memory (pinned, on a side stream, on CUDA) and
@@ -45,12 +49,16 @@ import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from memfit.checkpoint.costs import CODINGS, STORAGES, Storage
+from memfit.precision.state_codes import blocks_of
+
 __all__ = [
+    "CODINGS",
     "STORAGES",
     "Codable",
     "codable",
@@ -61,9 +69,6 @@ __all__ = [
     "stored_units",
 ]
 
-Storage = Literal["keep", "bf16", "fp8", "offload"]
-"""How a unit holds its saved tensors between forward and backward."""
-STORAGES: tuple[Storage, ...] = get_args(Storage)
 
 # Tensors smaller than this stay as they are: a scale, a bias's saved input or a mask row
 # costs more to code than it saves.
@@ -71,6 +76,9 @@ DEFAULT_MIN_BYTES = 64 * 1024
 
 # float8 e4m3's largest finite value: a tensor's max |x| maps to it.
 _E4M3_MAX = 448.0
+
+#: Elements per int8 block, each with its own fp32 scale (4 bytes per 64: a sixteenth).
+INT8_BLOCK = 64
 
 _ATTR = "_memfit_storage"
 
@@ -81,12 +89,16 @@ def compressed_size(storage: str, nbytes: float, element_size: int) -> float:
     Example::
 
         compressed_size("fp8", 4096, 4)    # 1024.0
+        compressed_size("int8", 4096, 4)   # 1088.0: a quarter and the blocks' scales
         compressed_size("bf16", 4096, 2)   # 4096.0: already 16-bit
     """
     if storage == "bf16":
         return nbytes * 2 / element_size if element_size > 2 else nbytes
     if storage == "fp8":
         return nbytes / element_size if element_size > 1 else nbytes
+    if storage == "int8":
+        elements = nbytes / element_size
+        return elements * (1 + 4 / INT8_BLOCK) if element_size > 1 else nbytes
     if storage == "offload":
         return 0.0
     return nbytes
@@ -99,6 +111,7 @@ class _Held:
         "tensor",
         "code",
         "scale",
+        "shape",
         "dtype",
         "device",
         "back",
@@ -112,6 +125,7 @@ class _Held:
         self.tensor: torch.Tensor | None = tensor
         self.code: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.shape = tensor.shape
         self.dtype = tensor.dtype
         self.device = tensor.device
         # Offload: the copy on its way back to the device, the event that says it is there,
@@ -308,6 +322,9 @@ class _UnitStorage:
         if self.storage == "fp8":
             assert packed.scale is not None
             return (packed.code.to(torch.float32) / packed.scale).to(packed.dtype)
+        if self.storage == "int8":
+            assert packed.scale is not None
+            return int8_decode(packed.code, packed.scale, packed.shape, packed.dtype)
         return packed.code.to(packed.dtype)
 
     def prefetch(self, first: _Held) -> None:
@@ -347,6 +364,8 @@ class _UnitStorage:
                 ok = torch.isfinite(amax) & (amax > 0)
                 held.scale = torch.where(ok, _E4M3_MAX / amax, torch.ones_like(amax))
                 held.code = (t.to(torch.float32) * held.scale).to(torch.float8_e4m3fn)
+            elif self.storage == "int8":
+                held.code, held.scale = int8_encode(t)
             else:
                 held.code = self._to_host(t)
                 held.group = family
@@ -370,6 +389,39 @@ class _UnitStorage:
         return host
 
 
+def int8_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` as int8 codes in blocks of :data:`INT8_BLOCK` elements (its flat order; the
+    last block padded with zeros) and each block's scale, ``127 / max|block|`` (1 for an
+    all-zero block; a non-finite block's codes come back NaN), rounded to nearest, but
+    never from a non-zero value to 0: zeros and signs come back as they were. No host sync.
+
+    >>> codes, scales = int8_encode(torch.tensor([0.5, -1.0, 0.25]))
+    >>> codes.shape, scales.shape
+    (torch.Size([1, 64]), torch.Size([1, 1]))
+    >>> int8_decode(codes, scales, torch.Size([3]), torch.float32)
+    tensor([ 0.5039, -1.0000,  0.2520])
+    """
+    blocks = blocks_of(t, INT8_BLOCK)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    ok = torch.isfinite(amax) & (amax > 0)
+    scales = torch.where(ok, 127.0 / amax, torch.ones_like(amax))
+    codes = (blocks * scales).round_().clamp_(-127, 127)
+    # A value that rounds to 0 but is not 0 keeps its sign (one level): what backward reads
+    # off a saved output's sign (ReLU's mask from its result) stays exact.
+    codes = torch.where((codes == 0) & (blocks != 0), blocks.sign(), codes)
+    # A non-finite block: its codes say so (NaN cannot be an int8, so the scale carries it).
+    scales = torch.where(torch.isfinite(amax), scales, torch.full_like(amax, float("nan")))
+    return codes.to(torch.int8), scales
+
+
+def int8_decode(
+    codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor :func:`int8_encode` coded, in ``shape`` and ``dtype``."""
+    flat = (codes.to(torch.float32) / scales).view(-1)
+    return flat[: shape.numel()].view(shape).to(dtype)
+
+
 @dataclass
 class Codable:
     """What a unit's storage would code in one forward, measured (:func:`codable`)."""
@@ -386,6 +438,13 @@ class Codable:
     def total_bytes(self) -> int:
         """What they take as they are."""
         return sum(self.bytes_by_element_size.values())
+
+    def coded_from_bytes(self, storage: str) -> int:
+        """Of :meth:`total_bytes`, what ``storage`` codes into fewer bytes (bf16 leaves
+        16-bit tensors as they are): the bytes its casts or copies go over."""
+        return sum(
+            n for e, n in self.bytes_by_element_size.items() if compressed_size(storage, n, e) < n
+        )
 
     def back_bytes(self, storage: str) -> int:
         """What the unit's backward holds decoded at once under ``storage``: one op's

@@ -1,7 +1,7 @@
 """The planner's activation storage: which kept units store their saved tensors coded.
 
 Beside keep and recompute, a unit may keep what it saves in fewer bytes
-(:mod:`memfit.checkpoint.storage`: bf16, fp8, or off the device). The planner decides it
+(:mod:`memfit.checkpoint.storage`: bf16, int8, fp8, or off the device). The planner decides it
 with the same solver and budget, in three measured steps on the example batch:
 
 1. **What each unit would code** (:func:`~memfit.checkpoint.storage.codable`): one forward
@@ -15,13 +15,20 @@ with the same solver and budget, in three measured steps on the example batch:
    ordered by the bytes they save, most first and least first) are made leaves that keep
    their coded bytes, and the solver plans the rest, once with those leaves kept and once
    free to recompute them (a recomputed unit leaves the set: its checkpoint holds its
-   tensors). A plan counts where the whole step's count fits. The least recompute wins
-   (ties: fewer units stored, then the first of bf16, fp8, offload: the least lossy), and
-   it is used only where it recomputes less than keeping everything as it is, or fits
-   where that cannot: a unit is stored only where the budget needs it.
+   tensors). A plan counts where the whole step's count fits. The least cost wins
+   (below), and it is used only where it costs less than keeping everything as it is,
+   or fits where that cannot: a unit is stored only where the budget needs it.
 
-Coding is a cast per tensor (fp8: a max, a multiply and a cast), counted as free beside
-a recompute: ``bench/storage.py`` measures what it costs.
+Coding takes time too (a cast per tensor each way; fp8 also a max and a scale; offload
+two copies over the host link), weighed with the recompute: a plan's cost is its
+recompute time plus, per stored unit, the bytes it codes times the storage's time per
+byte (:func:`coding_rates`). Measured where the recompute is (the step of 2. timed
+against the exact one, with every candidate stored), counted from bytes where it is
+counted (``costs="counted"``, the estimator). The least cost wins (ties: fewer units
+stored, then the least lossy storage), and storage is used only where that cost is below
+the recompute without it, or fits where that cannot: a storage slower than the
+recompute it saves is not chosen (fp8 on a CPU without fp8 conversions, offload where
+the link is slow).
 
 A stored unit's forward holds its tensors uncoded until it returns (they are coded then,
 when nothing else holds them): its moment holds them and their codes at once, which the
@@ -36,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,26 +51,38 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from memfit.checkpoint.costs import KEEP, UnitCost
+from memfit.checkpoint.costs import COUNTED_BANDWIDTH, KEEP, UnitCost
 from memfit.checkpoint.solvers import Solution
-from memfit.checkpoint.storage import Codable, apply_storage, codable, remove_storage
+from memfit.checkpoint.storage import CODINGS, Codable, apply_storage, codable, remove_storage
 
 __all__ = [
     "CODED",
+    "COUNTED_PASSES",
     "DEFAULT_TOLERANCE",
     "StorageChoice",
+    "StorageTrials",
     "candidate_units",
     "choose_storage",
-    "gradient_errors",
+    "coding_rates",
     "measure_codable",
     "stored_tree",
+    "try_storages",
 ]
 
-#: The storages that code (beside keep and recompute), least lossy first.
-CODED = ("bf16", "fp8", "offload")
+#: The storages that code (beside keep and recompute), least lossy first (offload, exact,
+#: last: it is offered on CUDA only).
+CODED = CODINGS
 
 #: The largest relative L2 gradient error a storage may add on the example batch.
 DEFAULT_TOLERANCE = 0.05
+
+#: Counted coding time, in bytes moved per byte coded over the counted bandwidth
+#: (:data:`~memfit.checkpoint.costs.COUNTED_BANDWIDTH`), forward and backward: a bf16 cast
+#: reads an fp32 tensor and writes half of it, and backward the reverse (3); fp8 also
+#: takes the max and scales in fp32 both ways (about 8), int8 the same per block (8);
+#: offload's copies cross the host link both ways, counted at a sixteenth of the device's
+#: bandwidth (32).
+COUNTED_PASSES = {"bf16": 3.0, "int8": 8.0, "fp8": 8.0, "offload": 32.0}
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,8 @@ class StorageChoice:
     errors: dict[str, float | None]
     """Each storage tried, its measured relative gradient error (None: not measured,
     on the meta device, where it is taken as within the tolerance)."""
+    coding_seconds: float = 0.0
+    """What coding the stored units' tensors adds to a step, in the solution's time."""
 
 
 def candidate_units(root: UnitCost) -> list[str]:
@@ -112,42 +134,61 @@ def measure_codable(
         return codable(model, units, forward)
 
 
-def gradient_errors(
+class StorageTrials(NamedTuple):
+    """The example step run with every candidate stored each way (:func:`try_storages`)."""
+
+    errors: dict[str, float]
+    """Per storage, the relative L2 error of the gradients against the exact step."""
+    seconds: dict[str, float]
+    """Per storage, the step's time."""
+    exact_seconds: float
+    """The exact step's time (the faster of two runs, one before the storages and one
+    after: the first run of a step pays for warming up)."""
+
+
+def try_storages(
     model: nn.Module,
     graded: list[torch.Tensor],
     step: Callable[[], None],
     units: list[str],
     storages: list[str],
-) -> dict[str, float]:
+) -> StorageTrials:
     """Per storage, the relative L2 error of the gradients of ``graded`` after ``step()``
     (a forward and backward) with every unit of ``units`` stored that way, against the
-    exact step, both from the same RNG state. The gradients are put back as they were.
+    exact step, both from the same RNG state, and each step's time. The gradients are
+    put back as they were.
 
     Example::
 
-        gradient_errors(model, list(model.parameters()), step, ["blocks.0"], ["fp8"])
+        try_storages(model, list(model.parameters()), step, ["blocks.0"], ["fp8"]).errors
     """
     saved = [t.grad for t in graded]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    device = next((t.device for t in graded), torch.device("cpu"))
 
-    def run() -> list[torch.Tensor | None]:
+    def run() -> tuple[list[torch.Tensor | None], float]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         for t in graded:
             t.grad = None
+        _synchronize(device)
+        start = time.perf_counter()
         step()
-        return [None if t.grad is None else t.grad.detach().float() for t in graded]
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        return [None if t.grad is None else t.grad.detach().float() for t in graded], seconds
 
     errors: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     try:
-        exact = run()
+        exact, first = run()
         norm = sum(float(g.pow(2).sum()) for g in exact if g is not None) ** 0.5
         for storage in storages:
             apply_storage(model, {u: storage for u in units})
             try:
-                got = run()
+                got, seconds[storage] = run()
             finally:
                 remove_storage(model)
             diff = sum(
@@ -156,13 +197,48 @@ def gradient_errors(
                 if a is not None and b is not None
             )
             errors[storage] = diff**0.5 / norm if norm > 0 else 0.0
+        again = run()[1] if storages else first
     finally:
         for t, g in zip(graded, saved):
             t.grad = g
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return errors
+    return StorageTrials(errors, seconds, min(first, again))
+
+
+def coding_rates(
+    storages: list[str],
+    codes: Mapping[str, Codable],
+    units: list[str],
+    trials: StorageTrials | None,
+) -> dict[str, float]:
+    """Per storage, the seconds coding takes per byte coded (forward and backward).
+
+    Measured (``trials``: the step with every unit of ``units`` stored, against the exact
+    one): the time it added over the bytes those units code, none where it added none.
+    Counted (``trials=None``: counted costs, the meta device):
+    :data:`COUNTED_PASSES` over :data:`~memfit.checkpoint.costs.COUNTED_BANDWIDTH`.
+
+    Example::
+
+        >>> coding_rates(["fp8"], {}, [], None)
+        {'fp8': 8e-10}
+    """
+    if trials is None:
+        return {k: COUNTED_PASSES[k] / COUNTED_BANDWIDTH for k in storages}
+    rates: dict[str, float] = {}
+    for kind in storages:
+        coded = sum(codes[u].coded_from_bytes(kind) for u in units)
+        added = trials.seconds.get(kind, trials.exact_seconds) - trials.exact_seconds
+        rates[kind] = max(0.0, added) / coded if coded > 0 else 0.0
+    return rates
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work: a time taken on the host counts all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def stored_tree(
@@ -242,11 +318,22 @@ class _Search:
     codes: Mapping[str, Codable]
     solve_at: Callable[[UnitCost], Solution | None]
     fits: Callable[[UnitCost, Solution], bool]
+    rates: Mapping[str, float]
+
+    def coding_seconds(self, storage: Mapping[str, str]) -> float:
+        """What coding ``storage``'s units takes per step (:func:`coding_rates`)."""
+        return sum(
+            self.codes[u].coded_from_bytes(k) * self.rates.get(k, 0.0) for u, k in storage.items()
+        )
+
+    def cost(self, stored: _Stored) -> float:
+        """A legal plan's time beside the step: its recompute and its coding."""
+        return stored.solution.recompute_seconds + self.coding_seconds(stored.storage)
 
     def legal(self, storage: dict[str, str]) -> _Stored | None:
-        """The better of :meth:`kept` and :meth:`freed` (None: neither fits)."""
+        """The cheaper of :meth:`kept` and :meth:`freed` (None: neither fits)."""
         found = [c for c in (self.kept(storage), self.freed(storage)) if c is not None]
-        return min(found, key=lambda c: c.solution.recompute_seconds) if found else None
+        return min(found, key=self.cost) if found else None
 
     def kept(self, storage: dict[str, str]) -> _Stored | None:
         """Every stored unit kept, the solver planning the rest."""
@@ -288,19 +375,22 @@ def choose_storage(
     fits: Callable[[UnitCost, Solution], bool],
     plain: Solution | None,
     tolerance: float = DEFAULT_TOLERANCE,
+    rates: Mapping[str, float] | None = None,
 ) -> StorageChoice | None:
-    """The storage plan that recomputes least under the budget, or None where none
-    recomputes less than ``plain`` (the solve without storage; None: it found no plan).
+    """The storage plan that costs least under the budget (its recompute and its coding),
+    or None where none costs less than ``plain`` (the solve without storage; None: it
+    found no plan).
 
     ``solve_at(tree)`` solves a cost tree under the budget (None: nothing fits);
-    ``fits(tree, solution)`` says whether a solution fits by the whole step's count.
+    ``fits(tree, solution)`` says whether a solution fits by the whole step's count;
+    ``rates``: each storage's coding seconds per byte (:func:`coding_rates`; None: free).
 
     Example::
 
-        choice = choose_storage(root, units, codes, errors, solve_at, fits, plain)
+        choice = choose_storage(root, units, codes, errors, solve_at, fits, plain, rates=rates)
     """
-    search = _Search(root, codes, solve_at, fits)
-    best: StorageChoice | None = None
+    search = _Search(root, codes, solve_at, fits, rates or {})
+    best: _Stored | None = None
     for kind in CODED:
         error = errors.get(kind, float("inf"))
         if error is not None and error > tolerance:
@@ -310,9 +400,8 @@ def choose_storage(
             continue
         # Sets of units tried: each prefix of them ordered by what they save, most first
         # and least first (a unit whose forward moment is the step's peak gains nothing
-        # stored: its moment holds its tensors and their codes at once). The least
-        # recompute is taken; ties go to fewer units stored, so only those the budget
-        # needs are.
+        # stored: its moment holds its tensors and their codes at once). The least cost
+        # is taken; ties go to fewer units stored, so only those the budget needs are.
         useful.sort(key=lambda u: codes[u].coded_bytes(kind) - codes[u].total_bytes())
         tried: set[frozenset[str]] = set()
         for order in (useful, useful[::-1]):
@@ -324,16 +413,18 @@ def choose_storage(
                 legal = search.legal({u: kind for u in order[:count]})
                 if legal is None:
                     continue
-                if best is None or (legal.solution.recompute_seconds, len(legal.storage)) < (
-                    best.solution.recompute_seconds,
+                if best is None or (search.cost(legal), len(legal.storage)) < (
+                    search.cost(best),
                     len(best.storage),
                 ):
-                    best = StorageChoice(legal.storage, legal.solution, legal.tree, dict(errors))
+                    best = legal
     if best is None:
         return None
-    if plain is not None and best.solution.recompute_seconds >= plain.recompute_seconds:
+    if plain is not None and search.cost(best) >= plain.recompute_seconds:
         return None
-    return best
+    return StorageChoice(
+        best.storage, best.solution, best.tree, dict(errors), search.coding_seconds(best.storage)
+    )
 
 
 #: Above this many candidates, prefixes of that many evenly spaced sizes are tried.

@@ -153,7 +153,7 @@ def positive_size(text: str) -> str:
 #: What ``--activation-storage`` takes, beside keep and recompute (each plan may use):
 #: ``memfit.checkpoint.storage_stage.CODED``, written out so that building the parser
 #: imports no torch (tests/test_cli.py checks that they agree).
-CODED_STORAGES = ("bf16", "fp8", "offload")
+CODED_STORAGES = ("bf16", "int8", "fp8", "offload")
 
 
 def activation_storage(text: str) -> tuple[str, ...]:
@@ -163,7 +163,7 @@ def activation_storage(text: str) -> tuple[str, ...]:
     Example::
 
         activation_storage("bf16,fp8")   # ("keep", "recompute", "bf16", "fp8")
-        activation_storage("int4")       # ArgumentTypeError: each of bf16, fp8, offload
+        activation_storage("int4")       # ArgumentTypeError: bf16, int8, fp8, offload
     """
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in CODED_STORAGES]
@@ -184,7 +184,7 @@ def add_activation_storage_argument(p: argparse.ArgumentParser, **kwargs: Any) -
         type=activation_storage,
         metavar="KINDS",
         help="beside keep and recompute, the coded storages the optimal plan may keep a "
-        "block's activations in where the budget needs it, comma-separated: bf16, fp8, "
+        "block's activations in where the budget needs it, comma-separated: bf16, int8, fp8, "
         "offload (CUDA) (docs/tiers.md; default: none)",
         **kwargs,
     )

@@ -97,7 +97,7 @@ class Engine(FirstBatchStage):
     (:mod:`memfit.precision.optimizer_state`: 2 or 4 bytes a parameter for AdamW, not 8).
     ``release_gradients``: each update applied as its gradient is made in backward, so
     the gradients are never all held (:mod:`memfit.engine.release`; ``"auto"``: where legal).
-    ``activation_storage``: beside ``"keep"`` and ``"recompute"``, ``"bf16"``, ``"fp8"``
+    ``activation_storage``: beside ``"keep"`` and ``"recompute"``, ``"bf16"``, ``"int8"``, ``"fp8"``
     and (CUDA) ``"offload"`` let the plan store kept units' saved tensors coded where the
     budget needs it (:mod:`memfit.checkpoint.storage_stage`; ``plan.storage``).
 

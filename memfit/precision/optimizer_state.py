@@ -570,16 +570,17 @@ def predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
     return total
 
 
-def step_temp_bytes(optimizer: torch.optim.Optimizer) -> int | None:
+def step_temp_bytes(optimizer: torch.optim.Optimizer, numel: int | None = None) -> int | None:
     """What a converted ``optimizer``'s step allocates for itself at most: fp32 copies of
     its largest piece (the gradient, the moments, the denominator, a 16-bit weight's fp32
     copy) and what coding a moment back allocates; None for one that keeps torch's own
-    state."""
+    state. ``numel``: the step of one tensor of that many elements alone (an update
+    applied in backward), instead of the largest trained tensor's."""
     bits = state_bits(optimizer)
     if bits == "fp32" and not rounds_weights(optimizer):
         return None
     trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    largest = max((p.numel() for p in trained), default=0)
+    largest = max((p.numel() for p in trained), default=0) if numel is None else numel
     piece = -(-min(largest, CHUNK) // BLOCK) * BLOCK
     rounded = any(p.dtype != torch.float32 for p in trained)  # a weight's fp32 copy
     return (_TEMP_COPIES[bits] + rounded) * piece * 4

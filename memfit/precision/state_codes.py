@@ -40,6 +40,7 @@ __all__ = [
     "CHUNK",
     "FIRST_MOMENT_OCTAVES",
     "SECOND_MOMENT_OCTAVES",
+    "blocks_of",
     "dequantize",
     "draws",
     "empty_like_state",
@@ -80,6 +81,18 @@ def _padded(numel: int) -> int:
     return -(-numel // BLOCK) * BLOCK
 
 
+def blocks_of(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x`` flattened in fp32 and padded with zeros to whole blocks of ``block``
+    elements, one block a row.
+
+    >>> blocks_of(torch.ones(3), block=4)
+    tensor([[1., 1., 1., 0.]])
+    """
+    flat = x.reshape(-1).float()
+    pad = -flat.numel() % block
+    return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(-1, block)
+
+
 def quantize(x: torch.Tensor, signed: bool, draw: torch.Tensor | None) -> dict[str, Any]:
     """``x`` (fp32) as 8-bit codes and one scale per block, rounded stochastically between
     the two nearest levels with ``draw`` (uniform in [0, 1), at least :func:`draws` of
@@ -90,9 +103,7 @@ def quantize(x: torch.Tensor, signed: bool, draw: torch.Tensor | None) -> dict[s
         q = quantize(torch.randn(1000), signed=True, draw=None)
         dequantize(q, (1000,))   # close to the input, within one level
     """
-    flat = x.reshape(-1).float()
-    pad = _padded(flat.numel()) - flat.numel()
-    blocks = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(-1, BLOCK)
+    blocks = blocks_of(x)
     unit = blocks.abs()
     scale = unit.amax(dim=1, keepdim=True)
     unit = unit.div_(torch.where(scale > 0, scale, torch.ones_like(scale)))

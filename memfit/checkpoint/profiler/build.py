@@ -220,6 +220,8 @@ def build_costs(
         if timed_tails
         else fwd_seconds * tail_share,
         backward_peak_bytes=float(st.backward_peak_bytes),
+        backward_peak_released_bytes=float(st.backward_peak_released_bytes),
+        release_levels={n: float(v) for n, v in st.release_levels.items()},
         forward_peak_bytes=float(st.forward_peak_bytes),
         can_recompute=not st.not_recomputable_reasons,
         can_select=not st.not_selective_reason,

@@ -79,6 +79,13 @@ class Stats:
     # backward had not reached yet (by forward order), and what backward had made and still
     # held (the gradient passed in, parameter gradients, the backward's own temporaries).
     backward_peak_bytes: int = 0
+    # The same, less the parameter gradients autograd had accumulated by each moment: what
+    # a loop that releases each gradient in backward holds there, but for the update.
+    backward_peak_released_bytes: int = 0
+    # For each parameter whose gradient was accumulated while the subtree ran backward (by
+    # name): what was alive then, less every accumulated gradient, its own included. Such
+    # a loop updates it there, holding its gradient and its update's temporaries on top.
+    release_levels: dict[str, int] = field(default_factory=dict)
     # Of saved_bytes_own, what was saved after its last child unit began.
     saved_bytes_after_children: int = 0
     # The most its forward held at once, of what the step's forward ops made, above all the
@@ -197,6 +204,11 @@ class Recorder:
         self.bwd_keys: set[Any] = set()
         self.bwd_live = [0]
         self.bwd_seq = 0  # the sequence number of the autograd node running backward
+        # Parameter gradients accumulated so far, each parameter once (grad_accumulated),
+        # and the trained parameters' names by id (set by the runner).
+        self.grad_live = 0
+        self.grads_seen: set[int] = set()
+        self.param_names: dict[int, str] = {}
         # Each counted storage's finalizer, by key: an in-place accumulation stops it.
         self.bwd_frees: dict[Any, weakref.finalize] = {}
         self.head_frees: dict[Any, weakref.finalize] = {}
@@ -480,6 +492,8 @@ class Recorder:
                 for up, alive in self.alive_around(unit):  # the unit and every unit around it
                     if alive + live > up.backward_peak_bytes:
                         up.backward_peak_bytes = alive + live
+                    if alive + live - self.grad_live > up.backward_peak_released_bytes:
+                        up.backward_peak_released_bytes = alive + live - self.grad_live
             return
         st.forward_flops_own += flops
         st.estimated_forward_own_seconds += estimate
@@ -553,6 +567,21 @@ class Recorder:
             self.bwd_keys.add(key)
             self.bwd_frees[key] = done
             self.bwd_live[0] += nbytes
+
+    def grad_accumulated(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is accumulated (its post-accumulate hook): counted in
+        ``grad_live`` from then on, and the moment noted in each unit around the one
+        running (``release_levels``), for a loop that releases gradients in backward."""
+        if id(param) in self.grads_seen or param.grad is None or not self.full:
+            return
+        self.grads_seen.add(id(param))
+        self.grad_live += storage_of(param.grad)[1]
+        name = self.param_names.get(id(param))
+        if name is None or self.bwd_owner is None:
+            return
+        level = self.bwd_live[0] - self.grad_live
+        for up, alive in self.alive_around(self.bwd_owner):
+            up.release_levels[name] = max(up.release_levels.get(name, 0), alive + level)
 
     def head_made(self, made: list[torch.Tensor]) -> None:
         """Count the new tensors an op of the head of backward makes (gradients, among them

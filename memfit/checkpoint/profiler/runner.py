@@ -105,6 +105,12 @@ def run_step(
                     "(no grad_fn); pass a loss_fn that returns a differentiable scalar"
                 )
             handles.extend(rec.hook_graph([loss.grad_fn]))
+            if rec.full:  # each gradient's moment, for a loop that releases it there
+                trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                rec.param_names = {id(p): n for n, p in trained}
+                handles.extend(
+                    p.register_post_accumulate_grad_hook(rec.grad_accumulated) for _, p in trained
+                )
             rec.phase = "bwd"
             t0 = rec.now()
             loss.backward()
