@@ -247,7 +247,7 @@ def convergence_table(steps: int, eval_batches: int) -> None:
 
 
 def cuda_table(rounds: int) -> None:
-    """Offload on a GPU beside keep and fp8 (every block stored): the bytes the CUDA
+    """Offload on a GPU beside keep, int8 and fp8 (every block stored): the bytes the CUDA
     allocator holds at the end of forward above the parameters and the batch, whether the
     gradients' relative L2 error against a kept step (CUDA's backward kernels accumulate
     in no fixed order, so keep's own row is the floor), and the median step time
@@ -281,7 +281,7 @@ def _cuda_rows(precision: str, rounds: int) -> None:
         return [p.grad.float().clone() for p in model.parameters()]
 
     exact = grads()
-    kinds = ("keep", "offload", "fp8")
+    kinds = ("keep", "offload", "int8", "fp8")
     held, errors = {}, {}
     for kind in kinds:
         apply_storage(model, {b: kind for b in blocks})
@@ -320,7 +320,10 @@ def cuda_planner_table() -> None:
     for precision in ("fp32", "bf16-mixed"):
         for label, storage in (
             ("keep / recompute", ("keep", "recompute")),
-            ("+ bf16, fp8, offload", ("keep", "recompute", "bf16", "fp8", "offload")),
+            (
+                "+ bf16, int8, fp8, offload",
+                ("keep", "recompute", "bf16", "int8", "fp8", "offload"),
+            ),
         ):
             print(_cuda_plan_row(precision, label, storage), flush=True)
 
