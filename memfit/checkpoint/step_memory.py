@@ -333,18 +333,14 @@ class StepMemory:
     before the first unit. 0 when accumulating (``accumulated_grad_bytes`` holds them
     all step)."""
 
-    released_bytes: float = 0.0
-    """With gradients released in backward (``zero_grad="in_backward"``): the largest
-    trained tensor's gradient and its update's temporaries, the most any moment of backward
-    may hold for an update; then ``grad_bytes`` and ``optimizer_temp_bytes`` are those of
-    that one tensor. 0 otherwise."""
     released_by_param: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """With gradients released in backward: each trained tensor's gradient and update
     temporaries by parameter name (:func:`memfit.checkpoint.released.released_tensors`).
     A unit's backward is charged them at the moments the profiled step accumulated each
     (:func:`~memfit.checkpoint.released.released_backward_peak`), the head of backward (in
     ``loss_bytes``, not at the end of forward) the most of those the model trains outside
-    every unit. Empty otherwise."""
+    every unit; ``grad_bytes`` and ``optimizer_temp_bytes`` are then the largest tensor's.
+    Empty otherwise."""
 
     retained_bytes: float = 0.0
     """What the units' forward keeps alive outside autograd's saved tensors (a custom
@@ -515,7 +511,6 @@ def step_memory(
         accumulated_grad_bytes=float(static.grads) if accumulated else 0.0,
         forward_grad_bytes=forward_grads,
         retained_bytes=float(sum(prof.retained_bytes.values())),
-        released_bytes=one_grad + one_temp,
         released_by_param=released_by_param,
     )
 
