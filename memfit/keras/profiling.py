@@ -341,8 +341,10 @@ def profile(
             operation_fn=measured,
         )
         pred = model(x, training=True)
-        loss_bytes = _nbytes(pred) + min(_loss_saved(tf, loss_fn, y, pred, meter) for _ in range(2))
-        del pred
+        alive: list[Any] = []  # each record alive while the next is taken, for the holes
+        loss_saved = min(_loss_saved(tf, loss_fn, y, pred, meter, alive) for _ in range(3))
+        loss_bytes = _nbytes(pred) + loss_saved
+        del pred, alive
     chain = _is_chain(graph, calls, x)
     layers = []
     for op in graph.units:
@@ -383,8 +385,14 @@ def _measure_unit(
     input_bytes = _nbytes((args, kwargs))
     output_bytes = _nbytes(out)
     # Three times, keeping the smallest: a kernel's first run on a shape can allocate a
-    # cache it keeps (oneDNN's scratchpad), which is not the record's.
-    records = [_tape_record(tf, run, args, kwargs, meter) for _ in range(3)]
+    # cache it keeps (oneDNN's scratchpad), which is not the record's. And each record
+    # stays alive while the next is taken: TensorFlow's BFC allocator hands out a free
+    # block of up to twice the size asked for whole, and counts all of it, so a record
+    # taken among the holes the process left reads up to half a tensor high per tensor.
+    # The first record fills such holes; the later ones are cut from fresh memory.
+    alive: list[Any] = []
+    records = [_tape_record(tf, run, args, kwargs, meter, alive) for _ in range(3)]
+    del alive
     held, out_freed, in_freed = min(records)
     input_saved = in_freed < input_bytes / 2
     output_saved = out_freed < output_bytes / 2
@@ -393,7 +401,10 @@ def _measure_unit(
     # Twice as well, for the same caches, and because the allocator counts the whole
     # process: a buffer another thread allocates meanwhile (a data pipeline's prefetch)
     # reads as the unit's, and never twice the same.
-    hold = min(_backward_hold(tf, op, run, args, kwargs, meter) for _ in range(2))
+    # Each run's gradients stay alive while the next is taken, for the holes (above).
+    alive: list[Any] = []
+    hold = min(_backward_hold(tf, op, run, args, kwargs, meter, alive) for _ in range(3))
+    del alive
     seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -416,11 +427,17 @@ def _measure_unit(
 
 
 def _tape_record(
-    tf: Any, run: Callable[..., Any], args: tuple, kwargs: dict, meter: AllocatorMeter
+    tf: Any,
+    run: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    meter: AllocatorMeter,
+    alive: list[Any],
 ) -> tuple[float, float, float]:
     """(bytes a tape record of the call holds, bytes freed with its output, bytes freed
     with its input): the call runs on a private copy of the inputs under a tape, then the
-    output and the copy are released one at a time while the tape lives."""
+    output and the copy are released one at a time while the tape lives. The tape is
+    appended to ``alive``, which keeps the record until the caller drops it."""
     start = meter.current()
     copies_args, copies_kwargs = keras.tree.map_structure(
         lambda t: tf.identity(t) + tf.zeros((), t.dtype) if tf.is_tensor(t) else t,
@@ -437,16 +454,23 @@ def _tape_record(
     without_output = meter.current()
     del copies_args, copies_kwargs
     without_input = meter.current()
-    del tape
+    alive.append(tape)
     return without_input - start, with_output - without_output, without_output - without_input
 
 
 def _backward_hold(
-    tf: Any, op: Any, run: Callable[..., Any], args: tuple, kwargs: dict, meter: AllocatorMeter
+    tf: Any,
+    op: Any,
+    run: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    meter: AllocatorMeter,
+    alive: list[Any],
 ) -> float:
     """The most the unit's backward allocates above what forward left (its saved tensors,
     output and input): the incoming gradient, the input's gradient and temporaries; the
-    parameter gradients are left out (the solver counts them)."""
+    parameter gradients are left out (the solver counts them). The gradients are appended
+    to ``alive``, which keeps them until the caller drops it."""
     copies = keras.tree.map_structure(
         lambda t: tf.identity(t) + tf.zeros((), t.dtype) if tf.is_tensor(t) else t, (args, kwargs)
     )
@@ -463,12 +487,16 @@ def _backward_hold(
     before = meter.current()
     grads = tape.gradient(outs, sources + variables, output_gradients=seeds)
     peak = meter.peak()
-    del grads, tape, out, outs, seeds
+    alive.append(grads)
+    del tape, out, outs, seeds
     return max(0.0, peak - before - _variable_bytes(variables))
 
 
-def _loss_saved(tf: Any, loss_fn: Callable, y: Any, pred: Any, meter: AllocatorMeter) -> float:
-    """What the loss's tape record holds beyond the prediction and the loss value."""
+def _loss_saved(
+    tf: Any, loss_fn: Callable, y: Any, pred: Any, meter: AllocatorMeter, alive: list[Any]
+) -> float:
+    """What the loss's tape record holds beyond the prediction and the loss value; the
+    record is appended to ``alive``, which keeps it until the caller drops it."""
     copy = keras.tree.map_structure(lambda t: tf.identity(t) + tf.zeros((), t.dtype), pred)
     start = meter.current()
     with tf.GradientTape() as tape:
@@ -476,7 +504,7 @@ def _loss_saved(tf: Any, loss_fn: Callable, y: Any, pred: Any, meter: AllocatorM
         value = loss_fn(y, copy)
     del value
     held = meter.current() - start
-    del tape
+    alive.append(tape)
     return max(0.0, held)
 
 
