@@ -19,8 +19,8 @@ import torch
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes
 from memfit.checkpoint.planner import RESERVE
-from memfit.checkpoint.step_memory import optimizer_state_bytes
 from memfit.precision.policy import PrecisionPolicy
 
 peft = pytest.importorskip("peft")

@@ -21,10 +21,10 @@ from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.measured_fit import MEASURE_MARGIN
+from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes
 from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.profile_stage import profile_step
 from memfit.checkpoint.profiler import flop_counter
-from memfit.checkpoint.step_memory import optimizer_state_bytes
 from memfit.errors import BudgetError, ConfigError, PlanError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy

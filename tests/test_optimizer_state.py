@@ -17,7 +17,7 @@ from torch import nn
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
-from memfit.checkpoint.step_memory import optimizer_state_bytes
+from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes
 from memfit.distributed.state_files import read_state
 from memfit.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss

@@ -287,7 +287,7 @@ def test_a_rank_layout_is_made_from_world_size_and_data_parallel_by_one_rule() -
 
 
 def test_optimizer_state_is_predicted_before_a_step_or_counted_as_allocated() -> None:
-    from memfit.checkpoint.step_memory import optimizer_state_bytes
+    from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes
 
     model = torch.nn.Linear(8, 4)  # 36 elements in 2 tensors
     opt = torch.optim.AdamW(model.parameters())

@@ -59,7 +59,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -68,85 +67,18 @@ import torch
 from torch import nn
 
 from memfit.checkpoint.costs import UnitCost
+from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes, optimizer_temp_bytes
 from memfit.checkpoint.profiler import Profile
 from memfit.checkpoint.released import released_backward_peak, released_tensors
 from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
-from memfit.fake import optimizer_step_temp_bytes
-from memfit.nested import tensors
-from memfit.precision.optimizer_state import predicted_state_bytes as predicted_low_bit_state_bytes
-from memfit.precision.optimizer_state import step_temp_bytes as low_bit_step_temp_bytes
 from memfit.precision.policy import PrecisionPolicy
-
-log = logging.getLogger(__name__)
 
 ZeroGrad = Literal["before_forward", "before_backward", "in_backward"]
 """Where a training loop frees the gradients (module docstring): of the last step, before
 the forward or between forward and backward; or each one in backward, as soon as its
 update is applied (``Engine(release_gradients=True)``)."""
 ZERO_GRAD_ORDERS: tuple[str, ...] = get_args(ZeroGrad)
-
-#: Optimizer state per parameter element, in fp32 elements, when it has no state yet.
-_STATE_ELEMENTS = {
-    torch.optim.Adam: 2,
-    torch.optim.AdamW: 2,
-    torch.optim.Adamax: 2,
-    torch.optim.NAdam: 2,
-    torch.optim.RAdam: 2,
-    torch.optim.Adagrad: 1,
-    torch.optim.RMSprop: 1,
-    torch.optim.Adadelta: 2,
-}
-#: Scalar tensors of state per parameter (the step count; NAdam's running momentum product).
-_STATE_SCALARS = {cls: 2 if cls is torch.optim.NAdam else 1 for cls in _STATE_ELEMENTS}
-
-
-def optimizer_state_bytes(
-    optimizer: torch.optim.Optimizer | None, *, predict: bool = True, storages: bool = False
-) -> int:
-    """Bytes of the optimizer's state: every tensor in it (the step counts too), each once.
-
-    ``predict``: an optimizer with no state yet (before its first step) gets the state it
-    will make, by type (Adam/AdamW two fp32 buffers per parameter element and a step count
-    per parameter, SGD with momentum and Adagrad one buffer; 8-bit or bf16 state for an
-    optimizer :func:`~memfit.precision.optimizer_state.low_bit_state` converted); False counts what is there
-    now, 0. ``storages``: count each tensor's whole storage, once per storage (what the
-    allocator holds: a view holds all of its base) instead of the tensor's own elements.
-
-    Example::
-
-        optimizer_state_bytes(torch.optim.AdamW(model.parameters()))  # before a step: predicted
-        optimizer_state_bytes(opt, predict=False, storages=True)      # what is allocated now
-    """
-    if optimizer is None:
-        return 0
-    if not optimizer.state:
-        if not predict:
-            return 0
-        low_bit = predicted_low_bit_state_bytes(optimizer)  # 8-bit or bf16 moments
-        return _predicted_state_bytes(optimizer) if low_bit is None else low_bit
-    seen: dict[int, int] = {}
-    for value in tensors(list(optimizer.state.values())):
-        if storages:
-            storage = value.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        else:
-            seen.setdefault(value.data_ptr(), value.numel() * value.element_size())
-    return sum(seen.values())
-
-
-def _predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The state ``optimizer`` will make on its first step, by its type."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    elements = sum(p.numel() for p in params)
-    per = _STATE_ELEMENTS.get(type(optimizer), 0)
-    if isinstance(optimizer, torch.optim.SGD):
-        per = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        per += 1
-    # The scalars are float32 unless the default dtype is float64, as torch.optim makes them.
-    scalar = 8 if torch.get_default_dtype() == torch.float64 else 4
-    return per * elements * 4 + _STATE_SCALARS.get(type(optimizer), 0) * len(params) * scalar
 
 
 @dataclass(frozen=True)
@@ -495,7 +427,7 @@ def step_memory(
         # alive at its moment; no gradient is in flight yet, which the held bytes count.
         spike = loss_saved + cast_cache + loss_spike_bytes - in_flight
         loss_bytes = max(loss_bytes, spike + forward_grads)
-    temp = float(_optimizer_temp_bytes(optimizer))
+    temp = float(optimizer_temp_bytes(optimizer))
     return StepMemory(
         base_bytes=float(static.weights_and_state_bytes + prof.input_bytes),
         loss_bytes=float(loss_bytes),
@@ -562,25 +494,6 @@ def _gathered_bytes(
     sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
     largest_two = sum(sizes[:2])
     return float((own + largest_two) * width), float(sizes[0] * 4 if sizes else 0)
-
-
-def _optimizer_temp_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    if optimizer is None:
-        return 0
-    low_bit = low_bit_step_temp_bytes(optimizer)  # its own step, one parameter at a time
-    if low_bit is not None:
-        return low_bit
-    try:
-        return optimizer_step_temp_bytes(optimizer)
-    except Exception as exc:  # an optimizer fake tensors cannot run: plan without the term
-        log.warning(
-            "could not measure the temporaries of %s.step() on fake tensors (%s: %s); the "
-            "plan leaves them out, so keep some margin in the budget",
-            type(optimizer).__name__,
-            type(exc).__name__,
-            exc,
-        )
-        return 0
 
 
 def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]:

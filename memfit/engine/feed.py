@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.step_memory import optimizer_state_bytes
+from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes
 from memfit.distributed.collectives import total_norm
 from memfit.engine.plan_stage import EnginePlan
 

@@ -67,6 +67,7 @@ Profiling leaves the model as it found it: parameters, buffers (BatchNorm statis
 
 The pieces: :mod:`~memfit.checkpoint.profiler.measure` (:func:`profile`),
 :mod:`~memfit.checkpoint.profiler.recorder` (the hooks and dispatch mode of a step),
+:mod:`~memfit.checkpoint.profiler.stats` (what a step measured of each unit),
 :mod:`~memfit.checkpoint.profiler.runner` (running a step on real or fake tensors),
 :mod:`~memfit.checkpoint.profiler.timing` (the timed steps and the machinery's costs),
 :mod:`~memfit.checkpoint.profiler.build` (records to the :class:`UnitCost` tree),

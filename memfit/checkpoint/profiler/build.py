@@ -9,7 +9,7 @@ from typing import Any
 
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.profiler.chains import ChainState
-from memfit.checkpoint.profiler.recorder import Stats
+from memfit.checkpoint.profiler.stats import Stats
 from memfit.checkpoint.profiler.storage import storage_of
 from memfit.checkpoint.recompute import has_own_forward, stock_sequential
 from memfit.checkpoint.tree import Unit

@@ -14,7 +14,7 @@ from torch import nn
 from memfit.checkpoint.compiled import check_not_compiled_inside, unwrap_compiled
 from memfit.checkpoint.profiler.build import build_costs, mark_shared_inputs, pool_times
 from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE
-from memfit.checkpoint.profiler.recorder import Recorder, Stats
+from memfit.checkpoint.profiler.recorder import Recorder
 from memfit.checkpoint.profiler.result import Profile
 from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.profiler.rnn import lstm_workspaces
@@ -26,6 +26,7 @@ from memfit.checkpoint.profiler.runner import (
     preserved,
     run_step,
 )
+from memfit.checkpoint.profiler.stats import Stats
 from memfit.checkpoint.profiler.storage import storage_of
 from memfit.checkpoint.profiler.timing import (
     Timing,

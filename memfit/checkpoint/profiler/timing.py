@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.profiler.recorder import Recorder, Stats, clock
+from memfit.checkpoint.profiler.recorder import Recorder
 from memfit.checkpoint.profiler.runner import run_step
+from memfit.checkpoint.profiler.stats import Stats, clock
 from memfit.checkpoint.recompute import run_checkpointed
 from memfit.checkpoint.tree import UnitTree
 from memfit.nested import tensors
