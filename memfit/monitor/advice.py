@@ -28,6 +28,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.monitor.health import HealthThresholds
+from memfit.monitor.plan_counts import plan_unit_counts, recomputed_units
 from memfit.monitor.run_log import RunLog, load_run
 from memfit.precision.policy import PrecisionPolicy
 from memfit.units import format_bytes, parse_bytes
@@ -36,10 +37,8 @@ __all__ = [
     "MIN_ADVICE_STEPS",
     "Advice",
     "RunFacts",
-    "UnitCounts",
     "advise",
     "advise_run",
-    "plan_unit_counts",
     "render_advice",
 ]
 
@@ -228,63 +227,6 @@ def facts_from_run(run: RunLog) -> RunFacts:
         plan_recompute_seconds=_positive(plan.get("recompute_seconds")),
         unknown=frozenset(unknown),
     )
-
-
-@dataclass(frozen=True)
-class UnitCounts:
-    """What a plan recomputes, counted over its units: the innermost units it decided on
-    (the model itself and the containers of other units left out, so a 4-block GPT has 4),
-    each recomputed whole (``"recompute"``, or inside a recomputed ancestor or a segment)
-    or selectively (``"selective"``: the matmul outputs kept, the cheap ops between them
-    rebuilt, which a matmul FLOP count does not see).
-
-    Example::
-
-        plan_unit_counts({"": "keep", "blocks.0": "recompute", "blocks.1": "selective"}, {})
-        # UnitCounts(units=2, whole=1, selective=1)
-    """
-
-    units: int
-    whole: int
-    selective: int
-
-    @property
-    def recomputed(self) -> int:
-        """Units recomputed, whole or selectively."""
-        return self.whole + self.selective
-
-
-def plan_unit_counts(decisions: Mapping[str, str], segments: Any = None) -> UnitCounts:
-    """:class:`UnitCounts` of a plan's ``decisions`` and ``segments`` (a ``sqrt`` plan
-    keeps every unit's decision and recomputes through segments of them): the one count
-    the run advice and the tuner's advice both give."""
-    names = [str(n) for n in decisions]
-    leaves = [n for n in names if n and not any(o.startswith(n + ".") for o in names)]
-    leaves = leaves or names
-    whole_prefixes = [n for n in names if decisions[n] == "recompute"]
-    if isinstance(segments, Mapping):
-        for parent, spans in segments.items():
-            for span in spans or ():
-                start, end = span
-                for i in range(int(start), int(end) + 1):
-                    whole_prefixes.append(f"{parent}.{i}" if parent else str(i))
-
-    def inside(leaf: str, prefixes: list[str]) -> bool:
-        return any(p == "" or leaf == p or leaf.startswith(p + ".") for p in prefixes)
-
-    whole = sum(1 for leaf in leaves if inside(leaf, whole_prefixes))
-    selective_prefixes = [n for n in names if decisions[n] == "selective"]
-    selective = sum(
-        1
-        for leaf in leaves
-        if not inside(leaf, whole_prefixes) and inside(leaf, selective_prefixes)
-    )
-    return UnitCounts(len(leaves), whole, selective)
-
-
-def recomputed_units(decisions: Mapping[str, str], segments: Any) -> int:
-    """Units a plan recomputes, whole or selectively (:func:`plan_unit_counts`)."""
-    return plan_unit_counts(decisions, segments).recomputed
 
 
 # ---------------------------------------------------------------------- loss scale

@@ -19,14 +19,8 @@ import os
 from collections.abc import Sequence
 
 from memfit.engine import Engine
-from memfit.monitor.advice import (
-    Advice,
-    RunFacts,
-    advise,
-    advise_run,
-    plan_unit_counts,
-    recomputed_units,
-)
+from memfit.monitor.advice import Advice, RunFacts, advise, advise_run
+from memfit.monitor.plan_counts import plan_unit_counts, recomputed_units
 from memfit.monitor.report import RunLog
 from memfit.precision.scaler import FP16_MAX, suggest_initial_scale
 from memfit.tuning.result import TuneRow
@@ -76,7 +70,7 @@ def checkpoint_advice(best: TuneRow, units: int | None) -> str:
     """The checkpoint interval the choice implies for a model of ``units`` blocks.
 
     The units recomputed and the FLOPs share come from one source, the chosen row's plan
-    (:func:`~memfit.monitor.advice.plan_unit_counts` of its decisions and segments, and its
+    (:func:`~memfit.monitor.plan_counts.plan_unit_counts` of its decisions and segments, and its
     ``recompute_flops`` over the forward's): FLOPs are matmul FLOPs, so a unit recomputed
     selectively (its matmul outputs kept) adds none, and the sentence says so."""
     counts = plan_unit_counts(best.plan.decisions, best.plan.segments) if best.plan else None

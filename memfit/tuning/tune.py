@@ -51,7 +51,7 @@ from memfit.checkpoint.api import default_step_loss
 from memfit.checkpoint.planner import check_activation_storage
 from memfit.checkpoint.step_memory import RankLayout
 from memfit.errors import BudgetError, ConfigError
-from memfit.monitor.advice import plan_unit_counts
+from memfit.monitor.plan_counts import plan_unit_counts
 from memfit.nested import tensors
 from memfit.precision.optimizer_state import check_optimizer_state
 from memfit.precision.policy import PrecisionPolicy
@@ -512,7 +512,7 @@ def _record_time(trial: Trial) -> None:
 
 def _units(row: TuneRow) -> int | None:
     """The number of candidate units the estimator's plan decided on (the model itself and
-    containers of units left out: :func:`~memfit.monitor.advice.plan_unit_counts`)."""
+    containers of units left out: :func:`~memfit.monitor.plan_counts.plan_unit_counts`)."""
     if row.plan is None or not row.plan.decisions:
         return None
     return plan_unit_counts(row.plan.decisions, row.plan.segments).units or None
