@@ -9,6 +9,11 @@ as alive at the start, are seen to go (``memfit.allocator``). The prediction is
 ``memfit.plan`` for the kept one, on the same batch.
 
     python bench/release.py            # the table in docs/tiers.md
+    python bench/release.py --zoo      # the zoo's models (bench/zoo_models.py), 8-bit state
+
+With ``--zoo``, the models of ``bench/zoo.py`` (Hugging Face models built from their
+configs, LoRA fine-tunes, an LSTM, a chain of blocks of different widths), each with its own
+loss and dropout, trained with 8-bit state and gradients kept and released.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from torch import nn
 
 import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
+from memfit.errors import ConfigError
 from memfit.models import GPT, GPTConfig, build_model, gpt_loss
+from memfit.nested import tensors
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,22 @@ def _resnet(batch: int) -> Case:
 
 
 CASES = (_gpt(4, 256, 1), _gpt(2, 128, 4), _resnet(8))
+
+
+def zoo_cases() -> list[Case]:
+    """The zoo's models (``bench/zoo_models.py``), each as its library ships it."""
+    from zoo_models import ZOO
+
+    def case(name: str) -> Case:
+        spec = ZOO[name]
+
+        def build() -> tuple[nn.Module, Any, Callable]:
+            torch.manual_seed(0)
+            return spec.build(), spec.batch(torch.Generator().manual_seed(0)), spec.loss
+
+        return Case(name, build)
+
+    return [case(name) for name in ZOO]
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,7 @@ def measure(case: Case, optimizer_state: str, released: bool) -> Row:
             *model.parameters(),
             *model.buffers(),
             *optimizer_tensors(optimizer),
-            batch,
+            *tensors(batch),
             *(p.grad for p in model.parameters() if p.grad is not None),
         ],
         live_complete=True,
@@ -127,20 +150,30 @@ def render(rows: list[Row]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--zoo", action="store_true", help="the zoo's models, 8-bit state")
+    parser.add_argument("--models", help="with --zoo: only these, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [
-        measure(case, state, released)
-        for case in CASES
-        for state in ("fp32", "8bit")
-        for released in (False, True)
-    ]
+    cases, states = (zoo_cases(), ("8bit",)) if args.zoo else (list(CASES), ("fp32", "8bit"))
+    if args.models:
+        cases = [c for c in cases if c.name in args.models.split(",")]
+    rows, refused = [], []
+    for case in cases:
+        for state in states:
+            for released in (False, True):
+                try:
+                    rows.append(measure(case, state, released))
+                except ConfigError as exc:  # a batch the Engine cannot take
+                    refused.append(f"{case.name}: {exc}")
+                    break
     print(
         f"torch {torch.__version__}, {platform.machine()} CPU, {args.threads} thread(s), "
         "fp32, AdamW, no checkpointing"
     )
     print()
     print(render(rows))
+    for line in refused:
+        print(f"not run: {line}")
 
 
 if __name__ == "__main__":

@@ -702,6 +702,16 @@ def test_split_batch_shapes() -> None:
     assert batch_size({"a": [x, {"b": y}]}) == 10
 
 
+def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_with_the_shapes_and_a_remedy() -> None:
+    # A recommender's bags as (tables, n, ids): the samples are not along dim 0.
+    batch = {"dense": torch.zeros(16, 13), "bags": torch.zeros(8, 16, 4, dtype=torch.long)}
+    with pytest.raises(ConfigError) as info:
+        batch_size(batch)
+    message = str(info.value)
+    assert "[8, 16]" in message and "(8, 16, 4)" in message
+    assert "samples along dim 0" in message and "not a tensor" in message
+
+
 def test_split_batch_keeps_containers_and_gives_non_tensors_to_every_part() -> None:
     import collections
     import dataclasses as dc

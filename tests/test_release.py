@@ -64,10 +64,46 @@ def test_no_moment_holds_every_gradient() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def _measured_step(release: bool, batch_size: int = 1, state: str = "fp32") -> tuple[int, float]:
+class _LSTMLanguageModel(torch.nn.Module):
+    """Tokens through an embedding, two LSTM layers (the units) and a linear head over the
+    vocabulary: the embedding and the head are trained outside every unit."""
+
+    def __init__(self, vocab: int = 1024, width: int = 128) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.LSTM(width, width, batch_first=True) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for lstm in self.layers:
+            x = lstm(x)[0]
+        return self.head(x)
+
+
+def _lstm() -> tuple[_LSTMLanguageModel, torch.Tensor]:
+    torch.manual_seed(0)
+    return _LSTMLanguageModel(), torch.randint(0, 1024, (16, 65))
+
+
+def _next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _measured_step(
+    release: bool,
+    batch_size: int = 1,
+    state: str = "fp32",
+    case: tuple[torch.nn.Module, torch.Tensor] | None = None,
+    loss_fn=gpt_loss,
+) -> tuple[int, float]:
     """The allocator's peak of an Engine's step (after a warm-up step) and memfit.plan's
-    prediction of it, for the Engine's optimizer (``state``: its optimizer state)."""
-    model, batch = _gpt(batch=batch_size)
+    prediction of it, for the Engine's optimizer (``state``: its optimizer state), on the
+    GPT at ``batch_size`` or on ``case`` (a model and its batch) with ``loss_fn``."""
+    model, batch = _gpt(batch=batch_size) if case is None else case
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     zero_grad = "in_backward" if release else "before_forward"
     engine = memfit.Engine(
@@ -80,11 +116,11 @@ def _measured_step(release: bool, batch_size: int = 1, state: str = "fp32") -> t
         checkpoint="none",
     )
     opt = engine.optimizer
-    plan = memfit.plan(model, batch, gpt_loss, optimizer=opt, precision="fp32", zero_grad=zero_grad)
-    engine.train_step(batch, gpt_loss)
+    plan = memfit.plan(model, batch, loss_fn, optimizer=opt, precision="fp32", zero_grad=zero_grad)
+    engine.train_step(batch, loss_fn)
     opt.zero_grad(set_to_none=True)
     measured = allocator_peak(
-        lambda: engine.train_step(batch, gpt_loss),
+        lambda: engine.train_step(batch, loss_fn),
         live=[*model.parameters(), *model.buffers(), *optimizer_tensors(opt), batch],
     ).peak_bytes
     return measured, plan.predicted_peak_bytes
@@ -105,11 +141,22 @@ def test_the_released_step_is_lower_and_never_under_predicted() -> None:
 def test_a_released_step_whose_peak_is_activations_is_predicted_within_ten_percent(
     state: str,
 ) -> None:
-    # Batch 4: the updates run while activations are held. Measured +3.8% (fp32 state)
+    # Batch 4: the updates run while activations are held. Measured +0.0% (fp32 state)
     # and +2.2% (8-bit); +7.5% and +10.6% when every moment of backward was charged the
     # largest tensor's update, the head of backward's too, which updates none of them.
     released, predicted = _measured_step(True, batch_size=4, state=state)
     assert released <= predicted <= 1.10 * released, (released, predicted)
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_an_update_outside_the_units_is_charged_at_its_own_moment(state: str) -> None:
+    # The LM head's weight is updated once the logits' gradient is freed, the embedding's
+    # at the end of backward: the head of backward's peak holds neither update. Charged
+    # there as well, the step was predicted +14.0% over with 8-bit state (+4.3% with
+    # fp32 state); at the moments the profile noted, +0.05%.
+    case = _lstm()
+    released, predicted = _measured_step(True, state=state, case=case, loss_fn=_next_token_loss)
+    assert released <= predicted <= 1.01 * released, (released, predicted)
 
 
 def test_a_non_finite_gradient_leaves_its_parameter_and_counts_as_skipped() -> None:

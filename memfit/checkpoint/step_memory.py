@@ -409,14 +409,20 @@ def step_memory(
     # over-predicted its unplanned step by 4.8%). Both moments are given less it: they may
     # lie below what is held with it (``loss_bytes`` < 0).
     # A gradient released in backward: the head's backward may update a tensor the model
-    # trains outside its units (those inside are updated in the units' backward).
+    # trains outside its units (those inside are updated in the units' backward). Where
+    # the profile noted the moment each gradient was accumulated, the whole model's
+    # backward is charged each update there (its release levels), the head's included;
+    # charging the head its peak plus an update as well counted the update at a moment
+    # it is not made: a tied embedding is updated at the end of backward, an LM head's
+    # weight once the logits' gradient is freed (Whisper +16%, an LSTM +10% over).
     charges = released_tensors(model, optimizer, static.masters) if released else {}
     largest = max(charges.values(), key=lambda c: c.total_bytes, default=None)
     one_grad, one_temp = (largest.grad_bytes, largest.temp_bytes) if largest else (0.0, 0.0)
     released_by_param = {name: c.total_bytes for name, c in charges.items()}
-    head_params = _own_params(model, root)
-    head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
-    backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
+    if not root.release_levels:
+        head_params = _own_params(model, root)
+        head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
+        backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
     backward_head -= in_flight
     loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
     uncast = max(uncast_end + forward_grads - in_flight, backward_head)

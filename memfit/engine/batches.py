@@ -50,7 +50,15 @@ def batch_size(batch: Batch) -> int:
         raise ConfigError("batch tensors need a batch dimension (dim 0); got a scalar")
     sizes = {t.shape[0] for t in found}
     if len(sizes) > 1:
-        raise ConfigError(f"batch tensors disagree on dim 0 sizes {sorted(sizes)}; they must match")
+        shapes = ", ".join(str(tuple(t.shape)) for t in found[:6])
+        raise ConfigError(
+            f"batch tensors disagree on dim 0 sizes {sorted(sizes)} (shapes {shapes}"
+            f"{', ...' if len(found) > 6 else ''}): the Engine reads the number of samples "
+            "from dim 0, to split a batch into micro-batches and weight each by its size. "
+            "Give every tensor its samples along dim 0 (e.g. a (tables, n, ids) tensor as "
+            "(n, tables, ids), moved back inside forward), or pass what is not per-sample "
+            "as a value that is not a tensor (each micro-batch gets it as it is)."
+        )
     return sizes.pop()
 
 
