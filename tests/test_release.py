@@ -15,7 +15,7 @@ import memfit
 from memfit.allocator import allocator_peak, optimizer_tensors
 from memfit.errors import ConfigError
 from memfit.memory import measure
-from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.gpt import GPT, GPTConfig, chunked_gpt_loss, gpt_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,6 +157,24 @@ def test_an_update_outside_the_units_is_charged_at_its_own_moment(state: str) ->
     case = _lstm()
     released, predicted = _measured_step(True, state=state, case=case, loss_fn=_next_token_loss)
     assert released <= predicted <= 1.01 * released, (released, predicted)
+
+
+def test_updates_a_chunked_loss_makes_outside_the_models_forward_are_charged_at_their_moments() -> (
+    None
+):
+    # chunked_gpt_loss runs the head and the embedding itself: their gradients are
+    # accumulated under the loss's ops, whose moments the step notes for the model. Charged
+    # at the head of backward instead (no moment), the 8-bit step was predicted +67% over.
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=4096, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    case = (GPT(config), torch.randint(0, 4096, (8, 65)))
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return chunked_gpt_loss(model, batch, chunk_tokens=128)
+
+    released, predicted = _measured_step(True, state="8bit", case=case, loss_fn=loss_fn)
+    # Measured 28 bytes under: the update's few scalars at the end of backward.
+    assert abs(predicted / released - 1) <= 0.01, (released, predicted)
 
 
 def test_a_non_finite_gradient_leaves_its_parameter_and_counts_as_skipped() -> None:

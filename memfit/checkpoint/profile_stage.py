@@ -190,6 +190,18 @@ class _StepModule(nn.Module):
         return self._loss_fn(self.model, batch)
 
 
+def _with_step_levels(root: UnitCost, step: UnitCost) -> UnitCost:
+    """The model's ``root`` with the moments the whole ``step`` noted for parameters the
+    model's own backward did not: those a loss updates outside the model's forward (a
+    chunked loss runs the head and the embedding itself, whose gradients are accumulated
+    under the step's ops), so the model's backward is charged their updates there."""
+    levels = dict(root.release_levels)
+    for name, level in step.release_levels.items():
+        if name.startswith("model."):
+            levels.setdefault(name.removeprefix("model."), level)
+    return dataclasses.replace(root, release_levels=levels)
+
+
 def _strip_prefix(unit: UnitCost, prefix: str) -> UnitCost:
     """``unit``'s tree named as in the model: its units and the parameters it notes."""
     name = unit.name[len(prefix) :] if unit.name.startswith(prefix) else ""
@@ -237,7 +249,7 @@ def profile_step(
         # model's output lives until the loss's backward: neither can be recomputed.
         profiled = ModelProfile(
             profile=prof,
-            root=_strip_prefix(model_root, "model."),
+            root=_with_step_levels(_strip_prefix(model_root, "model."), prof.root),
             structure=structure_fingerprint(model, names),
             output_bytes=float(prof.output_bytes + model_root.output_bytes),
             loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),

@@ -59,7 +59,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -410,19 +410,20 @@ def step_memory(
     # lie below what is held with it (``loss_bytes`` < 0).
     # A gradient released in backward: the head's backward may update a tensor the model
     # trains outside its units (those inside are updated in the units' backward). Where
-    # the profile noted the moment each gradient was accumulated, the whole model's
-    # backward is charged each update there (its release levels), the head's included;
-    # charging the head its peak plus an update as well counted the update at a moment
-    # it is not made: a tied embedding is updated at the end of backward, an LM head's
-    # weight once the logits' gradient is freed (Whisper +16%, an LSTM +10% over).
+    # the profile noted the moment a gradient was accumulated, the whole model's backward
+    # is charged its update there (the root's release levels), the head's included;
+    # charging the head its peak plus that update as well counted it at a moment it is
+    # not made: a tied embedding is updated at the end of backward, an LM head's weight
+    # once the logits' gradient is freed (Whisper +16%, an LSTM +10% over). A tensor with
+    # no noted moment (used by a loss outside the model's forward) is charged at the head.
     charges = released_tensors(model, optimizer, static.masters) if released else {}
     largest = max(charges.values(), key=lambda c: c.total_bytes, default=None)
     one_grad, one_temp = (largest.grad_bytes, largest.temp_bytes) if largest else (0.0, 0.0)
     released_by_param = {name: c.total_bytes for name, c in charges.items()}
-    if not root.release_levels:
-        head_params = _own_params(model, root)
-        head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
-        backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
+    noted = _noted_params(model, root.release_levels)  # by identity: a tied tensor's aliases
+    head_params = _own_params(model, root) - noted
+    head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
+    backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
     backward_head -= in_flight
     loss_bytes = max(forward_end + forward_grads - in_flight, backward_head)
     uncast = max(uncast_end + forward_grads - in_flight, backward_head)
@@ -514,6 +515,18 @@ def _trained_widths(model: nn.Module, policy: PrecisionPolicy) -> dict[int, int]
             if p.is_floating_point() and id(p) not in islands:
                 widths[id(p)] = low
     return widths
+
+
+def _noted_params(model: nn.Module, names: Iterable[str]) -> set[int]:
+    """The ids of the parameters ``names`` name (any of a tied tensor's names); names the
+    model does not have are left out."""
+    found = set()
+    for name in names:
+        try:
+            found.add(id(model.get_parameter(name)))
+        except AttributeError:
+            continue
+    return found
 
 
 def _own_params(model: nn.Module, unit: UnitCost) -> set[int]:
