@@ -70,7 +70,9 @@ def free_coding(monkeypatch: pytest.MonkeyPatch) -> None:
     tests of where coded storage fits and what reaches the plan, whose verdict would
     otherwise depend on how fast this CPU casts (fp8 is emulated on some). Whether storing
     pays is tested in test_storage.py with counted costs."""
-    from memfit.checkpoint import planner, storage_stage
+    from memfit.checkpoint import storage_stage
 
     monkeypatch.setattr(storage_stage, "COUNTED_PASSES", dict.fromkeys(storage_stage.CODED, 0.0))
-    monkeypatch.setattr(planner, "coding_rates", lambda storages, *_: dict.fromkeys(storages, 0.0))
+    monkeypatch.setattr(
+        storage_stage, "coding_rates", lambda storages, *_: dict.fromkeys(storages, 0.0)
+    )

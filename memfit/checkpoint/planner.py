@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.compiled import unwrap_compiled
 from memfit.checkpoint.costs import KEEP, UnitCost
 from memfit.checkpoint.measured_fit import (
@@ -63,14 +62,9 @@ from memfit.checkpoint.storage_stage import (
     CODED,
     DEFAULT_TOLERANCE,
     StorageChoice,
-    candidate_units,
-    choose_storage,
-    coding_rates,
-    measure_codable,
-    try_storages,
+    step_storage_choice,
 )
 from memfit.errors import BudgetError, ConfigError
-from memfit.precision.apply import precision_applied
 from memfit.precision.kernels import module_device
 from memfit.precision.mode_timing import auto_choice
 from memfit.precision.policy import PrecisionPolicy, is_auto
@@ -278,7 +272,7 @@ def solve_profile(
     )
 
     def stored(plain: Solution | None) -> StorageChoice | None:
-        return _storage_choice(
+        return step_storage_choice(
             model,
             profiled,
             mem,
@@ -391,88 +385,6 @@ def _measured_or_refused(
             + f". The prediction: {exc}"
         ) from None
     return fit.solution, fit
-
-
-def _storage_choice(
-    model: nn.Module,
-    profiled: ModelProfile,
-    mem: StepMemory,
-    policy: PrecisionPolicy,
-    optimizer: torch.optim.Optimizer | None,
-    root: UnitCost,
-    strategy: str,
-    budget_bytes: float,
-    coded: list[str],
-    tolerance: float,
-    plain: Solution | None,
-    reserve: float = RESERVE,
-) -> StorageChoice | None:
-    """:func:`~memfit.checkpoint.storage_stage.choose_storage` on the profiled step: what
-    each candidate would code and each storage's gradient error, measured on the example
-    batch under the training precision."""
-    run_loss = profiled.run_loss
-    assert run_loss is not None
-    units = candidate_units(root)
-    if not units:
-        return None
-    device = module_device(model)
-    graded = list(
-        {
-            id(t): t
-            for t in [
-                *model.parameters(),
-                *([p for g in optimizer.param_groups for p in g["params"]] if optimizer else []),
-            ]
-            if t.requires_grad
-        }.values()
-    )
-
-    def forward() -> Any:
-        if device.type == "meta":  # the estimator's step autocasts on its fake device
-            return run_loss()
-        with policy.autocast(device.type):
-            return run_loss()
-
-    def step() -> None:
-        forward().backward()
-
-    # Measured without the plan the model may carry (the Engine re-plans with one
-    # applied), which is put back as it was.
-    with suspended(model), precision_applied(model, policy):
-        codes = measure_codable(model, units, forward)
-        trials = None if device.type == "meta" else try_storages(model, graded, step, units, coded)
-    errors: dict[str, float | None] = (
-        dict.fromkeys(coded) if trials is None else dict(trials.errors)
-    )
-    # Coding time as the recompute's is: measured, or counted with counted costs.
-    rates = coding_rates(coded, codes, units, None if profiled.counted else trials)
-
-    def solve_at(tree: UnitCost) -> Solution | None:
-        try:
-            return solve(
-                tree,
-                strategy,
-                budget_bytes,
-                mem.held_bytes,
-                mem.loss_bytes,
-                reserve=reserve,
-                frontier=False,
-            )
-        except BudgetError:
-            return None
-
-    def fits(tree: UnitCost, solution: Solution) -> bool:
-        peak = plan_cost(
-            tree,
-            solution.decisions,
-            solution.segments,
-            mem.held_bytes,
-            mem.loss_bytes,
-            shared_inputs=True,
-        ).peak_bytes
-        return max(peak, mem.floor_bytes) <= budget_bytes * (1 - reserve)
-
-    return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance, rates)
 
 
 def check_activation_storage(choices: Sequence[str]) -> tuple[str, ...]:

@@ -51,9 +51,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memfit.checkpoint.apply import suspended
 from memfit.checkpoint.costs import COUNTED_BANDWIDTH, KEEP, UnitCost
-from memfit.checkpoint.solvers import Solution
+from memfit.checkpoint.profile_stage import ModelProfile
+from memfit.checkpoint.solvers import Solution, plan_cost, solve
+from memfit.checkpoint.step_memory import StepMemory
 from memfit.checkpoint.storage import CODINGS, Codable, apply_storage, codable, remove_storage
+from memfit.errors import BudgetError
+from memfit.precision.apply import precision_applied
+from memfit.precision.kernels import module_device
+from memfit.precision.policy import PrecisionPolicy
 
 __all__ = [
     "CODED",
@@ -65,6 +72,7 @@ __all__ = [
     "choose_storage",
     "coding_rates",
     "measure_codable",
+    "step_storage_choice",
     "stored_tree",
     "try_storages",
 ]
@@ -443,3 +451,92 @@ def _prefix_sizes(n: int) -> list[int]:
     if n <= _PREFIXES:
         return list(range(1, n + 1))
     return sorted({max(1, round(n * (i + 1) / _PREFIXES)) for i in range(_PREFIXES)})
+
+
+def step_storage_choice(
+    model: nn.Module,
+    profiled: ModelProfile,
+    mem: StepMemory,
+    policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None,
+    root: UnitCost,
+    strategy: str,
+    budget_bytes: float,
+    coded: list[str],
+    tolerance: float,
+    plain: Solution | None,
+    reserve: float,
+) -> StorageChoice | None:
+    """:func:`choose_storage` on the profiled step: what each candidate would code and
+    each storage's gradient error, measured on the example batch under the training
+    precision (counted on a meta model, whose error is assumed within the tolerance);
+    ``plain``, the plan without storage; None where storage does not pay.
+
+    Example::
+
+        choice = step_storage_choice(model, profiled, mem, policy, optimizer, root,
+                                     "optimal", budget, ["fp8"], DEFAULT_TOLERANCE, plain, 0.02)
+    """
+    run_loss = profiled.run_loss
+    assert run_loss is not None
+    units = candidate_units(root)
+    if not units:
+        return None
+    device = module_device(model)
+    graded = list(
+        {
+            id(t): t
+            for t in [
+                *model.parameters(),
+                *([p for g in optimizer.param_groups for p in g["params"]] if optimizer else []),
+            ]
+            if t.requires_grad
+        }.values()
+    )
+
+    def forward() -> Any:
+        if device.type == "meta":  # the estimator's step autocasts on its fake device
+            return run_loss()
+        with policy.autocast(device.type):
+            return run_loss()
+
+    def step() -> None:
+        forward().backward()
+
+    # Measured without the plan the model may carry (the Engine re-plans with one
+    # applied), which is put back as it was.
+    with suspended(model), precision_applied(model, policy):
+        codes = measure_codable(model, units, forward)
+        trials = None if device.type == "meta" else try_storages(model, graded, step, units, coded)
+    errors: dict[str, float | None] = (
+        dict.fromkeys(coded) if trials is None else dict(trials.errors)
+    )
+    # Coding time as the recompute's is: measured, or counted with counted costs.
+    rates = coding_rates(coded, codes, units, None if profiled.counted else trials)
+
+    def solve_at(tree: UnitCost) -> Solution | None:
+        try:
+            return solve(
+                tree,
+                strategy,
+                budget_bytes,
+                mem.held_bytes,
+                mem.loss_bytes,
+                reserve=reserve,
+                frontier=False,
+            )
+        except BudgetError:
+            return None
+
+    def fits(tree: UnitCost, solution: Solution) -> bool:
+        peak = plan_cost(
+            tree,
+            solution.decisions,
+            solution.segments,
+            mem.held_bytes,
+            mem.loss_bytes,
+            shared_inputs=True,
+        ).peak_bytes
+        return max(peak, mem.floor_bytes) <= budget_bytes * (1 - reserve)
+
+    return choose_storage(root, units, codes, errors, solve_at, fits, plain, tolerance, rates)
