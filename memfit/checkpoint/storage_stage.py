@@ -34,6 +34,9 @@ A stored unit's forward holds its tensors uncoded until it returns (they are cod
 when nothing else holds them): its moment holds them and their codes at once, which the
 prediction counts; its backward decodes one op's tensors at a time, the largest counted.
 
+:func:`step_storage_choice` runs the three steps on the planner's profiled step;
+:func:`choose_storage` is the third alone, on any cost tree.
+
 Example::
 
     choice = choose_storage(root, candidates, codes, errors, solve_at, fits, plain)
