@@ -198,22 +198,25 @@ def test_a_sequential_is_planned_like_a_functional() -> None:
 
 def test_the_profile_reads_the_same_among_the_holes_a_process_left() -> None:
     """TensorFlow's BFC allocator hands out a free block of up to twice the size asked for
-    whole, and counts all of it: a record taken among such holes would read high, and the
-    plan would depend on what ran in the process before."""
+    whole, and counts all of it: a record taken among such blocks would read up to half a
+    tensor high, and the plan would depend on what ran in the process before."""
     keras.utils.set_random_seed(0)
     model = mlp(n=2, width=256)
     x, y = batch()
     clean = mk.profile(model, x, y, LOSS)
-    # A few holes of 1.5 activations each, kept apart by small tensors that stay alive.
+    # 64 holes of 1.5 activations each, kept apart by blocks of that size that stay.
     tensor = 512 * 256  # one activation's float32 elements
-    big, small = [], []
-    for _ in range(4):
-        big.append(keras.ops.ones((tensor * 3 // 2,)))
-        small.append(keras.ops.ones((64,)))
-    del big
+    holes, kept = [], []
+    for _ in range(64):
+        holes.append(keras.ops.ones((tensor * 3 // 2,)))
+        kept.append(keras.ops.ones((tensor * 3 // 2,)))
+    del holes
     holed = mk.profile(model, x, y, LOSS)
-    assert [c.saved_bytes for c in holed.layers] == [c.saved_bytes for c in clean.layers]
-    # The loss's record is a few small tensors: a hole there costs a granule of the
-    # allocator's (256 bytes), not half a tensor.
-    assert abs(holed.loss_bytes - clean.loss_bytes) <= 4 * 256
-    del small
+    # Read high, a unit is off by half a 512 KiB activation per tensor. What may differ is
+    # the allocator's 256-byte rounding of a unit's small tensors (LayerNorm's
+    # statistics), and what another thread of TensorFlow allocates meanwhile: 1.5 KiB
+    # seen under load. 4 KiB each.
+    for a, b in zip(holed.layers, clean.layers):
+        assert abs(a.saved_bytes - b.saved_bytes) <= 4096, (a.name, a.saved_bytes, b.saved_bytes)
+    assert abs(holed.loss_bytes - clean.loss_bytes) <= 4096
+    del kept

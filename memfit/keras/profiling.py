@@ -384,12 +384,14 @@ def _measure_unit(
 ) -> LayerCost:
     input_bytes = _nbytes((args, kwargs))
     output_bytes = _nbytes(out)
+    # TensorFlow's BFC allocator hands out a free block of up to twice the size asked for
+    # whole, and counts all of it: a record taken among the holes the process left reads
+    # up to half a tensor high per tensor. The holes that fit the unit's tensors are
+    # filled first (kept until the unit is measured), and each record stays alive while
+    # the next is taken, so that later records are cut from fresh memory.
+    filled = _fill_holes(tf, meter, [*_sizes((args, kwargs)), *_sizes(out)])
     # Three times, keeping the smallest: a kernel's first run on a shape can allocate a
-    # cache it keeps (oneDNN's scratchpad), which is not the record's. And each record
-    # stays alive while the next is taken: TensorFlow's BFC allocator hands out a free
-    # block of up to twice the size asked for whole, and counts all of it, so a record
-    # taken among the holes the process left reads up to half a tensor high per tensor.
-    # The first record fills such holes; the later ones are cut from fresh memory.
+    # cache it keeps (oneDNN's scratchpad), which is not the record's.
     alive: list[Any] = []
     records = [_tape_record(tf, run, args, kwargs, meter, alive) for _ in range(3)]
     del alive
@@ -404,7 +406,7 @@ def _measure_unit(
     # Each run's gradients stay alive while the next is taken, for the holes (above).
     alive: list[Any] = []
     hold = min(_backward_hold(tf, op, run, args, kwargs, meter, alive) for _ in range(3))
-    del alive
+    del alive, filled
     seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -424,6 +426,35 @@ def _measure_unit(
         random=False,
         backward_hold_bytes=hold,
     )
+
+
+#: Tensors below this size are not worth filling holes for: a hole costs at most their size.
+HOLE_MIN_BYTES = 64 * 1024
+#: The BFC allocator's rounding, and the most fills tried per size.
+_BFC_ROUND = 256
+_MOST_FILLS = 4096
+
+
+def _sizes(value: Any) -> list[int]:
+    """Byte sizes of the tensors in ``value``."""
+    return [int(_nbytes(t)) for t in keras.tree.flatten(value) if hasattr(t, "shape")]
+
+
+def _fill_holes(tf: Any, meter: AllocatorMeter, sizes: Sequence[int]) -> list[Any]:
+    """Tensors that fill the allocator's free blocks of one to two times each of ``sizes``
+    (those of at least :data:`HOLE_MIN_BYTES`): one of each size is allocated until one
+    is counted at its own size, which the allocator does only when no such block is left
+    (it takes the smallest free block that fits). The caller keeps them while it measures."""
+    filled: list[Any] = []
+    for size in sorted({s for s in sizes if s >= HOLE_MIN_BYTES}):
+        exact = -(-size // _BFC_ROUND) * _BFC_ROUND
+        for _ in range(_MOST_FILLS):
+            before = meter.current()
+            block = tf.zeros([size], tf.uint8)
+            filled.append(block)
+            if meter.current() - before < exact + 2 * _BFC_ROUND:
+                break
+    return filled
 
 
 def _tape_record(
