@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,22 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # abort the process. Its Eigen kernels run on any CPU, so the Keras tests use those there.
 if os.environ.get("ONEDNN_MAX_CPU_ISA"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Temporary files of the tests and of the processes they start (torchrun's logs, a
+    script's ``mkdtemp``) go under pytest's own directory, which pytest prunes, not into
+    the machine's /tmp, where every run would leave them."""
+    path = str(tmp_path_factory.mktemp("tmp"))
+    saved_env, saved_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    yield
+    tempfile.tempdir = saved_dir
+    if saved_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved_env
 
 
 @pytest.fixture(autouse=True)
