@@ -49,7 +49,6 @@ import torch
 from memfit.errors import ConfigError
 from memfit.precision.state_codes import (
     BLOCK,
-    CHUNK,
     bits_of,
     draws,
     empty_like_state,
@@ -73,6 +72,7 @@ __all__ = [
     "kept_as",
     "rounds_weights",
     "state_bits",
+    "piece_temp_bytes",
     "step_temp_bytes",
 ]
 
@@ -571,24 +571,63 @@ def predicted_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
 
 
 def step_temp_bytes(optimizer: torch.optim.Optimizer, numel: int | None = None) -> int | None:
-    """What a converted ``optimizer``'s step allocates for itself at most: fp32 copies of
-    its largest piece (the gradient, the moments, the denominator, a 16-bit weight's fp32
-    copy) and what coding a moment back allocates; None for one that keeps torch's own
-    state. ``numel``: the step of one tensor of that many elements alone (an update
-    applied in backward), instead of the largest trained tensor's."""
+    """What a converted ``optimizer``'s step allocates for itself at most, counted: the
+    largest of its pieces' (:func:`piece_temp_bytes`, by each parameter's group and width);
+    None for one that keeps torch's own state. ``numel``: the step of one tensor of that
+    many elements alone (an update applied in backward), by the most any group would
+    allocate for it.
+
+    Example::
+
+        step_temp_bytes(low_bit_state(torch.optim.AdamW(params), "8bit"))
+    """
     bits = state_bits(optimizer)
     if bits == "fp32" and not rounds_weights(optimizer):
         return None
-    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    largest = max((p.numel() for p in trained), default=0) if numel is None else numel
-    piece = -(-min(largest, CHUNK) // BLOCK) * BLOCK
-    rounded = any(p.dtype != torch.float32 for p in trained)  # a weight's fp32 copy
-    return (_TEMP_COPIES[bits] + rounded) * piece * 4
+    sgd = isinstance(optimizer, torch.optim.SGD)
+    most = 0
+    for group in optimizer.param_groups:
+        trained = [p for p in group["params"] if p.requires_grad]
+        if not trained:
+            continue
+        if numel is None:
+            tensors = [(p.numel(), p.dtype != torch.float32) for p in trained]
+        else:  # one tensor of the group's: its width is the widest's here
+            tensors = [(numel, any(p.dtype != torch.float32 for p in trained))]
+        for size, rounded in tensors:
+            for n in {stop - start for start, stop in pieces(size)}:  # whole pieces, the rest
+                most = max(most, piece_temp_bytes(n, group, bits, sgd=sgd, rounded=rounded))
+    return most
 
 
-#: The most a step holds besides the state, in fp32 copies of its largest piece, measured
-#: by the allocator on AdamW steps: 7.25 for 8-bit and bf16 state (the draws, the fp32
-#: moments and gradient, the denominator, and coding one moment back), 8.25 with bf16
-#: weights, whose update is computed on an fp32 copy and rounded back; fp32 state (bf16
-#: weights only) is updated in place: 6.25.
-_TEMP_COPIES = {"8bit": 8, "bf16": 8, "fp32": 6}
+def piece_temp_bytes(n: int, group: dict[str, Any], bits: str, sgd: bool, rounded: bool) -> int:
+    """What the step of one piece of ``n`` elements holds at most beside the parameter,
+    its gradient and its state: counted from the step's code, bytes per element of the
+    piece (padded to whole blocks), checked against the allocator for every kind of group
+    (``tests/test_optimizer_state.py``).
+
+    Adam/AdamW: the draws, the fp32 moments, the denominator while it is made (2 copies),
+    then coding a moment back: 29 bytes an element with 8-bit or bf16 moments; 21 with
+    fp32 ones, updated in place, where rounding the weight back is the peak. SGD with
+    momentum: one moment, 25 (21 in fp32), and 4 more for Nesterov's separate step; without
+    it, nothing is kept: a 16-bit weight's gradient copy, draws and rounding hold 25, an
+    fp32 weight only the gradient's copies that ``maximize`` and weight decay make. A 16-bit weight's fp32
+    copy (``rounded``) adds 4; 8-bit codes add a scale per block and, for a piece that is
+    not whole blocks, the padded copy a moment is coded from (4).
+
+    Example::
+
+        piece_temp_bytes(1024, opt.param_groups[0], "8bit", sgd=False, rounded=False)  # 29712
+    """
+    padded = -(-n // BLOCK) * BLOCK
+    coded = not sgd or bool(group.get("momentum"))  # a moment is written back
+    if not coded:
+        per = 25 if rounded else 4 * (bool(group.get("maximize")) + bool(group.get("weight_decay")))
+    elif sgd:
+        per = (21 if bits == "fp32" else 25) + 4 * bool(group.get("nesterov"))
+    else:
+        per = 21 if bits == "fp32" else 29
+    total = (per + 4 * rounded) * padded
+    if coded and bits == "8bit":
+        total += 4 * (padded // BLOCK) + (4 * padded if n % BLOCK else 0)
+    return total
