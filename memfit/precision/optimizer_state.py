@@ -609,11 +609,12 @@ def piece_temp_bytes(n: int, group: dict[str, Any], bits: str, sgd: bool, rounde
     Adam/AdamW: the draws, the fp32 moments, the denominator while it is made (2 copies),
     then coding a moment back: 29 bytes an element with 8-bit or bf16 moments; 21 with
     fp32 ones, updated in place, where rounding the weight back is the peak. SGD with
-    momentum: one moment, 25 (21 in fp32), and 4 more for Nesterov's separate step; without
-    it, nothing is kept: a 16-bit weight's gradient copy, draws and rounding hold 25, an
-    fp32 weight only the gradient's copies that ``maximize`` and weight decay make. A 16-bit weight's fp32
-    copy (``rounded``) adds 4; 8-bit codes add a scale per block and, for a piece that is
-    not whole blocks, the padded copy a moment is coded from (4).
+    momentum: one moment, 25 (21 in fp32), and 4 more for Nesterov's separate step.
+    Without momentum nothing is kept: a 16-bit weight's gradient copy, draws and rounding
+    hold 25, an fp32 weight only the gradient's copies that ``maximize`` and weight decay
+    make. A 16-bit weight's fp32 copy (``rounded``) adds 4; 8-bit codes add a scale per
+    block and, for a piece that is not whole blocks, the padded copy a moment is coded
+    from (4).
 
     Example::
 
