@@ -415,6 +415,55 @@ def test_plan_of_a_fresh_model_counts_the_precisions_islands_and_leaves_the_mode
     assert fresh_plan.predicted_peak_bytes == prepared_plan.predicted_peak_bytes
 
 
+def _gpt_with_grads() -> tuple[torch.nn.Module, torch.Tensor]:
+    from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=64))
+    batch = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+    gpt_loss(model, batch).backward()  # a micro-batch's gradients, not applied yet
+    return model, batch
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("form", ["step", "output"])
+def test_plan_leaves_the_gradients_the_user_holds_as_they_were(form: str, verify: bool) -> None:
+    # Planning runs the model forward and backward many times (the profile, the probe, the
+    # workspace, the measured step): none of it is summed into the user's gradients.
+    from memfit.models.gpt import gpt_loss
+
+    model, batch = _gpt_with_grads()
+    grads = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads]
+    opt = torch.optim.AdamW(model.parameters())
+    if form == "step":
+        memfit.plan(model, batch, gpt_loss, optimizer=opt, precision="fp32", verify=verify)
+    else:
+        memfit.plan(model, batch[:, :-1], optimizer=opt, precision="fp32", verify=verify)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(g, v) for g, v in zip(grads, values))
+
+
+def test_an_engines_run_is_the_same_with_a_plan_made_between_its_steps() -> None:
+    # In a '*-master' mode the working weights' hooks sum each gradient into the fp32
+    # masters the optimizer steps: a plan made between two steps once added its own runs'
+    # gradients there (the next update used 6x the gradient of the tied embedding).
+    from memfit.models.gpt import gpt_loss
+
+    def run(plan_between: bool) -> list[float]:
+        model, batch = _gpt_with_grads()
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = memfit.Engine(model, opt, precision="bf16-master", monitor=False)
+        losses = [float(engine.train_step(batch, gpt_loss))]
+        if plan_between:
+            memfit.plan(model, batch, gpt_loss, optimizer=opt, precision="bf16-master")
+        losses += [float(engine.train_step(batch, gpt_loss)) for _ in range(2)]
+        return losses
+
+    assert run(plan_between=True) == run(plan_between=False)
+
+
 def _cached_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

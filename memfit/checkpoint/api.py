@@ -22,7 +22,7 @@ from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_profile
 from memfit.checkpoint.profile_stage import profile_model, profile_step
-from memfit.checkpoint.profiler.runner import default_loss
+from memfit.checkpoint.profiler.runner import default_loss, grads_set_aside
 from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, check_zero_grad
 from memfit.checkpoint.storage_stage import DEFAULT_TOLERANCE
 from memfit.deprecations import warn_renamed
@@ -103,30 +103,43 @@ def make_plan(
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     check_zero_grad(zero_grad)
     check_costs(costs)
-    policy, chosen = resolve_policy(precision, model, batch, loss_fn)
-    profiled = profile_step(model, batch, loss_fn, policy, units)
-    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
-    if costs == "counted":
-        profiled = dataclasses.replace(profiled, root=counted_times(profiled.root), counted=True)
-    layout = RankLayout.of(world_size, data_parallel)
-    result = solve_profile(
-        model,
-        profiled,
-        policy,
-        optimizer,
-        strategy,
-        budget,
-        int(accumulation_steps),
-        frontier,
-        layout=layout,
-        zero_grad=zero_grad,
-        activation_storage=activation_storage,
-        storage_tolerance=storage_tolerance,
-    )
-    # The measured step is a usual one: it cannot stand for a loop that releases each
-    # gradient in backward (the Engine measures its own first step instead).
-    released = zero_grad == "in_backward"
-    return verify_plan(result, model, optimizer) if verify and not released else result
+    # The user's gradients (a micro-batch's, or a step's not applied yet; the masters' in an
+    # Engine's model) are as they were after planning, whatever the measuring runs summed.
+    with grads_set_aside(_backward_writes(model, optimizer)):
+        policy, chosen = resolve_policy(precision, model, batch, loss_fn)
+        profiled = profile_step(model, batch, loss_fn, policy, units)
+        profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
+        if costs == "counted":
+            profiled = dataclasses.replace(
+                profiled, root=counted_times(profiled.root), counted=True
+            )
+        layout = RankLayout.of(world_size, data_parallel)
+        result = solve_profile(
+            model,
+            profiled,
+            policy,
+            optimizer,
+            strategy,
+            budget,
+            int(accumulation_steps),
+            frontier,
+            layout=layout,
+            zero_grad=zero_grad,
+            activation_storage=activation_storage,
+            storage_tolerance=storage_tolerance,
+        )
+        # The measured step is a usual one: it cannot stand for a loop that releases each
+        # gradient in backward (the Engine measures its own first step instead).
+        released = zero_grad == "in_backward"
+        return verify_plan(result, model, optimizer) if verify and not released else result
+
+
+def _backward_writes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Any]:
+    """Every tensor a backward of ``model`` writes a gradient into: its parameters and what
+    ``optimizer`` steps (in an Engine's ``*-master`` model, the fp32 masters, which the
+    working weights' hooks accumulate into)."""
+    stepped = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
+    return [*model.parameters(), *stepped]
 
 
 def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -280,27 +293,30 @@ def _plan_on_output(
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ConfigError(f"accumulation_steps must be an int >= 1, got {accumulation_steps}")
     check_zero_grad(zero_grad)
-    loss_of = output_loss or default_loss
-    policy, chosen = resolve_policy(precision, model, batch, lambda m, x: loss_of(call_model(m, x)))
-    held = True if keep_output is None else keep_output
-    profiled = profile_model(model, batch, output_loss, policy, units, held)
-    profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
     optimizer = solve_settings["optimizer"]
-    result = solve_profile(
-        model,
-        profiled,
-        policy,
-        optimizer,
-        solve_settings["strategy"],
-        solve_settings["budget"],
-        int(accumulation_steps),
-        solve_settings["frontier"],
-        layout=RankLayout.of(world_size, data_parallel),
-        zero_grad=zero_grad,
-        activation_storage=solve_settings["activation_storage"],
-        storage_tolerance=solve_settings["storage_tolerance"],
-    )
-    return (verify_plan(result, model, optimizer) if verify else result).plan
+    with grads_set_aside(_backward_writes(model, optimizer)):  # as make_plan
+        loss_of = output_loss or default_loss
+        policy, chosen = resolve_policy(
+            precision, model, batch, lambda m, x: loss_of(call_model(m, x))
+        )
+        held = True if keep_output is None else keep_output
+        profiled = profile_model(model, batch, output_loss, policy, units, held)
+        profiled = dataclasses.replace(profiled, notes=(*profiled.notes, *chosen))
+        result = solve_profile(
+            model,
+            profiled,
+            policy,
+            optimizer,
+            solve_settings["strategy"],
+            solve_settings["budget"],
+            int(accumulation_steps),
+            solve_settings["frontier"],
+            layout=RankLayout.of(world_size, data_parallel),
+            zero_grad=zero_grad,
+            activation_storage=solve_settings["activation_storage"],
+            storage_tolerance=solve_settings["storage_tolerance"],
+        )
+        return (verify_plan(result, model, optimizer) if verify else result).plan
 
 
 def _plan_step(

@@ -36,7 +36,7 @@ from memfit.allocator import allocator_peak, release_kernel_workspaces, storage_
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.profiler.runner import preserved
+from memfit.checkpoint.profiler.runner import grads_set_aside, preserved
 from memfit.checkpoint.solvers import Solution, parse_strategy, solve
 from memfit.checkpoint.step_memory import StepMemory
 from memfit.nested import tensors
@@ -397,13 +397,14 @@ def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
         del last_grads  # the loop's zero_grad
         value.backward()
 
-    saved_grads = [t.grad for t in graded]
     python_rng = random.getstate()
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with precision_applied(model, policy), preserved(model, None, rng_devices):
-            for t in graded:
-                t.grad = None
+        with (
+            grads_set_aside(graded),
+            precision_applied(model, policy),
+            preserved(model, None, rng_devices),
+        ):
             apply_plan(model, plan)
 
             try:
@@ -437,8 +438,6 @@ def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
             finally:
                 remove_plan(model)
     finally:
-        for t, g in zip(graded, saved_grads):
-            t.grad = g
         random.setstate(python_rng)
     # The measured step started from the live tensors; the step's static bytes as counted
     # (the optimizer state may not exist yet) stand for them, less the kernels' workspace,

@@ -30,7 +30,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.native import prepare_for_plan
 from memfit.checkpoint.probe import probe_units
 from memfit.checkpoint.profiler import Profile, profile
-from memfit.checkpoint.profiler.runner import default_loss
+from memfit.checkpoint.profiler.runner import default_loss, grads_set_aside
 from memfit.checkpoint.tree import find_units, structure_fingerprint
 from memfit.checkpoint.workspace import StepEdges, step_workspace
 from memfit.errors import PlanError
@@ -128,10 +128,12 @@ def _probed(
     """``profiled`` with what the profile's own step cannot tell: the units that do other
     work when run again and each unit's forward workspace (:func:`_without_unstable`),
     and the kernels' workspace and the edges of a whole step (:func:`step_workspace`).
-    Runs under the precision the profile ran under."""
-    profiled = _without_unstable(model, profiled, forward, policy)
-    units = [u.name for u in profiled.root.walk() if u.name]
-    measured = step_workspace(model, loss, policy, inputs, units)
+    Runs under the precision the profile ran under; the model's gradients are as they were
+    after it, as after the profile's own step."""
+    with grads_set_aside(model.parameters()):
+        profiled = _without_unstable(model, profiled, forward, policy)
+        units = [u.name for u in profiled.root.walk() if u.name]
+        measured = step_workspace(model, loss, policy, inputs, units)
     return dataclasses.replace(
         profiled,
         workspace_bytes=float(measured.workspace_bytes),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +21,15 @@ from memfit.errors import PlanError
 from memfit.nested import call_model, first_floating, map_tensors, tensors
 from memfit.precision.policy import PrecisionPolicy
 
-__all__ = ["collector_paused", "default_loss", "fake_run", "is_fake", "preserved", "run_step"]
+__all__ = [
+    "collector_paused",
+    "default_loss",
+    "fake_run",
+    "grads_set_aside",
+    "is_fake",
+    "preserved",
+    "run_step",
+]
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -154,6 +162,31 @@ def collector_paused(paused: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def grads_set_aside(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Each of ``tensors`` without its ``.grad`` inside the block, and with the same one
+    again after it, whatever backward passes ran in between: a user's gradients (a
+    micro-batch's, or a step's not yet applied) are neither summed into nor freed by the
+    runs memfit makes to measure a model. Every tensor a backward writes into must be
+    named: the parameters and, in the ``*-master`` modes, the fp32 masters the working
+    weights' hooks accumulate into.
+
+    Example::
+
+        with grads_set_aside([*model.parameters(), *optimizer_tensors(opt)]):
+            loss_fn(model, batch).backward()   # model.parameters()' grads unchanged after
+    """
+    named = list({id(t): t for t in tensors}.values())
+    grads = [t.grad for t in named]
+    try:
+        for t in named:
+            t.grad = None
+        yield
+    finally:
+        for t, g in zip(named, grads):
+            t.grad = g
+
+
+@contextlib.contextmanager
 def preserved(model: nn.Module, train: bool | None, rng_devices: list[int]) -> Iterator[None]:
     """Leave the model's modes, buffers, grads, plan and the RNG as they were."""
     modes = [(m, m.training) for m in model.modules()]
@@ -163,19 +196,13 @@ def preserved(model: nn.Module, train: bool | None, rng_devices: list[int]) -> I
         for name, buf in m._buffers.items()
         if buf is not None
     ]
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    with suspended(model):
+    with suspended(model), grads_set_aside(model.parameters()):
         try:
-            for p in params:
-                p.grad = None
             if train:
                 model.train()
             with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
                 yield
         finally:
-            for p, g in zip(params, grads):
-                p.grad = g
             with torch.no_grad():
                 for m, name, buf, value in buffers:
                     m._buffers[name] = buf
