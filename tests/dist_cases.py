@@ -18,6 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported before any group exists, as memfit's init_from_env does: imported after it (DDP
+# does), its functions' default arguments hold the group and destroy_process_group cannot
+# free it.
+import torch.distributed.nn.functional  # noqa: F401
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn

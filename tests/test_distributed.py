@@ -526,3 +526,45 @@ def test_import_memfit_leaves_dtensor_and_fsdp_unimported() -> None:
     assert loaded_class("torch.distributed.tensor", "DTensor") is DTensor
     assert loaded_class("no.such.module", "Thing") is None
     assert loaded_class("torch", "float32") is None  # not a class
+
+
+_GROUP_FREED = """
+import gc, json, os, socket, sys
+import torch
+import memfit
+from memfit.distributed import init_from_env
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+init_from_env("gloo")
+model = memfit.parallelize(torch.nn.Linear(4, 4), data_parallel="ddp", precision="fp32")
+model(torch.randn(2, 4)).sum().backward()
+del model
+gc.collect()
+torch.distributed.destroy_process_group()
+names = []
+for task in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{task}/comm") as f:
+        names.append(f.read().strip())
+print(json.dumps(names))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_destroying_the_group_after_ddp_stops_gloos_threads() -> None:
+    # DDP's constructor imports torch.distributed.nn.functional, whose functions hold the
+    # default group as a default argument when it is imported after the group exists:
+    # then destroy_process_group cannot free the group, gloo's threads run on into the
+    # interpreter's shutdown, and a rank of memfit train --nproc 2 aborted there.
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _GROUP_FREED], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    threads = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [name for name in threads if "gloo" in name], threads

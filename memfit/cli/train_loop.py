@@ -114,7 +114,9 @@ def _progress(console: Console) -> Progress:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     # Each field holds its label and value, or nothing before the first log step (no
-    # "loss -" placeholders for a window not read yet).
+    # "loss -" placeholders for a window not read yet). A quiet console (a rank other than
+    # 0) gets no bar: its refresh thread would draw nothing and could still be running when
+    # the process exits.
     return Progress(
         TextColumn("step {task.completed:>5}/{task.total}"),
         BarColumn(),
@@ -124,6 +126,7 @@ def _progress(console: Console) -> Progress:
         TextColumn("{task.fields[mem]}"),
         TimeElapsedColumn(),
         console=console,
+        disable=console.quiet,
     )
 
 

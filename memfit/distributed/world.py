@@ -87,8 +87,24 @@ def init_from_env(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _import_group_defaults()
     dist.init_process_group(backend, timeout=timeout)
     return current_world()
+
+
+def _import_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` before the default group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, which Python evaluates
+    once, at import. DDP's constructor imports the module (through
+    ``torch.distributed._shard``); imported after ``init_process_group``, the defaults hold
+    the live group, and ``destroy_process_group`` then cannot free it: gloo's threads keep
+    running and the group is torn down while the interpreter shuts down, where a rank of
+    ``memfit train --nproc 2`` was seen to abort (SIGABRT, "terminate called without an
+    active exception"). Imported first, the defaults are None (the default group at call
+    time) and the group is freed when it is destroyed.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def check_global_batch(global_batch: int, world_size: int) -> int:
