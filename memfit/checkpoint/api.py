@@ -22,7 +22,7 @@ from memfit.checkpoint.old_calls import PLAN_ORDER, PLAN_STEP_ORDER, by_position
 from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.planner import Budget, PlanResult, resolve_policy, solve_profile
 from memfit.checkpoint.profile_stage import profile_model, profile_step
-from memfit.checkpoint.profiler.runner import default_loss, grads_set_aside
+from memfit.checkpoint.profiler.runner import backward_writes, default_loss, grads_set_aside
 from memfit.checkpoint.step_memory import RankLayout, ZeroGrad, check_zero_grad
 from memfit.checkpoint.storage_stage import DEFAULT_TOLERANCE
 from memfit.deprecations import warn_renamed
@@ -135,11 +135,8 @@ def make_plan(
 
 
 def _backward_writes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Any]:
-    """Every tensor a backward of ``model`` writes a gradient into: its parameters and what
-    ``optimizer`` steps (in an Engine's ``*-master`` model, the fp32 masters, which the
-    working weights' hooks accumulate into)."""
     stepped = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
-    return [*model.parameters(), *stepped]
+    return backward_writes(model, stepped)
 
 
 def default_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:

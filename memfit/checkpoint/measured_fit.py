@@ -36,7 +36,7 @@ from memfit.allocator import allocator_peak, release_kernel_workspaces, storage_
 from memfit.checkpoint.apply import apply_plan, remove_plan
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.plan import Plan
-from memfit.checkpoint.profiler.runner import grads_set_aside, preserved
+from memfit.checkpoint.profiler.runner import backward_writes, grads_set_aside, preserved
 from memfit.checkpoint.solvers import Solution, parse_strategy, solve
 from memfit.checkpoint.step_memory import StepMemory
 from memfit.nested import tensors
@@ -381,9 +381,7 @@ def _measured_step(run: StepRun, solution: Solution | Plan) -> float:
         plan = Plan.from_solution(solution, precision=policy.mode, structure=run.structure)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
-    # Every tensor a backward writes gradients into: the model's parameters and, in the
-    # ``*-master`` modes, the fp32 masters the optimizer steps (their hooks route there).
-    graded = list({id(t): t for t in [*params, *(run.optimizer_params or [])]}.values())
+    graded = backward_writes(model, run.optimizer_params or [])
     accumulating = mem.accumulated_grad_bytes > 0
 
     def step() -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "collector_paused",
     "default_loss",
     "fake_run",
+    "backward_writes",
     "grads_set_aside",
     "is_fake",
     "preserved",
@@ -159,6 +160,21 @@ def collector_paused(paused: bool) -> Iterator[None]:
     finally:
         if paused and enabled:
             gc.enable()
+
+
+def backward_writes(model: nn.Module, stepped: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """Every tensor a backward of ``model`` writes a gradient into, once each: its
+    parameters and ``stepped``, what the optimizer steps (in an Engine's ``*-master`` model
+    the fp32 masters, which the working weights' hooks accumulate into). What
+    :func:`grads_set_aside` must be given.
+
+    Example::
+
+        stepped = [p for g in optimizer.param_groups for p in g["params"]]
+        with grads_set_aside(backward_writes(model, stepped)):
+            loss_fn(model, batch).backward()
+    """
+    return list({id(t): t for t in [*model.parameters(), *stepped]}.values())
 
 
 @contextlib.contextmanager
