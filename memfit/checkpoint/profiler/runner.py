@@ -22,10 +22,10 @@ from memfit.nested import call_model, first_floating, map_tensors, tensors
 from memfit.precision.policy import PrecisionPolicy
 
 __all__ = [
+    "backward_writes",
     "collector_paused",
     "default_loss",
     "fake_run",
-    "backward_writes",
     "grads_set_aside",
     "is_fake",
     "preserved",
