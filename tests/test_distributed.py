@@ -568,3 +568,71 @@ def test_destroying_the_group_after_ddp_stops_gloos_threads() -> None:
     assert out.returncode == 0, out.stderr
     threads = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [name for name in threads if "gloo" in name], threads
+
+
+def _collectives_keep_their_tensors(rank: int, world_size: int, directory: Path) -> dict:
+    """Each of memfit's collectives once, every tensor handed to torch.distributed recorded
+    (torch's own helpers' too: they call the same module functions), then which of those
+    tensors Python has let go of once the calls returned and their results were dropped."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from memfit.distributed import collectives as c
+
+    seen: list[tuple[str, Any]] = []
+
+    def recording(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for arg in [*args, *kwargs.values()]:
+                for t in arg if isinstance(arg, list) else [arg]:
+                    if isinstance(t, torch.Tensor):
+                        seen.append((name, weakref.ref(t)))
+            return fn(*args, **kwargs)
+
+        return call
+
+    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather")
+    originals = {name: getattr(dist.distributed_c10d, name) for name in names}
+    for module in (dist, dist.distributed_c10d):
+        for name, fn in originals.items():
+            setattr(module, name, recording(name, fn))
+    try:
+        votes = c.any_rank(rank == 1, False)
+        chosen = c.from_rank0({"rank": rank, "text": "x" * (300 * (rank + 1))})
+        # Payloads of other lengths on each rank, one longer than the buffer the other needs.
+        gathered = c.from_every_rank(["y" * (100 + 900 * rank), rank])
+        mean = float(c.mean_over_ranks(torch.tensor(2.0 * rank)))
+        flag = torch.full((), float(rank))
+        c.all_reduce_max(flag)
+        found_inf = float(flag)
+        del flag
+    finally:
+        for module in (dist, dist.distributed_c10d):
+            for name, fn in originals.items():
+                setattr(module, name, fn)
+    gc.collect()
+    return {
+        "handed": len(seen),
+        "let_go": [name for name, ref in seen if ref() is None],
+        "votes": list(votes),
+        "chosen": chosen,
+        "gathered": gathered,
+        "mean": mean,
+        "found_inf": found_inf,
+    }
+
+
+def test_collectives_run_on_tensors_python_keeps(tmp_path: Path) -> None:
+    # A collective's tensor that only a gloo worker still holds is freed by that worker,
+    # which then needs the GIL: if the main thread is destroying the group then, both wait
+    # for ever (a rank of memfit train --nproc 2 hung at exit, in a broadcast's work that
+    # broadcast_object_list had made). So every tensor memfit hands to a collective is one
+    # Python still holds after the call.
+    for rank, out in enumerate(results(launch(_collectives_keep_their_tensors, tmp_path))):
+        assert out["handed"] >= 7 and out["let_go"] == [], out["let_go"]
+        assert out["votes"] == [True, False]
+        assert out["chosen"] == {"rank": 0, "text": "x" * 300}, rank
+        assert out["gathered"] == [["y" * 100, 0], ["y" * 1000, 1]]
+        assert out["mean"] == 1.0 and out["found_inf"] == 1.0

@@ -12,6 +12,17 @@ When a rank fails (a bad batch, a loss_fn that raises), it writes what failed to
 group's store before it re-raises; the other ranks, whose next collective then fails or
 times out, read it and raise :class:`~memfit.errors.DistributedError` naming that rank.
 
+Every tensor these functions hand to a collective is one this module keeps for the life of
+the process (:func:`_held`), never a temporary. A gloo worker thread lets go of a
+collective's tensors after the caller has seen it complete, so for a temporary it can be
+the last holder; freeing a tensor whose Python object is gone takes the GIL. If the main
+thread is destroying the process group then (its last holder gone: a DDP model freed after
+``destroy_process_group``), it holds the GIL while it waits for the worker threads to end,
+and neither moves: a rank of ``memfit train --nproc 2`` hung at exit so, the worker in the
+destructor of a broadcast's work. At the interpreter's shutdown the same worker is stopped
+inside that destructor and the process aborts ("terminate called without an active
+exception"). A tensor Python still holds is freed by Python, never by the worker.
+
 Example::
 
     scaler.register_found_inf_hook(all_reduce_max)
@@ -20,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
@@ -33,6 +45,28 @@ _FAILED = "memfit/failed/"
 _FAILURES = "memfit/failures"
 
 
+_HELD: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _held(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: Any = "cpu"
+) -> torch.Tensor:
+    """The tensor this module keeps for collective ``name`` of that shape, dtype and device,
+    made on first use and reused by every later call (the collectives here are synchronous,
+    so no two calls share one at once). Kept for the life of the process: see the module's
+    notes for why a collective never runs on a temporary."""
+    key = (name, shape, dtype, torch.device(device))
+    if key not in _HELD:
+        _HELD[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _HELD[key]
+
+
+def _capacity(size: int) -> int:
+    """A payload buffer's length for ``size`` bytes: the next power of two (at least 256),
+    so a run keeps a few buffers, not one per size."""
+    return max(256, 1 << max(0, size - 1).bit_length())
+
+
 def all_reduce_max(flag: torch.Tensor) -> None:
     """All-reduce ``flag`` in place with MAX (the scaler's found-inf hook).
 
@@ -40,7 +74,10 @@ def all_reduce_max(flag: torch.Tensor) -> None:
 
         scaler.register_found_inf_hook(all_reduce_max)
     """
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    held = _held("found inf", tuple(flag.shape), flag.dtype, flag.device)
+    held.copy_(flag)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    flag.copy_(held)
 
 
 _CPU_GROUPS: dict[int, Any] = {}
@@ -72,7 +109,8 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tuple(bool(f) for f in flags)
-    votes = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    votes = _held("votes", (len(flags),), torch.int32)
+    votes.copy_(torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32))
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=_cpu_group())
     return tuple(bool(v) for v in votes.tolist())
 
@@ -87,9 +125,48 @@ def from_rank0(value: Any) -> Any:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    group, rank0 = _cpu_group(), dist.get_rank() == 0
+    payload = pickle.dumps(value) if rank0 else b""
+    size = _held("from_rank0 size", (1,), torch.int64)
+    size.fill_(len(payload))
+    dist.broadcast(size, src=0, group=group)
+    n = int(size.item())
+    data = _held("from_rank0 payload", (_capacity(n),), torch.uint8)
+    if rank0:
+        data[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=0, group=group)
+    return value if rank0 else pickle.loads(data[:n].numpy().tobytes())
+
+
+def from_every_rank(value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (any picklable object; ``[value]`` on one process):
+    each rank writes its pickled value at its own place of one zeroed buffer, and a SUM
+    all-reduce on the CPU gives every rank the whole.
+
+    Example::
+
+        rng_by_rank = from_every_rank(torch.get_rng_state())
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    group, rank, world = _cpu_group(), dist.get_rank(), dist.get_world_size()
+    payload = pickle.dumps(value)
+    sizes = _held("from_every_rank sizes", (world,), torch.int64)
+    sizes.zero_()
+    sizes[rank] = len(payload)
+    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
+    lengths = [int(n) for n in sizes.tolist()]
+    cap = _capacity(max(lengths))
+    data = _held("from_every_rank payload", (world * cap,), torch.uint8)
+    data.zero_()
+    data[rank * cap : rank * cap + len(payload)].copy_(
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    )
+    dist.all_reduce(data, op=dist.ReduceOp.SUM, group=group)
+    return [
+        value if r == rank else pickle.loads(data[r * cap : r * cap + n].numpy().tobytes())
+        for r, n in enumerate(lengths)
+    ]
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -99,7 +176,8 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
         global_loss = mean_over_ranks(local_loss)
     """
-    total = value.detach().clone()
+    total = _held("mean", tuple(value.shape), value.dtype, value.device)
+    total.copy_(value.detach())
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total / dist.get_world_size()
 
@@ -112,6 +190,7 @@ def average_gradients(params: list[torch.Tensor]) -> None:
 
         average_gradients([p for p in model.parameters() if p.grad is not None])
     """
+    # The gradients are held by their parameters, not by the collectives' workers.
     grads = [p.grad for p in params if p.grad is not None]
     for grad in grads:
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)

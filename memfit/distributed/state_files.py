@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memfit.distributed.collectives import from_rank0
+from memfit.distributed.collectives import from_every_rank, from_rank0
 from memfit.distributed.parallel import local_module
 from memfit.distributed.world import current_world
 from memfit.errors import ConfigError, DistributedError, StateFileError
@@ -99,9 +99,7 @@ def write_state(
     world = current_world()
     path = Path(path)
     if world.distributed:
-        rngs: list[Any] = [None] * world.world_size
-        dist.all_gather_object(rngs, state["rng"])
-        state["rng_by_rank"] = rngs
+        state["rng_by_rank"] = from_every_rank(state["rng"])
     state["world_size"] = world.world_size
     state["data_parallel"] = kind
     if kind != "fsdp":
