@@ -570,11 +570,14 @@ def test_destroying_the_group_after_ddp_stops_gloos_threads() -> None:
     assert not [name for name in threads if "gloo" in name], threads
 
 
-def _collectives_keep_their_tensors(rank: int, world_size: int, directory: Path) -> dict:
-    """Each of memfit's collectives once, every tensor handed to torch.distributed recorded
-    (torch's own helpers' too: they call the same module functions), then which of those
-    tensors Python has let go of once the calls returned and their results were dropped."""
-    import gc
+def _collectives_settle(rank: int, world_size: int, directory: Path) -> dict:
+    """Each of memfit's collectives once, torch.distributed's functions (torch's own helpers
+    call the same ones) made to let go of their tensors late, as a gloo worker may: the
+    work is complete, but a timer thread holds it 50 ms longer. Which of the tensors a call
+    handed over (temporaries, recorded by weak reference) are still alive when it returns:
+    only a worker can hold them then."""
+    import sys
+    import threading
     import weakref
 
     import torch.distributed as dist
@@ -582,56 +585,73 @@ def _collectives_keep_their_tensors(rank: int, world_size: int, directory: Path)
     from memfit.distributed import collectives as c
 
     seen: list[tuple[str, Any]] = []
+    timers: list[threading.Timer] = []
 
-    def recording(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            for arg in [*args, *kwargs.values()]:
-                for t in arg if isinstance(arg, list) else [arg]:
-                    if isinstance(t, torch.Tensor):
-                        seen.append((name, weakref.ref(t)))
-            return fn(*args, **kwargs)
+    def late(name: str, fn: Any) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            work = fn(tensor, *args, **{**kwargs, "async_op": True})
+            work.wait()
+            seen.append((name, weakref.ref(tensor)))
+            holder = [work]
+            del work
+            timers.append(threading.Timer(0.05, holder.clear))
+            timers[-1].start()
 
         return call
 
-    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather")
+    names = ("all_reduce", "broadcast")
     originals = {name: getattr(dist.distributed_c10d, name) for name in names}
+    held: dict[str, list[str]] = {}
+
+    def check(what: str, start: int) -> None:
+        held[what] = [name for name, ref in seen[start:] if ref() is not None]
+
     for module in (dist, dist.distributed_c10d):
         for name, fn in originals.items():
-            setattr(module, name, recording(name, fn))
+            setattr(module, name, late(name, fn))
     try:
+        start = len(seen)
         votes = c.any_rank(rank == 1, False)
+        check("any_rank", start)
+        start = len(seen)
         chosen = c.from_rank0({"rank": rank, "text": "x" * (300 * (rank + 1))})
-        # Payloads of other lengths on each rank, one longer than the buffer the other needs.
-        gathered = c.from_every_rank(["y" * (100 + 900 * rank), rank])
+        check("from_rank0", start)
+        start = len(seen)
+        gathered = c.from_every_rank(["y" * (100 + 900 * rank), rank])  # lengths differ
+        check("from_every_rank", start)
+        start = len(seen)
         mean = float(c.mean_over_ranks(torch.tensor(2.0 * rank)))
+        check("mean_over_ranks", start)
+        # The found-inf flag is the caller's: one reference here, one getrefcount's.
         flag = torch.full((), float(rank))
         c.all_reduce_max(flag)
-        found_inf = float(flag)
-        del flag
+        held["all_reduce_max"] = ["all_reduce"] * (sys.getrefcount(flag) - 2)
     finally:
         for module in (dist, dist.distributed_c10d):
             for name, fn in originals.items():
                 setattr(module, name, fn)
-    gc.collect()
+        for timer in timers:
+            timer.join()
     return {
         "handed": len(seen),
-        "let_go": [name for name, ref in seen if ref() is None],
+        "held": held,
         "votes": list(votes),
         "chosen": chosen,
         "gathered": gathered,
         "mean": mean,
-        "found_inf": found_inf,
+        "found_inf": float(flag),
     }
 
 
-def test_collectives_run_on_tensors_python_keeps(tmp_path: Path) -> None:
-    # A collective's tensor that only a gloo worker still holds is freed by that worker,
-    # which then needs the GIL: if the main thread is destroying the group then, both wait
-    # for ever (a rank of memfit train --nproc 2 hung at exit, in a broadcast's work that
-    # broadcast_object_list had made). So every tensor memfit hands to a collective is one
-    # Python still holds after the call.
-    for rank, out in enumerate(results(launch(_collectives_keep_their_tensors, tmp_path))):
-        assert out["handed"] >= 7 and out["let_go"] == [], out["let_go"]
+def test_collectives_return_once_the_worker_let_go_of_their_tensors(tmp_path: Path) -> None:
+    # A gloo worker drops its reference to a collective's tensors after the collective has
+    # completed, and that takes the GIL: if the main thread is destroying the group then,
+    # holding the GIL while it waits for the workers, both wait for ever (a rank of memfit
+    # train --nproc 2 hung at exit so, in a broadcast of broadcast_object_list's). So each
+    # of memfit's collectives returns only once no worker holds its tensors.
+    for rank, out in enumerate(results(launch(_collectives_settle, tmp_path))):
+        assert out["handed"] >= 7
+        assert out["held"] == dict.fromkeys(out["held"], []), out["held"]
         assert out["votes"] == [True, False]
         assert out["chosen"] == {"rank": 0, "text": "x" * 300}, rank
         assert out["gathered"] == [["y" * 100, 0], ["y" * 1000, 1]]

@@ -12,16 +12,16 @@ When a rank fails (a bad batch, a loss_fn that raises), it writes what failed to
 group's store before it re-raises; the other ranks, whose next collective then fails or
 times out, read it and raise :class:`~memfit.errors.DistributedError` naming that rank.
 
-Every tensor these functions hand to a collective is one this module keeps for the life of
-the process (:func:`_held`), never a temporary. A gloo worker thread lets go of a
-collective's tensors after the caller has seen it complete, so for a temporary it can be
-the last holder; freeing a tensor whose Python object is gone takes the GIL. If the main
+Each collective here returns only once the process group's worker has let go of its
+tensors (:func:`_settled`). A gloo worker thread drops its reference to a collective's
+tensors after the caller has seen the collective complete, and in torch 2.10 and later
+dropping any reference to a tensor that has a Python object takes the GIL. If the main
 thread is destroying the process group then (its last holder gone: a DDP model freed after
 ``destroy_process_group``), it holds the GIL while it waits for the worker threads to end,
-and neither moves: a rank of ``memfit train --nproc 2`` hung at exit so, the worker in the
-destructor of a broadcast's work. At the interpreter's shutdown the same worker is stopped
-inside that destructor and the process aborts ("terminate called without an active
-exception"). A tensor Python still holds is freed by Python, never by the worker.
+and neither moves: a rank of ``memfit train --nproc 2`` hung at exit so, its worker in the
+destructor of a broadcast's work. At the interpreter's shutdown a worker waiting for the
+GIL is stopped inside that destructor and the process aborts ("terminate called without an
+active exception"). Nothing of memfit's is in a worker's hands when its calls return.
 
 Example::
 
@@ -32,7 +32,9 @@ Example::
 from __future__ import annotations
 
 import pickle
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,26 +47,31 @@ _FAILED = "memfit/failed/"
 _FAILURES = "memfit/failures"
 
 
-_HELD: dict[tuple[Any, ...], torch.Tensor] = {}
+#: How long a collective waits for the worker to let go of its tensors (it takes
+#: microseconds; the bound is against a worker that never does, which then is not waited on).
+_SETTLE_SECONDS = 10.0
 
 
-def _held(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: Any = "cpu"
-) -> torch.Tensor:
-    """The tensor this module keeps for collective ``name`` of that shape, dtype and device,
-    made on first use and reused by every later call (the collectives here are synchronous,
-    so no two calls share one at once). Kept for the life of the process: see the module's
-    notes for why a collective never runs on a temporary."""
-    key = (name, shape, dtype, torch.device(device))
-    if key not in _HELD:
-        _HELD[key] = torch.zeros(shape, dtype=dtype, device=device)
-    return _HELD[key]
+def _settled(collective: Callable[..., Any], tensor: torch.Tensor, **kwargs: Any) -> None:
+    """``collective(tensor, **kwargs)`` (``dist.all_reduce``, ``dist.broadcast``), returned
+    from once the worker that ran it has dropped its reference to ``tensor``: while it holds
+    one, the tensor's Python object counts one reference more (torch keeps a tensor's Python
+    object alive while C++ holds the tensor), and this thread sleeps, giving the worker the
+    GIL it needs to drop it. CUDA tensors (NCCL's works, retired by its watchdog) are not
+    waited on.
 
-
-def _capacity(size: int) -> int:
-    """A payload buffer's length for ``size`` bytes: the next power of two (at least 256),
-    so a run keeps a few buffers, not one per size."""
-    return max(256, 1 << max(0, size - 1).bit_length())
+    >>> t = torch.ones(2)
+    >>> _settled(lambda x: x.mul_(2), t)
+    >>> t
+    tensor([2., 2.])
+    """
+    before = sys.getrefcount(tensor)
+    collective(tensor, **kwargs)
+    if tensor.device.type != "cpu":
+        return
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    while sys.getrefcount(tensor) > before and time.monotonic() < deadline:
+        time.sleep(1e-4)
 
 
 def all_reduce_max(flag: torch.Tensor) -> None:
@@ -74,10 +81,7 @@ def all_reduce_max(flag: torch.Tensor) -> None:
 
         scaler.register_found_inf_hook(all_reduce_max)
     """
-    held = _held("found inf", tuple(flag.shape), flag.dtype, flag.device)
-    held.copy_(flag)
-    dist.all_reduce(held, op=dist.ReduceOp.MAX)
-    flag.copy_(held)
+    _settled(dist.all_reduce, flag, op=dist.ReduceOp.MAX)
 
 
 _CPU_GROUPS: dict[int, Any] = {}
@@ -109,9 +113,8 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tuple(bool(f) for f in flags)
-    votes = _held("votes", (len(flags),), torch.int32)
-    votes.copy_(torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32))
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=_cpu_group())
+    votes = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    _settled(dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=_cpu_group())
     return tuple(bool(v) for v in votes.tolist())
 
 
@@ -125,17 +128,14 @@ def from_rank0(value: Any) -> Any:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
+    # broadcast_object_list does the same on tensors of its own, which could not be settled.
     group, rank0 = _cpu_group(), dist.get_rank() == 0
     payload = pickle.dumps(value) if rank0 else b""
-    size = _held("from_rank0 size", (1,), torch.int64)
-    size.fill_(len(payload))
-    dist.broadcast(size, src=0, group=group)
-    n = int(size.item())
-    data = _held("from_rank0 payload", (_capacity(n),), torch.uint8)
-    if rank0:
-        data[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(data, src=0, group=group)
-    return value if rank0 else pickle.loads(data[:n].numpy().tobytes())
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    _settled(dist.broadcast, size, src=0, group=group)
+    data = _bytes_tensor(payload) if rank0 else torch.empty(int(size), dtype=torch.uint8)
+    _settled(dist.broadcast, data, src=0, group=group)
+    return value if rank0 else pickle.loads(data.numpy().tobytes())
 
 
 def from_every_rank(value: Any) -> list[Any]:
@@ -151,22 +151,23 @@ def from_every_rank(value: Any) -> list[Any]:
         return [value]
     group, rank, world = _cpu_group(), dist.get_rank(), dist.get_world_size()
     payload = pickle.dumps(value)
-    sizes = _held("from_every_rank sizes", (world,), torch.int64)
-    sizes.zero_()
+    sizes = torch.zeros(world, dtype=torch.int64)
     sizes[rank] = len(payload)
-    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
+    _settled(dist.all_reduce, sizes, op=dist.ReduceOp.SUM, group=group)
     lengths = [int(n) for n in sizes.tolist()]
-    cap = _capacity(max(lengths))
-    data = _held("from_every_rank payload", (world * cap,), torch.uint8)
-    data.zero_()
-    data[rank * cap : rank * cap + len(payload)].copy_(
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    )
-    dist.all_reduce(data, op=dist.ReduceOp.SUM, group=group)
+    starts = [sum(lengths[:r]) for r in range(world)]
+    data = torch.zeros(sum(lengths), dtype=torch.uint8)
+    data[starts[rank] : starts[rank] + len(payload)] = _bytes_tensor(payload)
+    _settled(dist.all_reduce, data, op=dist.ReduceOp.SUM, group=group)
     return [
-        value if r == rank else pickle.loads(data[r * cap : r * cap + n].numpy().tobytes())
+        value if r == rank else pickle.loads(data[starts[r] : starts[r] + n].numpy().tobytes())
         for r, n in enumerate(lengths)
     ]
+
+
+def _bytes_tensor(payload: bytes) -> torch.Tensor:
+    """``payload`` as a uint8 tensor of its own (a copy: torch.frombuffer shares memory)."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).clone()
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -176,9 +177,8 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
         global_loss = mean_over_ranks(local_loss)
     """
-    total = _held("mean", tuple(value.shape), value.dtype, value.device)
-    total.copy_(value.detach())
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    total = value.detach().clone()
+    _settled(dist.all_reduce, total, op=dist.ReduceOp.SUM)
     return total / dist.get_world_size()
 
 
@@ -190,10 +190,9 @@ def average_gradients(params: list[torch.Tensor]) -> None:
 
         average_gradients([p for p in model.parameters() if p.grad is not None])
     """
-    # The gradients are held by their parameters, not by the collectives' workers.
     grads = [p.grad for p in params if p.grad is not None]
     for grad in grads:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        _settled(dist.all_reduce, grad, op=dist.ReduceOp.SUM)
     if grads:
         torch._foreach_div_(grads, float(dist.get_world_size()))
 
