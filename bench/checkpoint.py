@@ -246,6 +246,10 @@ def main() -> None:
             f"| {format_bytes(peaks[label])} | {gflop(label)} GFLOP | {to * 1000:.0f} ms "
             f"| {(ratio - 1) * 100:+.1f}% |"
         )
+    for label in matched.values():
+        plan_ = variants[label][0] if label in variants else None
+        for note in plan_.notes if plan_ is not None else []:
+            print(f"- {label}: {note}")  # e.g. a cheaper plan measured over the budget
     print(
         f"\nnoise floor: {control} against {sqrt_peer}, "
         f"the same thing twice: {(paired(control, sqrt_peer) - 1) * 100:+.1f}% (paired)"

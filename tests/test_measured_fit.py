@@ -24,6 +24,7 @@ from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy
+from memfit.units import format_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -408,6 +409,33 @@ def test_a_plan_within_the_reserve_that_recomputes_less_is_chosen_on_its_measure
     reserved = solve_profile(model, blind, policy, optimizer, "optimal", int(budget) + 1)
     assert reserved.measured_peak_bytes is None
     assert reserved.plan.recompute_flops > result.plan.recompute_flops
+
+
+def test_a_cheaper_plan_measured_over_the_budget_is_named_in_the_notes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same budget as above, the cheaper plan's step measured 1% over it (as where the
+    # prediction is low): the plan within the reserve stays, and its notes say why.
+    import memfit.checkpoint.measured_fit as measured_fit
+
+    model, optimizer, policy, profiled = _gpt_profile()
+    whole = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan
+    points = sorted(whole.frontier, key=lambda p: p.peak_bytes)
+    low, high = next(
+        (low, high)
+        for low, high in reversed(list(zip(points, points[1:])))
+        if high.recompute_flops < low.recompute_flops
+        and low.peak_bytes < high.peak_bytes * (1 - RESERVE)
+    )
+    budget = int(high.peak_bytes / (1 - RESERVE / 2)) + 1
+    monkeypatch.setattr(measured_fit.StepRun, "peak_bytes", lambda run, s: budget * 1.01)
+    result = solve_profile(model, profiled, policy, optimizer, "optimal", budget)
+    assert result.measured_peak_bytes is None
+    assert result.plan.recompute_flops > high.recompute_flops
+    assert result.plan.predicted_peak_bytes <= budget * (1 - RESERVE)
+    (note,) = [n for n in result.plan.notes if "predicted within the budget itself" in n]
+    assert f"recomputing {high.recompute_flops / 1e9:.3g} GFLOP" in note
+    assert f"measured {format_bytes(budget * 1.01)}: over the budget" in note, note
 
 
 def test_plans_tied_at_the_least_peak_are_not_refused_on_the_one_the_timing_picked(

@@ -327,16 +327,18 @@ def measured_within_reserve(
     run: StepRun, reserved: Solution, budget_bytes: float
 ) -> MeasuredFit | None:
     """``reserved.edge`` (the plan that recomputes less than ``reserved``, predicted within
-    the budget itself: :func:`~memfit.checkpoint.solvers.solve` with ``edge=True``) when its
-    measured step fits the budget with :func:`edge_slack` to spare; else None. The reserve
-    is what the measurement replaces: at a peer's memory the plan recomputes no more than
-    the prediction allows, not 2% less than that.
+    the budget itself: :func:`~memfit.checkpoint.solvers.solve` with ``edge=True``) with its
+    step measured and judged: ``verdict.fits`` when the step fits the budget with
+    :func:`edge_slack` to spare (the edge is then the plan), else the measurement that kept
+    ``reserved`` (the plan's notes say so); None when there is no such plan. The reserve is
+    what the measurement replaces: at a peer's memory the plan recomputes no more than the
+    prediction allows, not 2% less than that.
 
     Example::
 
         solution = solve(root, "optimal", budget, held, loss, reserve=RESERVE, edge=True)
         fit = measured_within_reserve(run, solution, budget)
-        solution = fit.solution if fit is not None else solution
+        solution = fit.solution if fit is not None and fit.verdict.fits else solution
     """
     edge = reserved.edge
     if edge is None:
@@ -344,7 +346,7 @@ def measured_within_reserve(
     peak = run.peak_bytes(edge)
     predicted = max(edge.predicted_peak_bytes, run.memory.floor_bytes)
     verdict = judge_fit(predicted, peak, budget_bytes, reserve=edge_slack(budget_bytes))
-    return MeasuredFit(edge, peak, verdict, least=False) if verdict.fits else None
+    return MeasuredFit(edge, peak, verdict, least=False)
 
 
 def module_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -244,6 +244,7 @@ def solve_profile(
     held = mem.held_bytes
     # Plans fit within 1 - RESERVE of the budget; errors name the budget that would fit.
     measured_fit: MeasuredFit | None = None
+    edge_refused: MeasuredFit | None = None  # a cheaper plan measured over, for the notes
     optimal = parse_strategy(strategy)[0] == "optimal"
     # With a budget, a step to measure decides what the prediction cannot: for any
     # strategy the plan at the budget's edge, for ``optimal`` also a cheaper one within it.
@@ -318,8 +319,10 @@ def solve_profile(
             # Between the budget less the reserve and the budget may lie a plan that
             # recomputes less: its measured step decides, not the reserve.
             cheaper = measured_within_reserve(run, solution, budget_bytes)
-            if cheaper is not None:
+            if cheaper is not None and cheaper.verdict.fits:
                 solution, measured_fit = cheaper.solution, cheaper
+            else:
+                edge_refused = cheaper
     if choice is not None:
         root = choice.tree
     return result_of_solution(
@@ -341,6 +344,7 @@ def solve_profile(
         storage_errors=None if choice is None else choice.errors,
         storage_seconds=0.0 if choice is None else choice.coding_seconds,
         reserve=reserve,
+        edge_refused=edge_refused,
     )
 
 
@@ -440,10 +444,12 @@ def result_of_solution(
     storage_errors: dict[str, float | None] | None = None,
     storage_seconds: float = 0.0,
     reserve: float = RESERVE,
+    edge_refused: MeasuredFit | None = None,
 ) -> PlanResult:
     """Stage 4: the solver's ``solution`` as a :class:`PlanResult`, its peak counted for
     the whole step (``measured_fit``: the measurement that accepted it, if one did;
-    ``reserve``: the share of the budget the solve kept free)."""
+    ``reserve``: the share of the budget the solve kept free; ``edge_refused``: a plan that
+    recomputes less, predicted within the budget itself, whose measured step did not fit)."""
     held, floor = mem.held_bytes, mem.floor_bytes
     # The solver plans without crediting checkpoint inputs that the kept unit before them
     # already saves (a bound); the prediction counts them once.
@@ -492,6 +498,19 @@ def result_of_solution(
             f"its step measured {format_bytes(measured_fit.measured_peak_bytes)} (the "
             "allocator's count of one "
             "forward and backward on the example batch), within it: planned with it"
+        )
+    if edge_refused is not None:
+        # Why a plan that recomputes less was not taken: a user comparing with a peer at
+        # this memory sees the measurement that decided.
+        edge = edge_refused.solution
+        plan_.notes.append(
+            f"a plan recomputing {edge.recompute_flops / 1e9:.3g} GFLOP "
+            f"({edge.recompute_seconds * 1e3:.3g} ms), predicted within the budget itself at "
+            f"{format_bytes(edge_refused.verdict.predicted_bytes)}, measured "
+            f"{format_bytes(edge_refused.measured_peak_bytes)}: over the budget less "
+            f"{edge_refused.verdict.reserve:.2%} kept for a measurement's noise; this plan "
+            f"({solution.recompute_flops / 1e9:.3g} GFLOP) is predicted within the "
+            f"{reserve:.0%} reserve"
         )
     if storage:
         # Every unit listed, as in any plan: those a stored unit's leaf hid keep.

@@ -14,7 +14,7 @@ times out, read it and raise :class:`~memfit.errors.DistributedError` naming tha
 
 Each collective here returns only once the process group's worker has let go of its
 tensors (:func:`_settled`). A gloo worker thread drops its reference to a collective's
-tensors after the caller has seen the collective complete, and in torch 2.10 and later
+tensors after the caller has seen the collective complete, and (torch 2.13, as measured)
 dropping any reference to a tensor that has a Python object takes the GIL. If the main
 thread is destroying the process group then (its last holder gone: a DDP model freed after
 ``destroy_process_group``), it holds the GIL while it waits for the worker threads to end,
