@@ -136,3 +136,32 @@ def test_every_public_name_is_in_the_reference() -> None:
     reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
     for name in [*memfit.__all__, *memfit._MOVED]:
         assert f"`{name}`" in reference, name
+
+
+def test_the_keras_front_end_leaves_torchs_flop_counter_unimported() -> None:
+    # torch.utils.flop_counter imports triton where it is installed (torch's CUDA builds
+    # from PyPI bring it), and triton's LLVM beside TensorFlow's aborts the process
+    # ("LLVM ERROR: inconsistency in registered CommandLine options": a Keras user's first
+    # memfit.keras.plan, with torch 2.15 and TensorFlow 2.21). memfit.keras plans with the
+    # solvers alone: the counter, which only torch steps use, stays out.
+    pytest.importorskip("tensorflow")
+    code = """
+        import os
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        import tensorflow, keras
+        import memfit.keras as mk
+        mk.plan, mk.MonitorCallback, mk.measure_step, mk.apply_plan
+        import json, sys
+        print(json.dumps(sorted(m for m in sys.modules if m in ("torch.utils.flop_counter", "triton"))))
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    # The counter still counts where it is asked for, as before.
+    from memfit.checkpoint.profiler import FLOP_FORMULAS, flop_counter
+
+    with flop_counter() as counter:
+        __import__("torch").ones(4, 8) @ __import__("torch").ones(8, 2)
+    assert counter.get_total_flops() == 2 * 4 * 8 * 2 and isinstance(FLOP_FORMULAS, dict)

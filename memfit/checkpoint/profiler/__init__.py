@@ -81,20 +81,25 @@ Example::
     prof.root            # UnitCost tree for memfit.checkpoint.solvers
 """
 
-from memfit.checkpoint.profiler.flops import (
-    DEFAULT_BANDWIDTH,
-    DEFAULT_FLOP_RATE,
-    FLOP_FORMULAS,
-    flop_counter,
-)
+from typing import Any
+
+from memfit.checkpoint.profiler.flops import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE, flop_counter
 from memfit.checkpoint.profiler.measure import profile
 from memfit.checkpoint.profiler.result import Profile
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_FLOP_RATE",
-    "FLOP_FORMULAS",
     "Profile",
     "flop_counter",
     "profile",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # FLOP_FORMULAS: made on first use (memfit.checkpoint.profiler.flops says why).
+    if name == "FLOP_FORMULAS":
+        from memfit.checkpoint.profiler.flops import flop_formulas
+
+        return flop_formulas()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,24 +14,27 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
+
+if TYPE_CHECKING:
+    from torch.utils.flop_counter import FlopCounterMode
+
+# torch.utils.flop_counter is imported on first use, not with this module: it imports
+# triton where triton is installed (torch's CUDA builds bring it), and triton's LLVM and
+# TensorFlow's cannot both load in one process ("LLVM ERROR: inconsistency in registered
+# CommandLine options", the process aborted). memfit.keras plans through the solvers of
+# this package, which must not bring it into a TensorFlow user's process.
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_FLOP_RATE",
-    "FLOP_FORMULAS",
-    "FLOP_REGISTRY",
     "flop_counter",
+    "flop_formulas",
+    "flop_registry_all",
 ]
 
 #: Nominal FLOP rate (FLOP/s) for time estimates on fake tensors: a modern accelerator's
@@ -49,6 +52,8 @@ def _sdpa_cpu_flops(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
@@ -61,10 +66,22 @@ def _sdpa_cpu_backward_flops(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-def _extra_formulas() -> dict[Any, Callable[..., int]]:
+@functools.cache
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """:data:`FLOP_FORMULAS`: the FLOP formulas (shape functions, as
+    ``FlopCounterMode(custom_mapping=...)`` takes them) for ops torch's counter misses: CPU
+    fused attention. Used by :func:`profile`.
+
+    >>> isinstance(flop_formulas(), dict)
+    True
+    """
+    from torch.utils.flop_counter import flop_registry
+
     formulas: dict[Any, Callable[..., int]] = {}
     for name, fn in (
         ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flops),
@@ -79,16 +96,26 @@ def _extra_formulas() -> dict[Any, Callable[..., int]]:
     return formulas
 
 
-#: FLOP formulas (shape functions, as ``FlopCounterMode(custom_mapping=...)`` takes them)
-#: for ops torch's counter misses: CPU fused attention. Used by :func:`profile`.
-FLOP_FORMULAS: dict[Any, Callable[..., int]] = _extra_formulas()
+@functools.cache
+def flop_registry_all() -> dict[Any, Callable[..., int]]:
+    """:data:`FLOP_REGISTRY`: every op's FLOP formula as the profiler applies it
+    (``formula(*args, **kwargs, out_val=out)``): torch's registry and :func:`flop_formulas`.
 
-#: Every op's FLOP formula as the profiler applies it (``formula(*args, **kwargs,
-#: out_val=out)``): torch's registry and :data:`FLOP_FORMULAS`.
-FLOP_REGISTRY: dict[Any, Callable[..., int]] = {
-    **flop_registry,
-    **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()},
-}
+    >>> torch.ops.aten.mm in flop_registry_all()
+    True
+    """
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    return {**flop_registry, **{k: shape_wrapper(v) for k, v in flop_formulas().items()}}
+
+
+def __getattr__(name: str) -> Any:
+    # FLOP_FORMULAS and FLOP_REGISTRY, the module's constants, made on first use.
+    if name == "FLOP_FORMULAS":
+        return flop_formulas()
+    if name == "FLOP_REGISTRY":
+        return flop_registry_all()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def flop_counter(display: bool = False) -> FlopCounterMode:
@@ -100,4 +127,6 @@ def flop_counter(display: bool = False) -> FlopCounterMode:
             loss_fn(model(x)).backward()
         fc.get_total_flops()
     """
-    return FlopCounterMode(display=display, custom_mapping=FLOP_FORMULAS)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=display, custom_mapping=flop_formulas())

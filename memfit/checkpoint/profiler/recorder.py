@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.checkpoint.profiler.chains import ChainWatch
-from memfit.checkpoint.profiler.flops import FLOP_REGISTRY
+from memfit.checkpoint.profiler.flops import flop_registry_all
 from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.profiler.stats import Stats, clock
 from memfit.checkpoint.profiler.storage import storage_of
@@ -359,7 +359,10 @@ class Recorder:
         if op is None:
             packet = func.overloadpacket
             op = self.ops[func] = _Op(
-                packet, FLOP_REGISTRY.get(packet), func._schema.is_mutable, packet in MATMUL_OPS
+                packet,
+                flop_registry_all().get(packet),
+                func._schema.is_mutable,
+                packet in MATMUL_OPS,
             )
         phase = self.phase
         ins = _op_tensors(args, kwargs)
