@@ -19,7 +19,8 @@ from memfit.checkpoint.measured_fit import (
     measured_plan,
 )
 from memfit.checkpoint.planner import RESERVE, solve_profile
-from memfit.checkpoint.profile_stage import profile_step
+from memfit.checkpoint.profile_stage import ModelProfile, profile_step
+from memfit.checkpoint.solvers import FrontierPoint
 from memfit.checkpoint.step_memory import with_backward_costs
 from memfit.errors import BudgetError
 from memfit.models import build_model
@@ -383,11 +384,14 @@ def test_a_budget_the_least_plan_measures_over_is_refused_with_the_measured_numb
         solve_profile(model, profiled, policy, optimizer, "optimal", budget)
 
 
-def test_a_plan_within_the_reserve_that_recomputes_less_is_chosen_on_its_measured_step() -> None:
-    # Two points of the frontier, the larger just inside the budget but not inside the
-    # budget less the reserve: the reserve alone would take the smaller (more recompute);
-    # measured within the budget, the larger is the plan.
-    model, optimizer, policy, profiled = _gpt_profile()
+def _across_the_reserve(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: PrecisionPolicy,
+    profiled: ModelProfile,
+) -> tuple[FrontierPoint, float]:
+    """The frontier point that recomputes less than the one below it and lies within the
+    budget but not within the budget less the reserve, the largest such; and that budget."""
     whole = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan
     points = sorted(whole.frontier, key=lambda p: p.peak_bytes)
     pairs = [
@@ -397,8 +401,16 @@ def test_a_plan_within_the_reserve_that_recomputes_less_is_chosen_on_its_measure
         and low.peak_bytes < high.peak_bytes * (1 - RESERVE)
     ]
     assert pairs, points
-    low, high = pairs[-1]
-    budget = high.peak_bytes / (1 - RESERVE / 2)
+    high = pairs[-1][1]
+    return high, high.peak_bytes / (1 - RESERVE / 2)
+
+
+def test_a_plan_within_the_reserve_that_recomputes_less_is_chosen_on_its_measured_step() -> None:
+    # Two points of the frontier, the larger just inside the budget but not inside the
+    # budget less the reserve: the reserve alone would take the smaller (more recompute);
+    # measured within the budget, the larger is the plan.
+    model, optimizer, policy, profiled = _gpt_profile()
+    high, budget = _across_the_reserve(model, optimizer, policy, profiled)
     assert high.peak_bytes <= budget and high.peak_bytes > budget * (1 - RESERVE)
     result = solve_profile(model, profiled, policy, optimizer, "optimal", int(budget) + 1)
     assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
@@ -419,15 +431,8 @@ def test_a_cheaper_plan_measured_over_the_budget_is_named_in_the_notes(
     import memfit.checkpoint.measured_fit as measured_fit
 
     model, optimizer, policy, profiled = _gpt_profile()
-    whole = solve_profile(model, profiled, policy, optimizer, "optimal", None).plan
-    points = sorted(whole.frontier, key=lambda p: p.peak_bytes)
-    low, high = next(
-        (low, high)
-        for low, high in reversed(list(zip(points, points[1:])))
-        if high.recompute_flops < low.recompute_flops
-        and low.peak_bytes < high.peak_bytes * (1 - RESERVE)
-    )
-    budget = int(high.peak_bytes / (1 - RESERVE / 2)) + 1
+    high, budget = _across_the_reserve(model, optimizer, policy, profiled)
+    budget = int(budget) + 1
     monkeypatch.setattr(measured_fit.StepRun, "peak_bytes", lambda run, s: budget * 1.01)
     result = solve_profile(model, profiled, policy, optimizer, "optimal", budget)
     assert result.measured_peak_bytes is None

@@ -111,7 +111,7 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
 
         stop, save = any_rank(signal_received, save_due)
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not current_world().distributed:
         return tuple(bool(f) for f in flags)
     votes = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
     _settled(dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=_cpu_group())
@@ -126,10 +126,11 @@ def from_rank0(value: Any) -> Any:
 
         mode = from_rank0(choose_precision(device).mode)
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = current_world()
+    if not world.distributed:
         return value
     # broadcast_object_list does the same on tensors of its own, which could not be settled.
-    group, rank0 = _cpu_group(), dist.get_rank() == 0
+    group, rank0 = _cpu_group(), world.rank == 0
     payload = pickle.dumps(value) if rank0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     _settled(dist.broadcast, size, src=0, group=group)
@@ -147,15 +148,16 @@ def from_every_rank(value: Any) -> list[Any]:
 
         rng_by_rank = from_every_rank(torch.get_rng_state())
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = current_world()
+    if not world.distributed:
         return [value]
-    group, rank, world = _cpu_group(), dist.get_rank(), dist.get_world_size()
+    group, rank, size = _cpu_group(), world.rank, world.world_size
     payload = pickle.dumps(value)
-    sizes = torch.zeros(world, dtype=torch.int64)
+    sizes = torch.zeros(size, dtype=torch.int64)
     sizes[rank] = len(payload)
     _settled(dist.all_reduce, sizes, op=dist.ReduceOp.SUM, group=group)
     lengths = [int(n) for n in sizes.tolist()]
-    starts = [sum(lengths[:r]) for r in range(world)]
+    starts = [sum(lengths[:r]) for r in range(size)]
     data = torch.zeros(sum(lengths), dtype=torch.uint8)
     data[starts[rank] : starts[rank] + len(payload)] = _bytes_tensor(payload)
     _settled(dist.all_reduce, data, op=dist.ReduceOp.SUM, group=group)
