@@ -856,3 +856,31 @@ def test_a_negative_loss_ends_the_frontier_at_the_static_bytes() -> None:
     assert [p.peak_bytes for p in sol.frontier] == [20.0]
     with pytest.raises(BudgetError):
         solve(root, "optimal", 19.0, static_bytes=20.0, loss_bytes=-5.0)
+
+
+def test_a_block_a_checkpoint_keeps_is_not_counted_again_at_a_later_forward_moment() -> None:
+    # "a" is checkpointed and keeps block 7 (1000 bytes) as its input; "b", kept, was
+    # measured with that block alive and unsaved through its forward (its forward hold
+    # counts it). The prediction counts it once, with what is kept; the solver's bound
+    # (no credits) counts it twice.
+    from memfit.checkpoint.solvers.plan_cost import kept_input_blocks, plan_cost
+
+    a = UnitCost("a", own_saved_bytes=500.0, input_bytes=1000.0, input_storages=((7, 1000.0),))
+    b = UnitCost(
+        "b",
+        own_saved_bytes=100.0,
+        input_bytes=400.0,
+        input_storages=((8, 400.0),),
+        forward_hold_bytes=3000.0,
+        forward_unsaved_inputs=((7, 1000.0),),
+    )
+    root = UnitCost("", children=[a, b], sequential=True)
+    plan = {"a": "recompute"}
+    assert kept_input_blocks(root, plan) == {7: 1000.0}
+    # kept: a's input (1000) and b's saved bytes (100); b's forward moment 3000 above them.
+    bound = plan_cost(root, plan).peak_bytes
+    counted = plan_cost(root, plan, shared_inputs=True).peak_bytes
+    assert bound == 1000.0 + 100.0 + 3000.0
+    assert counted == bound - 1000.0
+    # Unplanned, nothing is kept as a checkpoint's input: b's moment stands whole.
+    assert plan_cost(root, {}, shared_inputs=True).peak_bytes == 500.0 + 100.0 + 3000.0

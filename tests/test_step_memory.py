@@ -381,3 +381,27 @@ def test_zero_grad_names_where_the_loop_frees_the_gradients() -> None:
     )
     with pytest.raises(ConfigError, match="zero_grad='after_step' is not a place"):
         memfit.plan(model, batch_fn(2, generator=0), loss_fn, zero_grad="after_step")
+
+
+def test_the_losss_spike_leaves_out_a_block_a_checkpoint_keeps() -> None:
+    # The spike (at the last unit's end, 5000 above the end of forward) held block 3
+    # (2000 bytes) unsaved; the moments after it hold 2500. A plan that keeps block 3 as a
+    # checkpoint's input counts it with what is kept: the spike is 3000 or the later 2500.
+    from memfit.checkpoint.step_memory import StepMemory
+
+    mem = StepMemory(
+        base_bytes=0.0,
+        loss_bytes=5000.0,
+        grad_bytes=0.0,
+        in_flight_bytes=0.0,
+        loss_uncast_bytes=100.0,
+        loss_quiet_bytes=100.0,
+        spike_bytes=5000.0,
+        spike_later_bytes=2500.0,
+        spike_unsaved_inputs=((3, 2000.0),),
+    )
+    assert mem.loss_for(0.0) == 5000.0  # nothing kept as a checkpoint's input
+    assert mem.loss_for(0.0, {4}) == 5000.0
+    assert mem.loss_for(0.0, {3}) == 3000.0
+    later = dataclasses.replace(mem, spike_later_bytes=4000.0)
+    assert later.loss_for(0.0, {3}) == 4000.0

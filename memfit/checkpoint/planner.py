@@ -49,7 +49,7 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile_stage import ModelProfile
 from memfit.checkpoint.solvers import FrontierPoint, Solution, parse_strategy, plan_cost, solve
 from memfit.checkpoint.solvers.frontier import pareto
-from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes
+from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes, kept_input_blocks
 from memfit.checkpoint.step_memory import (
     RankLayout,
     StepMemory,
@@ -183,6 +183,8 @@ def solve_profile(
         loss_spike_bytes=None if edges is None else edges.loss_spike_bytes,
         head_backward_bytes=None if edges is None else edges.head_backward_bytes,
         zero_grad=zero_grad,
+        loss_spike_later_bytes=0.0 if edges is None else edges.loss_spike_later_bytes,
+        end_unsaved_inputs=profiled.forward_end_unsaved_inputs,
     )
     if edges is not None:
         # Before the first unit, the last step's gradients are held where the loop frees
@@ -212,6 +214,11 @@ def solve_profile(
             workspace_bytes=workspace,
             loss_bytes=less_excess(mem.loss_bytes),
             loss_uncast_bytes=less_excess(mem.loss_uncast_bytes),
+            loss_quiet_bytes=None
+            if mem.loss_quiet_bytes is None
+            else less_excess(mem.loss_quiet_bytes),
+            spike_bytes=less_excess(mem.spike_bytes),
+            spike_later_bytes=less_excess(mem.spike_later_bytes),
         )
     if correction_bytes:
         mem = dataclasses.replace(
@@ -455,7 +462,10 @@ def result_of_solution(
     # already saves (a bound); the prediction counts them once.
     # Nor do they credit autocast's weight copies that kept units save, which the end of
     # forward holds once (as saved tensors and in the autocast cache alike).
-    loss = mem.loss_beside(kept_cast_bytes(root, solution.decisions, solution.segments))
+    # Nor what the loss's spike holds of the blocks checkpoints keep as their inputs.
+    kept_cast = kept_cast_bytes(root, solution.decisions, solution.segments)
+    kept_inputs = kept_input_blocks(root, solution.decisions, solution.segments)
+    loss = mem.loss_for(kept_cast, kept_inputs)
     counted = plan_cost(root, solution.decisions, solution.segments, held, loss, shared_inputs=True)
     predicted = max(counted.peak_bytes, floor)
     note = solution.note

@@ -77,6 +77,9 @@ class ModelProfile:
     notes: tuple[str, ...] = ()
     """What profiling changed that plans must say (the model's own gradient checkpointing
     turned off: :mod:`memfit.checkpoint.native`)."""
+    forward_end_unsaved_inputs: tuple[tuple[int, float], ...] = ()
+    """Units' inputs that nothing saved, alive when the model's last unit ended its forward
+    (:attr:`Profile.end_unsaved_inputs`): the loss's measured spike holds them."""
     counted: bool = False
     """The tree's times are counted from FLOPs and bytes
     (:func:`~memfit.checkpoint.costs.counted_times`), not measured: what the planner adds
@@ -105,6 +108,7 @@ def profile_model(
             loss_saved_bytes=float(prof.loss_saved_bytes),
             output_held=keep_output,
             notes=native,
+            forward_end_unsaved_inputs=_last_end_unsaved(prof, ""),
         )
         loss_of = loss_fn or default_loss
         return _probed(
@@ -115,6 +119,15 @@ def profile_model(
             loss=lambda: loss_of(call_model(model, example_inputs)),
             inputs=example_inputs,
         )
+
+
+def _last_end_unsaved(prof: Profile, prefix: str) -> tuple[tuple[int, float], ...]:
+    """:attr:`ModelProfile.forward_end_unsaved_inputs`: those of the unit inside the model
+    (named ``prefix...``, the model itself left out) whose forward ended last."""
+    inside = [
+        ids for name, ids in prof.end_unsaved_inputs.items() if name and name.startswith(prefix)
+    ]
+    return inside[-1] if inside else ()
 
 
 def _probed(
@@ -257,6 +270,7 @@ def profile_step(
             loss_saved_bytes=float(prof.loss_saved_bytes + prof.root.own_saved_bytes),
             output_held=False,  # loss_fn returns the loss: the output it made is its own
             notes=native,
+            forward_end_unsaved_inputs=_last_end_unsaved(prof, "model."),
         )
 
         def step() -> torch.Tensor:  # the probe runs its forward, the workspace all of it

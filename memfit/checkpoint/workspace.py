@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,12 @@ class StepEdges:
     the call of ``backward``) held above what was left when it ended: its transients (a
     segmentation model's upsampled logits made contiguous for ``log_softmax``), which no
     count of saved tensors sees. The same ops run there under any plan."""
+    loss_spike_later_bytes: int = 0
+    """The same, of the moments after the last unit's end: the loss's part of forward with
+    what the last unit's end held and freed soon after left out (a concatenation's
+    output the model holds until it returns). A plan that keeps such a tensor as a
+    checkpoint's input counts it with what is kept: the spike less it is at least this
+    (:meth:`memfit.checkpoint.step_memory.StepMemory.loss_for`)."""
     head_backward_bytes: int | None = None
     """The most the head of backward (from the call of ``backward`` until the gradient of
     a unit's output is made, which starts that unit's backward: the loss's backward and
@@ -186,11 +193,16 @@ def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
     end = timeline.times[-1] if timeline.times else dones[-1]
     head = timeline.highest(float("-inf"), begins[0])
     tail = timeline.highest(dones[-1], end)
-    spike = 0
+    spike = later = 0
     ends, done = timeline.marks.get(_END, []), timeline.marks.get(_FORWARD_DONE, [])
     if done and ends and ends[0] < done[0]:
         start = max(t for t in ends if t < done[0])  # the last unit's end in forward
-        spike = timeline.highest(start, done[0]) - timeline.highest(done[0], done[0])
+        left = timeline.highest(done[0], done[0])
+        spike = timeline.highest(start, done[0]) - left
+        # The moments after it: from the first allocation or free after the start.
+        i = bisect.bisect_right(timeline.times, start)
+        if i < len(timeline.times) and timeline.times[i] <= done[0]:
+            later = timeline.highest(timeline.times[i], done[0]) - left
     head_backward = None
     grads_out = timeline.marks.get(_OUTPUT_GRAD, [])
     if done and any(t > done[0] for t in grads_out):
@@ -202,6 +214,7 @@ def _edges(timeline: Timeline, grad_bytes: int) -> StepEdges | None:
         head_bytes=head,
         tail_bytes=max(0, tail - grad_bytes),
         loss_spike_bytes=max(0, spike),
+        loss_spike_later_bytes=max(0, later),
         head_backward_bytes=head_backward,
     )
 

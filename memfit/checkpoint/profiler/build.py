@@ -223,6 +223,7 @@ def build_costs(
         backward_peak_released_bytes=float(st.backward_peak_released_bytes),
         release_levels={n: float(v) for n, v in st.release_levels.items()},
         forward_peak_bytes=float(st.forward_peak_bytes),
+        forward_unsaved_inputs=tuple((i, float(n)) for i, n in st.forward_unsaved_inputs.items()),
         can_recompute=not st.not_recomputable_reasons,
         can_select=not st.not_selective_reason,
         sequential=bool(sequential),

@@ -155,6 +155,7 @@ def profile(
             loss_saved = rec.loss_saved
             head_backward = rec.head_peak
             retained = dict(rec.retained_bytes)
+            end_unsaved = dict(rec.end_unsaved_inputs)
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
             saved_owner = dict(rec.saved_owner)
@@ -215,6 +216,9 @@ def profile(
         head_backward_bytes=head_backward,
         sparse_grad_bytes=sparse_grads,
         retained_bytes=retained,
+        end_unsaved_inputs={
+            name: tuple((i, float(n)) for i, n in ids.items()) for name, ids in end_unsaved.items()
+        },
     )
 
 

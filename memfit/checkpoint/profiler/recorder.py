@@ -47,6 +47,9 @@ class _Call:
     in_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     # The most the forward ops' storages held at once while it ran (measured steps only).
     peak_live: int = 0
+    # How many input ids were made when it began: a storage with a smaller id still alive
+    # at its end was alive all through it.
+    ids_before: int = 0
     buf_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
 
 
@@ -109,6 +112,9 @@ class Recorder:
         # the caller once ``resident`` is known).
         self.retained: RetainedTracker | None = None
         self.retained_bytes: dict[str, int] = {}
+        # Per unit, in the order their forwards end: units' inputs alive and unsaved then,
+        # by id (:attr:`Profile.end_unsaved_inputs`).
+        self.end_unsaved_inputs: dict[str, dict[int, int]] = {}
         self.saved_at: dict[Any, tuple[int, int]] = {}  # each saved storage: (seq, bytes)
         # The head of backward: the loss's and the top units' own ops, before backward
         # reaches any unit below them. What it makes, live at once, at most.
@@ -218,6 +224,7 @@ class Recorder:
                 if (buf := m._buffers.get(bname)) is not None
             ]
             self.chain_watch.enter(name, args, kwargs)
+            call.ids_before = self.input_ids_made
         if self.stack:
             self.stack[-1].saved_bytes_after_children = 0  # a child begins: what came before it
         if self.retained is not None:
@@ -256,7 +263,18 @@ class Recorder:
         st.output_bytes += self.nonresident_bytes(returned)
         st.saved_bytes_after_children += call.saved_bytes_after_children
         if self.retained is not None:
-            st.forward_peak_bytes = max(st.forward_peak_bytes, call.peak_live - self.forward_saved)
+            unsaved = self.unsaved_inputs()
+            peak = call.peak_live - self.forward_saved
+            if peak > st.forward_peak_bytes:
+                st.forward_peak_bytes = peak
+                # Alive all through the call: made before it began (a smaller id).
+                st.forward_unsaved_inputs = {
+                    i: n for i, n in unsaved.items() if i < call.ids_before
+                }
+            # In the order the units' forwards end (the last call's): the last unit inside
+            # the model leaves the loss's part of forward holding these.
+            self.end_unsaved_inputs.pop(name, None)
+            self.end_unsaved_inputs[name] = unsaved
         st.tail_flops += call.tail_flops
         st.tail_op_seconds += call.tail_op_seconds
         self.chain_watch.exit(name, output)
@@ -287,6 +305,18 @@ class Recorder:
             self.input_ids_made += 1
             weakref.finalize(ref, _forget_input, self.input_ids, key, found)
         return found
+
+    def unsaved_inputs(self) -> dict[int, int]:
+        """Units' inputs alive now, made by the forward's ops and saved by nothing, by id:
+        a forward moment measured now counts them, and a plan that keeps one as a
+        checkpoint's input counts it there too."""
+        assert self.retained is not None
+        alive = self.retained.alive
+        return {
+            i: alive[key][1]
+            for key, i in self.input_ids.items()
+            if key in alive and key not in self.saved_seen
+        }
 
     def nonresident_bytes(self, items: list[torch.Tensor]) -> int:
         seen: set[Any] = set()

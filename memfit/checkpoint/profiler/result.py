@@ -76,6 +76,13 @@ class Profile:
     forward and the loss were done (a custom Function's ``ctx.x``, a Python list of
     hidden states), by unit: held under every plan, since a checkpointed forward keeps
     them all the same (:mod:`memfit.checkpoint.profiler.retained`). Measured steps only."""
+    end_unsaved_inputs: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """Per unit, in the order their forwards ended (the last call's): units' inputs alive
+    then that nothing saved, each as ``(id, bytes)`` with the ids of
+    :attr:`UnitCost.input_storages` (a concatenation's output that the model holds until
+    it returns). The loss's part of forward begins with the last unit's held
+    (:attr:`memfit.checkpoint.workspace.StepEdges.loss_spike_bytes` counts them), and a
+    plan that keeps one as a checkpoint's input counts it there too. Measured steps only."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times

@@ -76,6 +76,10 @@ class Stats:
     # its calls): its inputs and outputs that nothing saves, its temporaries, what its
     # callers hold meanwhile (a list of earlier outputs).
     forward_peak_bytes: int = 0
+    # Of what forward_peak_bytes counts (its call with the highest peak), the units' inputs
+    # alive all through the call that nothing saved, by id (those of input_storage_ids):
+    # a plan that keeps one as a checkpoint's input counts it there already.
+    forward_unsaved_inputs: dict[int, int] = field(default_factory=dict)
     # Bytes of each non-resident storage it received, by storage key: to find the inputs
     # a sibling before it already saves.
     input_storage_bytes: dict[Any, int] = field(default_factory=dict)

@@ -78,6 +78,8 @@ class FlatUnit:
         "input_saved_bytes",
         "child_input_saved_bytes",
         "backward_hold_bytes",
+        "forward_hold_bytes",
+        "forward_unsaved_inputs",
         "kept_hold_bytes",
         "after_piece_hold_bytes",
         "child_backward_hold_table",
@@ -144,7 +146,11 @@ class FlatUnit:
         # A kept leaf's highest moment above what is kept through it: its backward's, or
         # its forward's (measured on the unplanned step, where what the units before it
         # save was held).
-        self.kept_hold_bytes = max(self.backward_hold_bytes, float(unit.forward_hold_bytes))
+        self.forward_hold_bytes = float(unit.forward_hold_bytes)
+        self.kept_hold_bytes = max(self.backward_hold_bytes, self.forward_hold_bytes)
+        # Inputs its forward moment counts as alive and unsaved: a plan that keeps one as a
+        # checkpoint's input before it counts it there (see ``plan_cost.evaluate_nodes``).
+        self.forward_unsaved_inputs = unit.forward_unsaved_inputs
         # The same right after a recomputed piece, where its forward holds more: the part
         # of its input the sibling before saves, and it does not, is alive but not kept.
         self.after_piece_hold_bytes = (

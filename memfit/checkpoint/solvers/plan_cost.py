@@ -83,6 +83,7 @@ def evaluate_nodes(
     shared_inputs: bool = False,
     rebuilds: list[tuple[tuple[int, tuple[int, int] | None], float]] | None = None,
     input_storages: Sequence[tuple[tuple[int, float], ...]] | None = None,
+    kept_inputs: dict[int, float] | None = None,
 ) -> PlanCost:
     """The cost of a plan given per node index.
 
@@ -92,7 +93,8 @@ def evaluate_nodes(
     in forward order. ``input_storages`` (with ``shared_inputs``), per node index, the
     memory blocks behind each unit's inputs (:attr:`UnitCost.input_storages`): a piece
     keeps no second copy of a block an earlier piece keeps as its input (held until
-    backward rebuilds that earlier piece, after this one).
+    backward rebuilds that earlier piece, after this one). ``kept_inputs``, when given
+    with them, receives those blocks' bytes by id, of every piece.
     """
     # The blocks earlier pieces keep as their inputs, by id: held through this piece.
     held_inputs: dict[int, float] = {}
@@ -106,6 +108,20 @@ def evaluate_nodes(
         again = sum(n for key, n in own if key in held_inputs)
         held_inputs.update(own)
         return max(credit, min(again, nodes[u].input_bytes))
+
+    def leaf_hold(node: FlatUnit, after_piece: bool) -> float:
+        """A kept leaf's moment above what is kept through it (``after_piece``: right after
+        a recomputed piece). Its forward moment was measured on the unplanned step with
+        inputs alive that nothing saved there; those an earlier piece keeps as its input
+        are counted with what is kept, so the forward moment leaves them out."""
+        hold = node.after_piece_hold_bytes if after_piece else node.kept_hold_bytes
+        kept = sum(n for key, n in node.forward_unsaved_inputs if key in held_inputs)
+        if not kept or not node.forward_hold_bytes:
+            return hold
+        forward = node.forward_hold_bytes - kept
+        if after_piece:
+            forward += node.input_saved_by_previous_bytes - node.input_saved_by_both_bytes
+        return max(node.backward_hold_bytes, forward)
 
     # untouched[u]: u and everything below it keep, and u is no segment's member.
     untouched = [True] * len(nodes)
@@ -153,7 +169,7 @@ def evaluate_nodes(
             # it keep are held (those after it are freed by then), with what that backward
             # makes; and its forward ran with those held, and what it made (the larger).
             if node.kept_hold_bytes:
-                high = max(high, k + node.kept_hold_bytes)
+                high = max(high, k + leaf_hold(node, False))
             return k, high, secs, flops, False
         ranges = segs.get(u)
         ends = dict(ranges) if ranges else {}
@@ -167,9 +183,12 @@ def evaluate_nodes(
                 # it (it has nothing saved after children, and recomputes nothing: adding
                 # those zeros would change no sum).
                 hold = child.kept_hold_bytes
+                if held_inputs and child.forward_unsaved_inputs and hold:
+                    hold = leaf_hold(child, after_piece)
+                elif after_piece:
+                    hold = child.after_piece_hold_bytes
                 if after_piece:  # see below; its forward holds its input besides
                     k += child.input_saved_by_both_bytes
-                    hold = child.after_piece_hold_bytes
                     after_piece = False
                 k += child.own_saved_bytes
                 if hold:
@@ -209,7 +228,10 @@ def evaluate_nodes(
         k += node.own_saved_after_children_bytes
         return k, high, secs, flops, after_piece
 
-    return PlanCost(*visit(0, 0.0, 0.0)[:4])
+    cost = PlanCost(*visit(0, 0.0, 0.0)[:4])
+    if kept_inputs is not None:
+        kept_inputs.update(held_inputs)
+    return cost
 
 
 def check_plan(
@@ -300,6 +322,28 @@ def plan_cost(
     return Evaluation(
         kept, peak - kept, static_bytes + peak, cost.seconds, cost.flops, cost.rebuild_bytes
     )
+
+
+def kept_input_blocks(
+    root: UnitCost,
+    decisions: Mapping[str, str],
+    segments: Mapping[str, list[tuple[int, int]]] | None = None,
+) -> dict[int, float]:
+    """The memory blocks a plan's checkpoints keep as their inputs, bytes by id (the ids
+    of :attr:`UnitCost.input_storages`).
+
+    >>> from memfit.checkpoint.costs import UnitCost
+    >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, input_storages=((7, 10.0),))
+    >>> kept_input_blocks(UnitCost("", children=[block]), {"b": "recompute"})
+    {7: 10.0}
+    """
+    nodes = flatten(root)
+    decision, segs = check_plan(nodes, decisions, segments or {})
+    by_name = {u.name: u.input_storages for u in root.walk()}
+    found: dict[int, float] = {}
+    storages = [by_name[n.name] for n in nodes]
+    evaluate_nodes(nodes, decision, segs, True, input_storages=storages, kept_inputs=found)
+    return found
 
 
 def kept_cast_bytes(
