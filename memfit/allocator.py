@@ -66,6 +66,11 @@ class AllocatorPeak:
     """The most any one op allocated and freed again inside itself, above what was
     allocated when it began and when it ended: a kernel's own workspace (CPU only; 0 on
     CUDA, where the allocator's statistics do not say which op allocated what)."""
+    peak_op_workspace_bytes: int = 0
+    """How far op workspaces raised the peak: the highest level less the highest level
+    between top-level ops (where every op's own scratch is freed and only tensors remain,
+    what a storage tracker sees). An op's large scratch at a moment when little else is
+    alive does not count (CPU only; 0 on CUDA)."""
     end_bytes: int | None = None
     """What was allocated when the work ended (what its result keeps alive included; CPU
     only, None elsewhere)."""
@@ -279,6 +284,7 @@ def allocator_peak(
         start,
         result,
         _op_workspace(times, levels, ops),
+        _peak_op_workspace(times, levels, ops, walked.highest),
         start + walked.end,
         Timeline(times, levels, marks) if timeline else None,
     )
@@ -358,6 +364,34 @@ def _flat(events: Iterable[Any]) -> Iterator[Any]:
     for event in events:
         yield event
         yield from _flat(event.children)
+
+
+def _peak_op_workspace(
+    times: list[int], levels: list[int], ops: list[tuple[int, int]], highest: int
+) -> int:
+    """``highest`` less the highest level between top-level ops: before each begins, after
+    each ends, and at every allocation or free outside them.
+
+    >>> # an op (times 1..4) with 50 bytes of scratch above its 100-byte output
+    >>> _peak_op_workspace([1, 2, 3, 6], [100, 150, 100, 0], [(1, 4)], 150)
+    50
+    """
+    outer: list[tuple[int, int]] = []
+    for begin, end in sorted(ops):  # a parent before its children: those inside are dropped
+        if outer and begin <= outer[-1][1]:
+            continue
+        outer.append((begin, end))
+    between = 0
+    inside = [False] * len(times)
+    for begin, end in outer:
+        i, j = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
+        between = max(between, levels[i - 1] if i else 0, levels[j - 1] if j else 0)
+        for k in range(i, j):
+            inside[k] = True
+    for k, level in enumerate(levels):
+        if not inside[k]:
+            between = max(between, level)
+    return max(0, highest - between)
 
 
 def _op_workspace(times: list[int], levels: list[int], ops: list[tuple[int, int]]) -> int:

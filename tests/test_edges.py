@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import memfit
@@ -259,3 +260,27 @@ def test_the_losss_moment_holds_only_the_workspace_alive_there(where: str) -> No
     # The head's buffer, measured in the head of backward's own rise, was counted again
     # as the step's workspace at the loss's moment: 2 MiB, 14% over.
     assert peak * 0.97 <= least.predicted_peak_bytes <= peak * 1.03
+
+
+def test_an_ops_scratch_counts_as_raising_the_peak_only_where_it_does() -> None:
+    # cross_entropy makes its log_softmax inside itself and frees it before it returns: a
+    # scratch of the logits' size that no tensor outside the op shows.
+    x = torch.randn(512, 256)
+    y = torch.randint(0, 256, (512,))
+    scratch = 512 * 256 * 4
+
+    def scratch_at_the_peak() -> torch.Tensor:
+        held = torch.zeros(2 * scratch // 4)  # alive through the op: the scratch tops it
+        return F.cross_entropy(x, y) + held.sum() * 0
+
+    def scratch_below_the_peak() -> torch.Tensor:
+        loss = F.cross_entropy(x, y)
+        later = torch.zeros(3 * scratch // 4)  # more than the scratch, with nothing else
+        return loss + later.sum() * 0
+
+    at = allocator_peak(scratch_at_the_peak, live=[x, y])
+    below = allocator_peak(scratch_below_the_peak, live=[x, y])
+    # (less the few bytes of the scalars the ops return, alive between them)
+    assert at.op_workspace_bytes >= scratch and below.op_workspace_bytes >= scratch
+    assert at.peak_op_workspace_bytes >= scratch - 64, at
+    assert below.peak_op_workspace_bytes <= 64, below

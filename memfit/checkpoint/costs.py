@@ -152,10 +152,12 @@ class UnitCost:
     LSTM layer's scratch), measured by the allocator on a rerun: a rebuild holds it on
     top of what it has rebuilt."""
     backward_workspace_bytes: float = 0.0
-    """The most one op of the unit's backward holds for itself beyond every tensor (a
-    convolution's unfolded input, an attention kernel's fp32 accumulators), measured by
-    the allocator on the rerun's backward: the dispatch-level ``backward_hold_bytes`` does
-    not see it, so a rebuild's backward holds it on top."""
+    """How far the ops of the unit's backward raised its peak with what they hold for
+    themselves beyond every tensor (a convolution's unfolded input, an attention kernel's
+    fp32 accumulators), measured by the allocator on the rerun's backward
+    (:attr:`memfit.allocator.AllocatorPeak.peak_op_workspace_bytes`): the dispatch-level
+    ``backward_hold_bytes`` does not see it, so a rebuild's backward holds it on top. A
+    scratch at a moment below the peak does not count."""
     tail_flops: float = 0.0
     """Forward FLOPs of the subtree's trailing ops, those after the last op that saves a
     tensor for backward: a rebuild that stops early (torch's ``early_stop``) skips them."""
