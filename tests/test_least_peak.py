@@ -342,19 +342,24 @@ def click_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     return F.binary_cross_entropy_with_logits(model(batch), batch["clicks"])
 
 
-def test_a_forward_moment_above_the_end_of_forward_is_predicted() -> None:
-    # Before: no unit's forward was a moment of the cost model, and the end of forward and
-    # the head of backward were counted with the largest gradient in flight between units
-    # (2 MiB here), which neither has. The two nearly cancelled at the zoo's recommender's
-    # least plan (+3.1%) and over-predicted its unplanned step (+4.8%).
+def parts_model_and_batch() -> tuple[PartsModel, dict[str, torch.Tensor]]:
+    """A seeded :class:`PartsModel` and a batch of 1024 clicks."""
     torch.manual_seed(0)
-    model = PartsModel()
     g = torch.Generator().manual_seed(0)
     batch = {
         "dense": torch.randn(1024, 13, generator=g),
         "bags": torch.randint(0, 512, (6, 1024, 8), generator=g),
         "clicks": (torch.rand(1024, generator=g) < 0.2).float(),
     }
+    return PartsModel(), batch
+
+
+def test_a_forward_moment_above_the_end_of_forward_is_predicted() -> None:
+    # Before: no unit's forward was a moment of the cost model, and the end of forward and
+    # the head of backward were counted with the largest gradient in flight between units
+    # (2 MiB here), which neither has. The two nearly cancelled at the zoo's recommender's
+    # least plan (+3.1%) and over-predicted its unplanned step (+4.8%).
+    model, batch = parts_model_and_batch()
     root = profile_step(model, batch, click_loss, PrecisionPolicy("fp32")).root
     dropout = next(u for u in root.walk() if u.name == "top.2")
     # Its forward holds its output and the list of parts above all saved by its end.
@@ -370,14 +375,7 @@ def test_a_concatenation_a_checkpoint_keeps_is_not_counted_again_where_it_was_un
     # MLP runs: the unplanned step's forward moments and the loss's spike count it as held
     # beyond what is saved. A plan that checkpoints the top MLP's start keeps it as the
     # checkpoint's input, and counted it twice (the zoo's recommender: +4.3%).
-    torch.manual_seed(0)
-    model = PartsModel()
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "dense": torch.randn(1024, 13, generator=g),
-        "bags": torch.randint(0, 512, (6, 1024, 8), generator=g),
-        "clicks": (torch.rand(1024, generator=g) < 0.2).float(),
-    }
+    model, batch = parts_model_and_batch()
     policy = PrecisionPolicy("bf16-mixed")
     memfit.precision.apply_precision(model, policy)
     try:

@@ -21,7 +21,7 @@ from memfit.checkpoint.measured_fit import (
 from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.profile_stage import ModelProfile, profile_step
 from memfit.checkpoint.solvers import FrontierPoint
-from memfit.checkpoint.step_memory import with_backward_costs
+from memfit.checkpoint.unit_holds import with_backward_costs
 from memfit.errors import BudgetError
 from memfit.models import build_model
 from memfit.precision.policy import PrecisionPolicy

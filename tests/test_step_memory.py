@@ -17,7 +17,7 @@ from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.planner import RESERVE, solve_profile
 from memfit.checkpoint.profile_stage import profile_step
-from memfit.checkpoint.step_memory import _cast_bytes
+from memfit.checkpoint.step_memory import autocast_copy_bytes
 from memfit.engine import split_batch
 from memfit.errors import ConfigError
 from memfit.models import build_model
@@ -309,8 +309,8 @@ def test_autocasts_copies_are_of_the_weights_it_multiplies_not_of_lookup_tables(
         torch.nn.Embedding(1000, 64), torch.nn.EmbeddingBag(500, 64), torch.nn.Linear(64, 32)
     )
     # bf16 copies of the Linear's weight alone: autocast casts no embedding lookup.
-    assert _cast_bytes(model, PrecisionPolicy("bf16-mixed")) == 64 * 32 * 2
-    assert _cast_bytes(model, PrecisionPolicy("fp32")) == 0
+    assert autocast_copy_bytes(model, PrecisionPolicy("bf16-mixed")) == 64 * 32 * 2
+    assert autocast_copy_bytes(model, PrecisionPolicy("fp32")) == 0
 
 
 def _loop_step_peak(model, opt, batch, loss_fn, zero_grad: str) -> int:

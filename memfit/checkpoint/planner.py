@@ -56,7 +56,6 @@ from memfit.checkpoint.step_memory import (
     ZeroGrad,
     sparse_grad_sizes,
     step_memory,
-    with_backward_costs,
 )
 from memfit.checkpoint.storage_stage import (
     CODED,
@@ -64,6 +63,7 @@ from memfit.checkpoint.storage_stage import (
     StorageChoice,
     step_storage_choice,
 )
+from memfit.checkpoint.unit_holds import with_backward_costs
 from memfit.errors import BudgetError, ConfigError
 from memfit.precision.kernels import module_device
 from memfit.precision.mode_timing import auto_choice

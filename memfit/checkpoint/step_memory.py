@@ -69,7 +69,7 @@ from torch import nn
 from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.optimizer_bytes import optimizer_state_bytes, optimizer_temp_bytes
 from memfit.checkpoint.profiler import Profile
-from memfit.checkpoint.released import released_backward_peak, released_tensors
+from memfit.checkpoint.released import released_tensors
 from memfit.checkpoint.tree import outermost_blocks
 from memfit.errors import ConfigError
 from memfit.precision.policy import PrecisionPolicy
@@ -190,7 +190,7 @@ def static_bytes(
     master_bytes = sum(p.numel() * p.element_size() for p in updated if id(p) not in model_params)
     if policy.master_weights and master_bytes == 0:
         master_bytes = sum(p.numel() * 4 for p in model.parameters() if trained[id(p)] < 4)
-    sparse = _by_param(model, sparse_grads)
+    sparse = sizes_by_param(model, sparse_grads)
     # Gradients as the weights they train: fp32 for masters, 16-bit for bf16-sr's weights
     # (whether or not the model has been cast yet).
     grad_bytes = sum(
@@ -404,7 +404,7 @@ def step_memory(
     # Under autocast with fp32 weights, torch keeps a 16-bit copy of each weight it casts
     # until the autocast region ends, after the loss: held at the end of forward, gone in
     # backward (a recompute casts only its own piece's weights again).
-    cast_cache = _cast_bytes(model, policy)
+    cast_cache = autocast_copy_bytes(model, policy)
     output = prof.output_bytes if output_bytes is None else output_bytes
     loss_saved = prof.loss_saved_bytes if loss_saved_bytes is None else loss_saved_bytes
     # Under FSDP2 one block's full fp32 gradients, before they are reduce-scattered.
@@ -416,7 +416,7 @@ def step_memory(
     # of what the head makes alive at once, the gradient it hands to the last block
     # included. The larger of the two is taken. It does not meet the cast copies: it runs
     # after the autocast region has ended.
-    in_flight = _in_flight_bytes(root)
+    in_flight = largest_in_flight_bytes(root)
     made = prof.head_backward_bytes if head_backward_bytes is None else head_backward_bytes
     head = max(loss_saved + output, made)
     accumulated = accumulation_steps > 1 or layout.kind == "ddp"
@@ -460,7 +460,7 @@ def step_memory(
     one_grad, one_temp = (largest.grad_bytes, largest.temp_bytes) if largest else (0.0, 0.0)
     released_by_param = {name: c.total_bytes for name, c in charges.items()}
     noted = _noted_params(model, root.release_levels)  # by identity: a tied tensor's aliases
-    head_params = _own_params(model, root) - noted
+    head_params = own_param_ids(model, root) - noted
     head_names = [n for n, p in model.named_parameters() if id(p) in head_params]
     backward_head += max((released_by_param.get(n, 0.0) for n in head_names), default=0.0)
     backward_head -= in_flight
@@ -526,7 +526,7 @@ def sparse_grad_sizes(prof: Profile, accumulation_steps: int = 1) -> dict[str, f
     return {name: float(n * accumulation_steps) for name, n in prof.sparse_grad_bytes.items()}
 
 
-def _by_param(model: nn.Module, by_name: Mapping[str, float] | None) -> dict[int, float]:
+def sizes_by_param(model: nn.Module, by_name: Mapping[str, float] | None) -> dict[int, float]:
     """``by_name`` keyed by the parameters' ids instead of their names."""
     if not by_name:
         return {}
@@ -575,13 +575,13 @@ def _noted_params(model: nn.Module, names: Iterable[str]) -> set[int]:
     return found
 
 
-def _own_params(model: nn.Module, unit: UnitCost) -> set[int]:
+def own_param_ids(model: nn.Module, unit: UnitCost) -> set[int]:
     """The ids of the parameters ``unit``'s module holds outside its child units."""
     inner = {id(p) for c in unit.children for p in model.get_submodule(c.name).parameters()}
     return {id(p) for p in model.get_submodule(unit.name).parameters() if id(p) not in inner}
 
 
-def _in_flight_bytes(root: UnitCost) -> float:
+def largest_in_flight_bytes(root: UnitCost) -> float:
     """The largest activation gradient passed from one unit's backward to another's: the
     gradient of a unit's output, over the units inside the model. The model's own output
     is left out: its gradient is the loss's, counted at the end of forward (``loss_bytes``)
@@ -590,7 +590,7 @@ def _in_flight_bytes(root: UnitCost) -> float:
     return float(max((u.output_bytes for u in root.walk() if u is not root), default=0.0))
 
 
-def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
+def autocast_copy_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
     """Bytes of the 16-bit copies autocast makes of ``module``'s fp32 weights (0 outside
     the mixed modes, 0 too where autocast keeps no cache): matrices and filters of modules
     that are not fp32 islands. An embedding's table is not one: autocast casts no lookup
@@ -609,109 +609,3 @@ def _cast_bytes(module: nn.Module, policy: PrecisionPolicy) -> int:
 
 #: Modules whose weights autocast never casts: lookups read rows, they multiply nothing.
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
-
-
-def with_backward_costs(
-    root: UnitCost,
-    model: nn.Module,
-    policy: PrecisionPolicy,
-    accumulating: bool = False,
-    layout: RankLayout | None = None,
-    sparse_grads: Mapping[str, float] | None = None,
-    released: Mapping[str, float] | None = None,
-    forward_offset_bytes: float = 0.0,
-) -> UnitCost:
-    """``root`` with what a rebuild in backward holds besides activations, per unit:
-
-    * ``recompute_extra_bytes``: a rebuild runs under autocast again and casts the unit's
-      weights again, beside what it saves (the copies it saves are counted there:
-      ``saved_cast_bytes``);
-    * ``backward_hold_bytes``: what the unit's backward was measured to hold beyond what it
-      saves, above the static bytes (``backward_peak_bytes`` less those);
-    * ``forward_hold_bytes``: what its forward was measured to hold beyond what the step had
-      saved by its end, less the gradient in flight the held bytes count
-      (``forward_peak_bytes`` less that);
-    * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
-      unit and of every unit after it in forward order, and (not knowing where in their
-      forward they are used) those of its ancestors' own parameters. With ``accumulating``
-      they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``);
-      with ``released`` (gradients freed in backward as their updates are applied) too:
-      none is held by then, and each unit's backward holds instead the one being released
-      with its update's temporaries: the most of its own tensors', from ``released``
-      (by parameter name: ``StepMemory.released_by_param``).
-
-    ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
-    under DDP every gradient is held already, in the buckets, as with accumulation.
-    ``sparse_grads``: sparse gradients' measured bytes by parameter name
-    (:func:`sparse_grad_sizes`). ``forward_offset_bytes``: what a forward moment holds
-    beyond the held bytes and its measured level (:attr:`StepMemory.forward_offset_bytes`).
-    """
-    layout = layout or RankLayout()
-    accumulating = accumulating or layout.kind == "ddp"
-    sharded = layout.kind == "fsdp"
-    width = 4 if policy.master_weights or sharded else None
-    shards = layout.world_size if sharded else 1
-
-    sparse = _by_param(model, sparse_grads)
-    releasing = _by_param(model, released)
-
-    def grad_bytes(params: list[nn.Parameter]) -> float:
-        sizes = (sparse.get(id(p), p.numel() * (width or p.element_size())) for p in params)
-        return float(sum(sizes)) / shards
-
-    order: list[UnitCost] = list(root.walk())  # forward order: parents before children
-    own: dict[str, float] = {}
-    for unit in order:
-        mine = _own_params(model, unit)
-        own[unit.name] = grad_bytes(
-            [
-                p
-                for p in model.get_submodule(unit.name).parameters()
-                if p.requires_grad and id(p) in mine
-            ]
-        )
-    after: dict[str, float] = {}
-    total = 0.0
-    for unit in reversed(order):
-        total += own[unit.name]
-        after[unit.name] = total
-
-    in_flight = _in_flight_bytes(root)
-    subtree_grads = {u.name: sum(own[v.name] for v in u.walk()) for u in order}
-
-    def fill(unit: UnitCost, above: float) -> UnitCost:
-        children = [fill(c, above + own[unit.name]) for c in unit.children]
-        grads = after[unit.name] + above
-        # What the unit's own backward held, less what the static bytes count already: the
-        # gradient passed in, and with accumulation the parameter gradients (held all step).
-        # With accumulation the gradients of the units after it are held already; its own
-        # new gradients are made beside the accumulated ones before they are added in.
-        # Released in backward: the peak of a loop that holds no gradient but the one it
-        # updates (:func:`_released_backward_peak`).
-        peak = unit.backward_peak_bytes
-        held_grads = 0.0
-        if accumulating:
-            held_grads = grads - subtree_grads[unit.name]
-        elif released is not None:
-            module = model.get_submodule(unit.name)
-            most = max((releasing.get(id(p), 0.0) for p in module.parameters()), default=0.0)
-            peak = released_backward_peak(unit, released, grads, most)
-        hold = peak - unit.total_saved_bytes() - in_flight - held_grads
-        return dataclasses.replace(
-            unit,
-            children=children,
-            # The copies its rebuild casts again, but for those it saves (counted there).
-            recompute_extra_bytes=max(
-                0.0,
-                float(_cast_bytes(model.get_submodule(unit.name), policy)) - unit.saved_cast_bytes,
-            ),
-            grads_from_bytes=0.0 if accumulating or released is not None else grads,
-            backward_hold_bytes=max(0.0, hold),
-            # Forward has no gradient in flight yet, which the held bytes count (see
-            # StepMemory.forward_offset_bytes for the rest). Not measured (0): no moment.
-            forward_hold_bytes=max(0.0, unit.forward_peak_bytes - in_flight + forward_offset_bytes)
-            if unit.forward_peak_bytes
-            else 0.0,
-        )
-
-    return fill(root, 0.0)

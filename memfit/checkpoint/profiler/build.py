@@ -160,7 +160,7 @@ def build_costs(
     input_bytes, output_bytes = float(st.input_bytes), float(st.output_bytes)
     input_storages = tuple((i, float(n)) for i, n in st.input_storage_ids.items())
     # Autocast's copies of the subtree's own matrices and filters that the subtree saves
-    # (the weights a rebuild casts again, as ``_cast_bytes`` counts them).
+    # (the weights a rebuild casts again, as step_memory.autocast_copy_bytes counts them).
     own_weights = {storage_of(p)[0] for p in module.parameters() if p.dim() >= 2}
     saved_casts = float(
         sum(

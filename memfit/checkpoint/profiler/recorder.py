@@ -24,7 +24,7 @@ from memfit.checkpoint.profiler.chains import ChainWatch
 from memfit.checkpoint.profiler.flops import flop_registry_all
 from memfit.checkpoint.profiler.retained import RetainedTracker
 from memfit.checkpoint.profiler.stats import Stats, clock
-from memfit.checkpoint.profiler.storage import storage_of
+from memfit.checkpoint.profiler.storage import SCALARS, dense, op_tensors, storage_of
 from memfit.checkpoint.recompute import MATMUL_OPS, saved_by_selective
 from memfit.checkpoint.tree import Unit, UnitTree
 from memfit.nested import tensors
@@ -263,7 +263,7 @@ class Recorder:
         st.output_bytes += self.nonresident_bytes(returned)
         st.saved_bytes_after_children += call.saved_bytes_after_children
         if self.retained is not None:
-            unsaved = self.unsaved_inputs()
+            unsaved = self.retained.unsaved(self.input_ids, self.saved_seen)
             peak = call.peak_live - self.forward_saved
             if peak > st.forward_peak_bytes:
                 st.forward_peak_bytes = peak
@@ -305,18 +305,6 @@ class Recorder:
             self.input_ids_made += 1
             weakref.finalize(ref, _forget_input, self.input_ids, key, found)
         return found
-
-    def unsaved_inputs(self) -> dict[int, int]:
-        """Units' inputs alive now, made by the forward's ops and saved by nothing, by id:
-        a forward moment measured now counts them, and a plan that keeps one as a
-        checkpoint's input counts it there too."""
-        assert self.retained is not None
-        alive = self.retained.alive
-        return {
-            i: alive[key][1]
-            for key, i in self.input_ids.items()
-            if key in alive and key not in self.saved_seen
-        }
 
     def nonresident_bytes(self, items: list[torch.Tensor]) -> int:
         seen: set[Any] = set()
@@ -395,11 +383,11 @@ class Recorder:
                 packet in MATMUL_OPS,
             )
         phase = self.phase
-        ins = _op_tensors(args, kwargs)
+        ins = op_tensors(args, kwargs)
         if isinstance(out, torch.Tensor):
             outs = [out]
         else:  # most are device queries (fake tensors' ``prim.device``): no tensor out
-            outs = [] if type(out) in _SCALARS else tensors(out)
+            outs = [] if type(out) in SCALARS else tensors(out)
         if phase == "fwd" and self.full:
             self.chain_watch.check_use(ins, self.running())
             if op.packet is _TO_COPY and len(outs) == 1 and ins:
@@ -563,7 +551,7 @@ class Recorder:
         buffer, other = args
         if not (isinstance(buffer, torch.Tensor) and isinstance(other, torch.Tensor)):
             return
-        if torch.is_grad_enabled() or buffer.layout != torch.strided or not _dense(buffer):
+        if torch.is_grad_enabled() or buffer.layout != torch.strided or not dense(buffer):
             return  # create_graph sums out of place; sparse and strided views cannot
         key, nbytes, _ = storage_of(buffer)
         if key == storage_of(other)[0] or nbytes != out.numel() * out.element_size():
@@ -649,39 +637,9 @@ class Recorder:
         return hook
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill a block of memory each once, in any order of its
-    dimensions (a contiguous tensor, or one transposed): what an in-place add needs."""
-    expected = 1
-    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 #: The op the autograd engine sums a tensor's gradients with when it cannot add in place.
 _ADD = torch.ops.aten.add.Tensor
 _TO_COPY = torch.ops.aten._to_copy  # autocast casts weights with it
-
-#: Argument types that hold no tensor (an op's scalars, dtypes, devices, shapes).
-_SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.device, torch.Size})
-
-
-def _op_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """``tensors((args, kwargs))``, walking an op's flat arguments without the general
-    walk (this runs for every op of a step)."""
-    found: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif type(a) not in _SCALARS:
-            found.extend(tensors(a))
-    if kwargs:
-        found.extend(tensors(kwargs))
-    return found
-
 
 #: The dispatch keys of Python modes and subclasses: excluded, ops run as plain ones.
 _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(

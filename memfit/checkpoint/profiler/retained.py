@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,14 @@ class RetainedTracker:
         entry = self.alive.pop(key, None)
         if entry is not None:
             self.live_bytes -= entry[1]
+
+    def unsaved(self, ids: Mapping[Any, int], saved: Collection[Any]) -> dict[int, int]:
+        """Of the storages ``ids`` names (units' inputs, by storage key), those alive now
+        that a forward op made and nothing in ``saved`` is: bytes by id. A forward moment
+        measured now counts them, and a plan that keeps one as a checkpoint's input counts
+        it there too (:attr:`~memfit.checkpoint.costs.UnitCost.forward_unsaved_inputs`)."""
+        alive = self.alive
+        return {i: alive[key][1] for key, i in ids.items() if key in alive and key not in saved}
 
     def held(self, exclude: Collection[Any]) -> dict[str, int]:
         """Bytes still alive, by the unit that made them, less the storages in
