@@ -49,7 +49,7 @@ from memfit.checkpoint.plan import Plan
 from memfit.checkpoint.profile_stage import ModelProfile
 from memfit.checkpoint.solvers import FrontierPoint, Solution, parse_strategy, plan_cost, solve
 from memfit.checkpoint.solvers.frontier import pareto
-from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes, kept_input_blocks
+from memfit.checkpoint.solvers.plan_cost import kept_cast_bytes
 from memfit.checkpoint.step_memory import (
     RankLayout,
     StepMemory,
@@ -464,9 +464,14 @@ def result_of_solution(
     # forward holds once (as saved tensors and in the autocast cache alike).
     # Nor what the loss's spike holds of the blocks checkpoints keep as their inputs.
     kept_cast = kept_cast_bytes(root, solution.decisions, solution.segments)
-    kept_inputs = kept_input_blocks(root, solution.decisions, solution.segments)
-    loss = mem.loss_for(kept_cast, kept_inputs)
-    counted = plan_cost(root, solution.decisions, solution.segments, held, loss, shared_inputs=True)
+    counted = plan_cost(
+        root,
+        solution.decisions,
+        solution.segments,
+        held,
+        lambda kept_inputs: mem.loss_for(kept_cast, kept_inputs),
+        shared_inputs=True,
+    )
     predicted = max(counted.peak_bytes, floor)
     note = solution.note
     if storage and solution.recompute_flops == 0:

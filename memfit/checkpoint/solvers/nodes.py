@@ -81,6 +81,7 @@ class FlatUnit:
         "forward_hold_bytes",
         "forward_unsaved_inputs",
         "kept_hold_bytes",
+        "after_piece_forward_bytes",
         "after_piece_hold_bytes",
         "child_backward_hold_table",
         "own_saved_after_children_bytes",
@@ -151,18 +152,16 @@ class FlatUnit:
         # Inputs its forward moment counts as alive and unsaved: a plan that keeps one as a
         # checkpoint's input before it counts it there (see ``plan_cost.evaluate_nodes``).
         self.forward_unsaved_inputs = unit.forward_unsaved_inputs
-        # The same right after a recomputed piece, where its forward holds more: the part
+        # Its forward moment right after a recomputed piece, where it holds more: the part
         # of its input the sibling before saves, and it does not, is alive but not kept.
-        self.after_piece_hold_bytes = (
-            max(
-                self.kept_hold_bytes,
-                float(unit.forward_hold_bytes)
-                + self.input_saved_by_previous_bytes
-                - self.input_saved_by_both_bytes,
-            )
+        self.after_piece_forward_bytes = (
+            self.forward_hold_bytes
+            + self.input_saved_by_previous_bytes
+            - self.input_saved_by_both_bytes
             if unit.forward_hold_bytes
-            else self.kept_hold_bytes
+            else 0.0
         )
+        self.after_piece_hold_bytes = max(self.kept_hold_bytes, self.after_piece_forward_bytes)
         # For a chain: range maxima of the children's backward holds (a sparse table:
         # row r holds the maxima of 2**r children from each position).
         self.child_backward_hold_table: Sequence[Sequence[float]] = ()

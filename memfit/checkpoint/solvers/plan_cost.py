@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -118,10 +118,8 @@ def evaluate_nodes(
         kept = sum(n for key, n in node.forward_unsaved_inputs if key in held_inputs)
         if not kept or not node.forward_hold_bytes:
             return hold
-        forward = node.forward_hold_bytes - kept
-        if after_piece:
-            forward += node.input_saved_by_previous_bytes - node.input_saved_by_both_bytes
-        return max(node.backward_hold_bytes, forward)
+        forward = node.after_piece_forward_bytes if after_piece else node.forward_hold_bytes
+        return max(node.backward_hold_bytes, forward - kept)
 
     # untouched[u]: u and everything below it keep, and u is no segment's member.
     untouched = [True] * len(nodes)
@@ -292,7 +290,7 @@ def plan_cost(
     decisions: Mapping[str, str],
     segments: Mapping[str, list[tuple[int, int]]] | None = None,
     static_bytes: float = 0.0,
-    loss_bytes: float = 0.0,
+    loss_bytes: float | Callable[[Mapping[int, float]], float] = 0.0,
     shared_inputs: bool = False,
 ) -> Evaluation:
     """Predict memory and recompute cost of given decisions under the cost model.
@@ -300,15 +298,23 @@ def plan_cost(
     Units missing from ``decisions`` keep. Decisions below a recomputed unit, or on a
     segment's members, are ignored: nothing is nested inside a recomputed piece.
     ``loss_bytes`` is held at the end of forward only (the model's output and what the
-    loss saves). With ``shared_inputs``, a recomputed piece whose input the wholly kept
-    sibling before it already saves, or whose input blocks an earlier piece keeps as its
-    own input (:attr:`UnitCost.input_storages`), keeps no second copy of them (the
-    solvers plan without these credits, a bound; predictions use them).
+    loss saves); a function is given the memory blocks the plan's checkpoints keep as
+    their inputs (bytes by id, :attr:`UnitCost.input_storages`; with ``shared_inputs``)
+    and returns it (what the loss holds of those is kept already). With
+    ``shared_inputs``, a recomputed piece whose input the wholly kept sibling before it
+    already saves, or whose input blocks an earlier piece keeps as its own input, keeps no
+    second copy of them (the solvers plan without these credits, a bound; predictions use
+    them).
 
     >>> from memfit.checkpoint.costs import UnitCost
-    >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, fwd_seconds=0.5)
-    >>> plan_cost(UnitCost("", children=[block]), {"b": "recompute"}).peak_bytes
+    >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, input_storages=((7, 10.0),))
+    >>> root = UnitCost("", children=[block])
+    >>> plan_cost(root, {"b": "recompute"}).peak_bytes
     120.0
+    >>> def loss(kept_inputs):  # 500 bytes, of which the checkpoint's input kept already
+    ...     return 500.0 - sum(kept_inputs.values())
+    >>> plan_cost(root, {"b": "recompute"}, loss_bytes=loss, shared_inputs=True).peak_bytes
+    500.0
     """
     nodes = flatten(root)
     decision, segs = check_plan(nodes, decisions, segments or {})
@@ -316,34 +322,15 @@ def plan_cost(
     if shared_inputs:
         by_name = {u.name: u.input_storages for u in root.walk()}
         storages = [by_name[n.name] for n in nodes]
-    cost = evaluate_nodes(nodes, decision, segs, shared_inputs, input_storages=storages)
-    peak = cost.peak(loss_bytes)
+    kept_inputs: dict[int, float] = {}
+    cost = evaluate_nodes(
+        nodes, decision, segs, shared_inputs, input_storages=storages, kept_inputs=kept_inputs
+    )
+    peak = cost.peak(loss_bytes(kept_inputs) if callable(loss_bytes) else loss_bytes)
     kept = cost.kept_bytes
     return Evaluation(
         kept, peak - kept, static_bytes + peak, cost.seconds, cost.flops, cost.rebuild_bytes
     )
-
-
-def kept_input_blocks(
-    root: UnitCost,
-    decisions: Mapping[str, str],
-    segments: Mapping[str, list[tuple[int, int]]] | None = None,
-) -> dict[int, float]:
-    """The memory blocks a plan's checkpoints keep as their inputs, bytes by id (the ids
-    of :attr:`UnitCost.input_storages`).
-
-    >>> from memfit.checkpoint.costs import UnitCost
-    >>> block = UnitCost("b", own_saved_bytes=100.0, input_bytes=10.0, input_storages=((7, 10.0),))
-    >>> kept_input_blocks(UnitCost("", children=[block]), {"b": "recompute"})
-    {7: 10.0}
-    """
-    nodes = flatten(root)
-    decision, segs = check_plan(nodes, decisions, segments or {})
-    by_name = {u.name: u.input_storages for u in root.walk()}
-    found: dict[int, float] = {}
-    storages = [by_name[n.name] for n in nodes]
-    evaluate_nodes(nodes, decision, segs, True, input_storages=storages, kept_inputs=found)
-    return found
 
 
 def kept_cast_bytes(
