@@ -2,7 +2,8 @@
 
 For each model of ``bench/zoo_models.py`` (tiny Hugging Face models built from their configs,
 no weights downloaded: ResNet, ConvNeXt, ViT, GPT-2, Llama, BERT, T5, Mixtral, Whisper, Swin,
-Mamba, Wav2Vec2 with its CTC loss, SegFormer, CLIP; and memfit's GPT, a chain of residual MLP
+Mamba, Wav2Vec2 with its CTC loss, SegFormer, CLIP, Qwen3 with tied embeddings, BART,
+DeBERTa-v2, GPT-NeoX, Gemma2, BEiT; and memfit's GPT, a chain of residual MLP
 blocks 16x apart in width, an LSTM language model and an ``nn.EmbeddingBag`` recommender;
 and Llama and BERT fine-tuned through PEFT's LoRA adapters, their weights frozen) and
 each precision (fp32, and bf16-mixed: ``torch.autocast("cpu", torch.bfloat16)`` around
