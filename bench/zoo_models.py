@@ -50,6 +50,24 @@ from zoo_written import (  # bench/zoo_written.py: the models written here
 
 from memfit.models.gpt import gpt_loss
 
+#: The language models' common sizes (each config names them alike).
+LM_SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
+#: The encoder-decoders' common sizes (Whisper's and BART's configs name them alike).
+SEQ2SEQ_SIZES = {
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 256,
+    "decoder_ffn_dim": 256,
+}
 #: One example batch from a seeded generator.
 BatchFn = Callable[[torch.Generator], Any]
 
@@ -279,12 +297,8 @@ def _image_text(n: int, size: int, seq: int, vocab: int) -> BatchFn:
 def _bert_config() -> transformers.BertConfig:
     """The zoo's BERT, fine-tuned whole (``bert``) or through adapters (``bert-lora``)."""
     return transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        **LM_SIZES,
         intermediate_size=256,
-        max_position_embeddings=128,
     )
 
 
@@ -340,13 +354,9 @@ ZOO: dict[str, ZooModel] = {
     "llama": hf_model(
         "Llama causal LM",
         lambda: transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
+            **LM_SIZES,
             intermediate_size=176,
-            num_hidden_layers=4,
-            num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=128,
             bos_token_id=0,
             eos_token_id=0,
         ),
@@ -399,15 +409,11 @@ ZOO: dict[str, ZooModel] = {
     "mixtral": hf_model(
         "Mixtral mixture of experts",
         lambda: transformers.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
+            **LM_SIZES,
             intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
             num_key_value_heads=2,
             num_local_experts=4,
             num_experts_per_tok=2,
-            max_position_embeddings=128,
             bos_token_id=0,
             eos_token_id=0,
         ),
@@ -417,15 +423,9 @@ ZOO: dict[str, ZooModel] = {
     "whisper": hf_model(
         "Whisper speech encoder-decoder",
         lambda: transformers.WhisperConfig(
+            **SEQ2SEQ_SIZES,
             vocab_size=VOCAB,
             num_mel_bins=80,
-            d_model=64,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=256,
-            decoder_ffn_dim=256,
             max_source_positions=64,  # 128 input frames, halved by the second convolution
             max_target_positions=64,
             decoder_start_token_id=0,
@@ -545,14 +545,10 @@ ZOO: dict[str, ZooModel] = {
     "qwen3": hf_model(
         "Qwen3 causal LM, tied embeddings",
         lambda: transformers.Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
+            **LM_SIZES,
             intermediate_size=176,
-            num_hidden_layers=4,
-            num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            max_position_embeddings=128,
             tie_word_embeddings=True,
             bos_token_id=0,
             eos_token_id=0,
@@ -563,14 +559,8 @@ ZOO: dict[str, ZooModel] = {
     "bart": hf_model(
         "BART encoder-decoder",
         lambda: transformers.BartConfig(
+            **SEQ2SEQ_SIZES,
             vocab_size=VOCAB,
-            d_model=64,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=256,
-            decoder_ffn_dim=256,
             max_position_embeddings=128,
             bos_token_id=0,
             pad_token_id=1,
@@ -584,12 +574,8 @@ ZOO: dict[str, ZooModel] = {
     "deberta-v2": hf_model(
         "DeBERTa-v2 masked LM, disentangled relative attention",
         lambda: transformers.DebertaV2Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
+            **LM_SIZES,
             intermediate_size=256,
-            max_position_embeddings=128,
             # as DeBERTa-v3 is configured: relative attention, no absolute positions
             relative_attention=True,
             pos_att_type=["p2c", "c2p"],
@@ -605,12 +591,8 @@ ZOO: dict[str, ZooModel] = {
     "gpt-neox": hf_model(
         "GPT-NeoX causal LM, parallel residual",
         lambda: transformers.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
+            **LM_SIZES,
             intermediate_size=256,
-            max_position_embeddings=128,
             use_parallel_residual=True,
             bos_token_id=0,
             eos_token_id=0,
@@ -621,15 +603,11 @@ ZOO: dict[str, ZooModel] = {
     "gemma2": hf_model(
         "Gemma2 causal LM, soft-capping, sliding window",
         lambda: transformers.Gemma2Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
+            **LM_SIZES,
             intermediate_size=176,
-            num_hidden_layers=4,
-            num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
             query_pre_attn_scalar=16,
-            max_position_embeddings=128,
             sliding_window=32,  # shorter than the sequence: the sliding layers do slide
             bos_token_id=0,
             eos_token_id=1,
@@ -658,12 +636,8 @@ ZOO: dict[str, ZooModel] = {
     "llama-lora": lora_model(
         "Llama causal LM, LoRA adapters (PEFT)",
         lambda: transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
+            **LM_SIZES,
             intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            max_position_embeddings=128,
             use_cache=False,
             bos_token_id=0,
             eos_token_id=0,
