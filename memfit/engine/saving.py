@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from memfit.engine.data_parallel import EngineParallel
     from memfit.precision.master import MasterWeights
     from memfit.precision.scaler import LossScaler
+
+#: The class ``resume`` is called on (the Engine): it returns one of those.
+_Stage = TypeVar("_Stage", bound="SavingStage")
 
 
 class SavingStage:
@@ -151,13 +154,13 @@ class SavingStage:
 
     @classmethod
     def resume(
-        cls,
+        cls: type[_Stage],
         path: str | Path,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any = None,
         **overrides: Any,
-    ) -> Any:
+    ) -> _Stage:
         """Rebuild an Engine from a checkpoint with its saved settings and every state.
 
         ``model`` and ``optimizer`` are freshly built the same way as for the saved run (to
