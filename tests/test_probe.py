@@ -26,7 +26,7 @@ from memfit.allocator import allocator_peak
 from memfit.checkpoint.apply import remove_plan
 from memfit.checkpoint.costs import counted_times
 from memfit.checkpoint.planner import RESERVE, solve_profile
-from memfit.checkpoint.probe import unstable_units
+from memfit.checkpoint.probe import probe_units, unstable_units
 from memfit.checkpoint.profile_stage import profile_model
 from memfit.precision.policy import PrecisionPolicy
 
@@ -132,6 +132,33 @@ def test_state_kept_in_a_tensor_attribute_is_state() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _RunningSum())
     found = unstable_units(model, lambda: model(torch.randn(3, 4)), ["0", "1"])
     assert set(found) == {"1"} and "does other work when run again" in found["1"]
+
+
+class _ResidualNorm(nn.Module):
+    """A dense layer, dropout and a post-norm residual, as BERT's output sublayer is written."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.dense(x))
+        return self.norm(h + x)
+
+
+def test_a_rebuilds_forward_is_measured_holding_the_outputs_nothing_saves() -> None:
+    # Up to its last save (the LayerNorm's input), a rebuild holds two tensors of the
+    # input's size that nothing saves: the dropout's output, which the forward's local name
+    # keeps until it returns, and the LayerNorm's output, made before the norm saves what it
+    # needs. Charged neither, a three-layer BERT's least plan ran 3.5% over its prediction.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _ResidualNorm(), _ResidualNorm()).train()
+    x = torch.randn(8, 32, 64)
+    found = probe_units(model, lambda: model(x), ["1", "2"], workspace=True)
+    assert found.rebuild_forward == {"1": 2 * x.nbytes, "2": 2 * x.nbytes}
+    assert probe_units(model, lambda: model(x), ["1", "2"]).rebuild_forward == {}
 
 
 # --------------------------------------------------------------------------- Hugging Face

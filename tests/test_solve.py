@@ -41,17 +41,23 @@ def _rebuilt(unit: UnitCost) -> float:
 
 
 def _rebuild(
-    first: UnitCost, rebuilt: float, workspace: float, hold: float, back_workspace: float
+    first: UnitCost,
+    rebuilt: float,
+    workspace: float,
+    hold: float,
+    back_workspace: float,
+    last: UnitCost | None = None,
+    forward: float = 0.0,
 ) -> float:
-    """A rebuild starting with ``first`` above what is kept: its input, what it rebuilds
+    """A rebuild of ``first`` .. ``last`` above what is kept: its input, what it rebuilds
     less the part of the input ``first`` saves, then the larger of its forward's moment
-    (gradients made by then, and a forward kernel's workspace or the input's gradient) and
+    (the gradients made when backward reaches ``last``, and a forward kernel's workspace,
+    the input's gradient or what the forward holds above what it saves, the largest) and
     its backward's measured hold with the smaller of the two kernels' workspaces."""
     inp = first.input_bytes
     again = min(first.input_saved_bytes, inp)
-    moment = max(
-        first.grads_from_bytes + max(workspace, inp), hold + min(workspace, back_workspace)
-    )
+    grads = (last or first).grads_from_bytes
+    moment = max(grads + max(workspace, inp, forward), hold + min(workspace, back_workspace))
     return inp + max(0.0, rebuilt - again) + moment
 
 
@@ -104,6 +110,8 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
                                     max(c.forward_workspace_bytes for c in members),
                                     max(c.backward_hold_bytes for c in members),
                                     max(c.backward_workspace_bytes for c in members),
+                                    members[-1],
+                                    max(c.rebuild_forward_bytes for c in members),
                                 ),
                             ),
                             # A rebuild stops early: the last member's tail is skipped;
@@ -130,6 +138,7 @@ def _configs(unit: UnitCost, is_root: bool) -> set[Config]:
             unit.forward_workspace_bytes,
             unit.backward_hold_bytes,
             unit.backward_workspace_bytes,
+            forward=unit.rebuild_forward_bytes,
         )
         seconds = unit.fwd_seconds - unit.tail_seconds + unit.piece_seconds
         flops = unit.fwd_flops - unit.tail_flops
@@ -208,6 +217,8 @@ def small_trees(draw: st.DrawFn, max_units: int = 9) -> UnitCost:
             unit.forward_workspace_bytes = draw(small)
         if draw(st.booleans()):
             unit.backward_workspace_bytes = draw(small)
+        if draw(st.booleans()):
+            unit.rebuild_forward_bytes = draw(small)
         if draw(st.booleans()):
             unit.own_saved_after_children_bytes = float(
                 draw(st.integers(0, int(unit.own_saved_bytes)))

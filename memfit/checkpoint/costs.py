@@ -26,7 +26,8 @@ and residual add), is not run again.
 
 Backward rebuilds one piece at a time, after everything after it in forward order has been
 freed: a rebuild holds what is kept before the piece, its input and the input's gradient,
-all the piece saves, ``recompute_extra_bytes`` and ``grads_from_bytes``. Predicted peak =
+all the piece saves, ``recompute_extra_bytes`` and ``grads_from_bytes``, and what its
+forward holds besides until its last save (``rebuild_forward_bytes``). Predicted peak =
 static + max(kept + loss bytes at the end of forward, the highest rebuild).
 """
 
@@ -106,9 +107,16 @@ class UnitCost:
     matmul under autocast saves the copy of the weight it multiplies by): a rebuild makes
     them as it saves them, so they are no extra beside what it saves."""
     grads_from_bytes: float = 0.0
-    """Parameter gradients that exist when backward rebuilds this unit: those of the unit
-    and of everything after it in forward order (backward has made them by then), and of
-    its ancestors' own parameters (where in their forward those are used is not known)."""
+    """Parameter gradients that exist when backward rebuilds this unit: those backward had
+    made when it first reached the unit in the profiled step (``grads_before_backward``),
+    or, where that was not measured, those of the unit and of everything after it in
+    forward order and of its ancestors' own parameters (a bound)."""
+    grads_before_backward: int = -1
+    """How many of the profiled step's parameter gradients
+    (:attr:`~memfit.checkpoint.profiler.Profile.grad_order`) existed when backward first
+    reached the unit: its own are not among them unless a later use made them (a tied
+    weight). -1: not measured, or the unit ran more than once (its earlier calls' rebuilds
+    follow its own gradients)."""
     backward_peak_bytes: float = 0.0
     """The most alive while the subtree ran backward, measured: what it saved that backward
     had not reached yet, and what backward had made and still held (the gradient passed
@@ -151,6 +159,12 @@ class UnitCost:
     """The most one op of the unit's forward holds for itself beyond every tensor (an
     LSTM layer's scratch), measured by the allocator on a rerun: a rebuild holds it on
     top of what it has rebuilt."""
+    rebuild_forward_bytes: float = 0.0
+    """The most a rebuild's forward holds above all it allocates and saves, up to its last
+    op that saves a tensor (where a rebuild that stops early stops): outputs no op saves
+    that a later op reads (a layer's output beside its LayerNorm's saved input), and the
+    kernels' scratch then. Measured by the allocator on a rerun of the unit
+    (:attr:`memfit.checkpoint.probe.ProbeResult.rebuild_forward`; 0 where not)."""
     backward_workspace_bytes: float = 0.0
     """How far the ops of the unit's backward raised its peak with what they hold for
     themselves beyond every tensor (a convolution's unfolded input, an attention kernel's

@@ -590,6 +590,7 @@ def cost_tree(
         sparse_grads=sparse_grad_sizes(profiled.profile, accumulation_steps),
         released=released,
         forward_offset_bytes=forward_offset_bytes,
+        grad_order=profiled.profile.grad_order,
     )
 
 

@@ -279,6 +279,12 @@ class ProbeResult:
     themselves beyond every tensor raised its peak (a convolution's unfolded input, an
     attention kernel's fp32 accumulators; what a rebuild's backward may hold that no
     dispatch-level count sees; :attr:`memfit.allocator.AllocatorPeak.peak_op_workspace_bytes`)."""
+    rebuild_forward: dict[str, int] = field(default_factory=dict)
+    """For the same units: the most that rerun's forward held, up to its last op that saves
+    a tensor for backward (where a rebuild that stops early stops), above all the tensors
+    it allocated and saved: the outputs of its ops that nothing saves but a later op reads
+    (a layer's output beside its LayerNorm's saved input, a dropout's output until the
+    residual add), and the kernels' scratch at that moment."""
 
 
 def unstable_units(
@@ -326,6 +332,7 @@ def probe_units(
         return ProbeResult({}, {}, {})
     rec = _Recording()
     tokens = _Tokens()
+    rebuilds: dict[str, int] = {}
     log = _OpLog(rec.ops, tokens)
     cuda = _cuda_devices(model)
     handles = _record_calls(modules, rec, log, cuda)
@@ -345,11 +352,11 @@ def probe_units(
                 if why is not None:
                     reasons[call.name] = why
             if workspace:  # buffers and the random state are restored after these too
-                workspaces, backward_workspaces = _workspaces(model, rec.calls, reasons)
+                workspaces, backward_workspaces, rebuilds = _workspaces(model, rec.calls, reasons)
     finally:
         for handle in handles:
             handle.remove()
-    return ProbeResult(reasons, workspaces, backward_workspaces)
+    return ProbeResult(reasons, workspaces, backward_workspaces, rebuilds)
 
 
 def _record_calls(
@@ -440,33 +447,84 @@ def _rerun_difference(
     )
 
 
+_SAVED = "memfit::probe_saved"
+
+
+@dataclass
+class _SavedByRerun:
+    """The storages a rerun saved for backward that were not alive before it (keyed by
+    address, with their sizes), and a profiler mark at each save."""
+
+    before: set[int | None]
+    sizes: dict[int, int] = field(default_factory=dict)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function(_SAVED):
+            pass  # the mark's time: the saving op's outputs exist by now
+        key = _address(t)
+        if key is not None and key not in self.before:
+            self.sizes[key] = t.untyped_storage().nbytes()
+        return t
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """The address of the CPU memory behind ``t``, or None where it has none of its own
+    (a sparse tensor, a subclass without storage)."""
+    try:
+        return t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _rerun_with_grad(
-    module: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype, enabled: bool
+    module: nn.Module,
+    args: Any,
+    kwargs: Any,
+    dtype: torch.dtype,
+    enabled: bool,
+    saved: _SavedByRerun,
 ) -> Any:
-    with torch.enable_grad(), _autocast("cpu", dtype, enabled):  # as a rebuild runs it
+    with (
+        torch.enable_grad(),
+        _autocast("cpu", dtype, enabled),  # as a rebuild runs it
+        torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpacked),
+    ):
         return module(*args, **kwargs)  # returned: what it saves stays alive to the end
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _workspaces(
     model: nn.Module, calls: list[_Call], unstable: dict[str, str]
-) -> tuple[dict[str, int], dict[str, int]]:
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Each stable CPU unit's forward run again with autograd on, then its backward, under
-    the allocator: the forward's and the backward's op workspaces, by unit."""
+    the allocator: the forward's and the backward's op workspaces, and what the forward
+    held above what it saved up to its last save (``ProbeResult.rebuild_forward``), by
+    unit."""
 
     out: dict[str, int] = {}
     back: dict[str, int] = {}
+    rebuilds: dict[str, int] = {}
     params = list(model.parameters())
     grads = [p.grad for p in params]  # kept as they were, whatever a rerun does
+    weights = {_address(t) for t in [*params, *model.buffers()]}
     try:
-        _workspaces_of(calls, unstable, out, back)
+        _workspaces_of(calls, unstable, weights, out, back, rebuilds)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    return out, back
+    return out, back, rebuilds
 
 
 def _workspaces_of(
-    calls: list[_Call], unstable: dict[str, str], out: dict[str, int], back: dict[str, int]
+    calls: list[_Call],
+    unstable: dict[str, str],
+    weights: set[int | None],
+    out: dict[str, int],
+    back: dict[str, int],
+    rebuilds: dict[str, int],
 ) -> None:
     for call in calls:
         device = call.autocast[0]
@@ -478,12 +536,22 @@ def _workspaces_of(
             (call.args, call.kwargs),
             lambda t: t.requires_grad_(True) if t.is_floating_point() else t,
         )
-
+        inputs = {_address(t) for t in tensors((args, kwargs))}
+        saved = _SavedByRerun(weights | inputs)
         try:
-            rerun = functools.partial(_rerun_with_grad, call.module, args, kwargs, dtype, enabled)
-            peak = allocator_peak(rerun, device="cpu")
+            rerun = functools.partial(
+                _rerun_with_grad, call.module, args, kwargs, dtype, enabled, saved
+            )
+            peak = allocator_peak(rerun, device="cpu", timeline=True)
         except Exception:  # the stability pass ran it; a failure here only loses the term
             continue
+        marks = peak.timeline.marks.get(_SAVED) if peak.timeline is not None else None
+        if marks:
+            # A rebuild stops after its last save; what it held by then above all it saved.
+            # The mark's time is the save's, so the level at it counts the saving op's
+            # outputs, which exist by then.
+            held = peak.timeline.highest(0, marks[-1]) - sum(saved.sizes.values())
+            rebuilds[call.name] = max(rebuilds.get(call.name, 0), held, 0)
         # A kernel's workspace counts only as far as it rose above what the rebuild keeps
         # at its end: a convolution's scratch early in a unit (large where bf16 is
         # emulated) comes before most of what the unit saves exists, not on top of it.

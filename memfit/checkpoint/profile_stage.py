@@ -187,6 +187,7 @@ def _without_unstable(
             children=children,
             can_recompute=stable,
             forward_workspace_bytes=float(probed.forward_workspace.get(unit.name, 0)),
+            rebuild_forward_bytes=float(probed.rebuild_forward.get(unit.name, 0)),
             backward_workspace_bytes=float(probed.backward_workspace.get(unit.name, 0)),
         )
 
@@ -260,6 +261,7 @@ def profile_step(
         prof.sparse_grad_bytes = {
             name.removeprefix("model."): n for name, n in prof.sparse_grad_bytes.items()
         }
+        prof.grad_order = tuple(name.removeprefix("model.") for name in prof.grad_order)
         # The loss outside the model saves its own tensors (e.g. fp32 logits), and the
         # model's output lives until the loss's backward: neither can be recomputed.
         profiled = ModelProfile(

@@ -290,6 +290,7 @@ def stored_tree(
             backward_hold_bytes=max(u.backward_hold_bytes for u in below)
             + float(code.back_bytes(kind)),
             forward_workspace_bytes=max(u.forward_workspace_bytes for u in below),
+            rebuild_forward_bytes=max(u.rebuild_forward_bytes for u in below),
             backward_workspace_bytes=max(u.backward_workspace_bytes for u in below),
         )
 

@@ -6,7 +6,7 @@ solvers walk it (``recompute_extra_bytes``, ``backward_hold_bytes``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -33,6 +33,7 @@ def with_backward_costs(
     sparse_grads: Mapping[str, float] | None = None,
     released: Mapping[str, float] | None = None,
     forward_offset_bytes: float = 0.0,
+    grad_order: Sequence[str] = (),
 ) -> UnitCost:
     """``root`` with what a rebuild in backward holds besides activations, per unit:
 
@@ -44,14 +45,18 @@ def with_backward_costs(
     * ``forward_hold_bytes``: what its forward was measured to hold beyond what the step had
       saved by its end, less the gradient in flight the held bytes count
       (``forward_peak_bytes`` less that);
-    * ``grads_from_bytes``: the parameter gradients backward has made by then, those of the
-      unit and of every unit after it in forward order, and (not knowing where in their
-      forward they are used) those of its ancestors' own parameters. With ``accumulating``
-      they are 0: every gradient is held already (``StepMemory.accumulated_grad_bytes``);
-      with ``released`` (gradients freed in backward as their updates are applied) too:
-      none is held by then, and each unit's backward holds instead the one being released
-      with its update's temporaries: the most of its own tensors', from ``released``
-      (by parameter name: ``StepMemory.released_by_param``).
+    * ``grads_from_bytes``: the parameter gradients backward has made by then: the first
+      ``unit.grads_before_backward`` of ``grad_order`` (the order in which the profiled
+      step's backward began each one: a rebuild runs before the unit's own backward, so
+      its own gradients are not begun yet, but for a weight used again later, a tied
+      one); where that was not measured, those of the unit and of every unit after it in
+      forward order, and (not knowing where in their forward they are used) those of its
+      ancestors' own parameters. With ``accumulating`` they are 0: every gradient is
+      held already (``StepMemory.accumulated_grad_bytes``); with ``released`` (gradients
+      freed in backward as their updates are applied) too: none is held by then, and each
+      unit's backward holds instead the one being released with its update's
+      temporaries: the most of its own tensors', from ``released`` (by parameter name:
+      ``StepMemory.released_by_param``).
 
     ``layout``: under FSDP2 a rank keeps its fp32 shard of each gradient made (``1/N``);
     under DDP every gradient is held already, in the buckets, as with accumulation.
@@ -89,12 +94,22 @@ def with_backward_costs(
         total += own[unit.name]
         after[unit.name] = total
 
+    # The gradients made before each point of the profiled step's backward, by how many.
+    params = dict(model.named_parameters())
+    made_before = [0.0]
+    for name in grad_order:
+        p = params.get(name)
+        made_before.append(made_before[-1] + (grad_bytes([p]) if p is not None else 0.0))
+
     in_flight = largest_in_flight_bytes(root)
     subtree_grads = {u.name: sum(own[v.name] for v in u.walk()) for u in order}
 
     def fill(unit: UnitCost, above: float) -> UnitCost:
         children = [fill(c, above + own[unit.name]) for c in unit.children]
         grads = after[unit.name] + above
+        made = unit.grads_before_backward
+        # Measured: made_before[made]; else the bound (the unit's own and all after it).
+        made_by_then = made_before[made] if 0 <= made < len(made_before) and grad_order else grads
         # What the unit's own backward held, less what the static bytes count already: the
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own
@@ -119,7 +134,7 @@ def with_backward_costs(
                 float(autocast_copy_bytes(model.get_submodule(unit.name), policy))
                 - unit.saved_cast_bytes,
             ),
-            grads_from_bytes=0.0 if accumulating or released is not None else grads,
+            grads_from_bytes=0.0 if accumulating or released is not None else made_by_then,
             backward_hold_bytes=max(0.0, hold),
             # Forward has no gradient in flight yet, which the held bytes count (see
             # StepMemory.forward_offset_bytes for the rest). Not measured (0): no moment.

@@ -224,6 +224,7 @@ def build_costs(
         release_levels={n: float(v) for n, v in st.release_levels.items()},
         forward_peak_bytes=float(st.forward_peak_bytes),
         forward_unsaved_inputs=tuple((i, float(n)) for i, n in st.forward_unsaved_inputs.items()),
+        grads_before_backward=st.grads_before_backward if st.call_count == 1 else -1,
         can_recompute=not st.not_recomputable_reasons,
         can_select=not st.not_selective_reason,
         sequential=bool(sequential),

@@ -156,6 +156,7 @@ def profile(
             head_backward = rec.head_peak
             retained = dict(rec.retained_bytes)
             end_unsaved = dict(rec.end_unsaved_inputs)
+            grad_order = tuple(rec.grad_order)
             iterated = {name: bool(marks) for name, marks in rec.iterated.items()}
             chains = rec.chains
             saved_owner = dict(rec.saved_owner)
@@ -215,6 +216,7 @@ def profile(
         piece_seconds=piece_seconds,
         head_backward_bytes=head_backward,
         sparse_grad_bytes=sparse_grads,
+        grad_order=grad_order,
         retained_bytes=retained,
         end_unsaved_inputs={
             name: tuple((i, float(n)) for i, n in ids.items()) for name, ids in end_unsaved.items()

@@ -131,6 +131,10 @@ class Recorder:
         # and the trained parameters' names by id (set by the runner).
         self.grad_live = 0
         self.grads_seen: set[int] = set()
+        # Trained parameters' names as backward made the first part of each one's gradient
+        # (a tied weight's is held from its last use on): Profile.grad_order.
+        self.grad_order: list[str] = []
+        self.grads_begun: set[int] = set()
         self.param_names: dict[int, str] = {}
         # Each counted storage's finalizer, by key: an in-place accumulation stops it.
         self.bwd_frees: dict[Any, weakref.finalize] = {}
@@ -613,7 +617,10 @@ class Recorder:
             keep.append(node)
             seq = node._sequence_nr()
             if seq < 2**62:  # AccumulateGrad nodes carry UINT64_MAX
-                handles.append(node.register_prehook(self._node_hook(self.owner(seq), seq)))
+                # The leaves whose gradients it makes a part of.
+                feeds = [id(n.variable) for n, _ in node.next_functions if hasattr(n, "variable")]
+                hook = self._node_hook(self.owner(seq), seq, feeds)
+                handles.append(node.register_prehook(hook))
                 if self.full:
                     handles.append(node.register_hook(self._node_done))
             todo.extend(n for n, _ in node.next_functions if n is not None)
@@ -623,12 +630,20 @@ class Recorder:
         # The node has run; the engine now adds its outputs to the next nodes' buffers.
         self.accumulating = True
 
-    def _node_hook(self, owner: str | None, seq: int) -> Callable[[Any], None]:
+    def _node_hook(self, owner: str | None, seq: int, feeds: list[int]) -> Callable[[Any], None]:
         def hook(grad_outputs: Any) -> None:
             if self.full:
                 self.accumulating = False
                 self.bwd_owner = owner
                 self.bwd_seq = seq
+                up = owner  # backward reaches it and the units around it, if not yet
+                while up is not None and self.stats[up].grads_before_backward < 0:
+                    self.stats[up].grads_before_backward = len(self.grad_order)
+                    up = self.parent_name.get(up)
+                for key in feeds:
+                    if key not in self.grads_begun and key in self.param_names:
+                        self.grads_begun.add(key)
+                        self.grad_order.append(self.param_names[key])
                 if owner is not None and owner not in self.top:
                     self.in_head = False
             else:

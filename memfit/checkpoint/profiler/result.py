@@ -83,6 +83,11 @@ class Profile:
     it returns). The loss's part of forward begins with the last unit's held
     (:attr:`memfit.checkpoint.workspace.StepEdges.loss_spike_bytes` counts them), and a
     plan that keeps one as a checkpoint's input counts it there too. Measured steps only."""
+    grad_order: tuple[str, ...] = ()
+    """The trained parameters' names in the order backward made the first part of each one's
+    gradient (a weight used twice has one from its later use on, in autograd's buffer until
+    the earlier use's part is added): the first :attr:`UnitCost.grads_before_backward` of
+    them exist when backward reaches a unit. Instrumented steps only."""
     piece_seconds: float = 0.0
     """What the checkpoint machinery costs one piece on this device, forward and backward,
     over the ops it recomputes (0 when times are estimated). Each unit carries it times

@@ -69,6 +69,9 @@ class Stats:
     # name): what was alive then, less every accumulated gradient, its own included. Such
     # a loop updates it there, holding its gradient and its update's temporaries on top.
     release_levels: dict[str, int] = field(default_factory=dict)
+    # How many parameter gradients (the first of Recorder.grad_order) backward had begun when
+    # it first reached the subtree: those a rebuild of it holds (-1: never reached).
+    grads_before_backward: int = -1
     # Of saved_bytes_own, what was saved after its last child unit began.
     saved_bytes_after_children: int = 0
     # The most its forward held at once, of what the step's forward ops made, above all the

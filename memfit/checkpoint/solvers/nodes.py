@@ -29,6 +29,7 @@ _NUMBERS = (
     "forward_hold_bytes",
     "own_saved_after_children_bytes",
     "forward_workspace_bytes",
+    "rebuild_forward_bytes",
     "backward_workspace_bytes",
     "tail_seconds",
     "tail_flops",
@@ -87,6 +88,8 @@ class FlatUnit:
         "own_saved_after_children_bytes",
         "forward_workspace_bytes",
         "child_forward_workspace_table",
+        "rebuild_forward_bytes",
+        "child_rebuild_forward_table",
         "backward_workspace_bytes",
         "child_backward_workspace_table",
     )
@@ -169,6 +172,10 @@ class FlatUnit:
         # children's, for segments.
         self.forward_workspace_bytes = float(unit.forward_workspace_bytes)
         self.child_forward_workspace_table: Sequence[Sequence[float]] = ()
+        # What a rebuild's forward holds above all it saves until its last save (measured),
+        # and the children's, for segments.
+        self.rebuild_forward_bytes = float(unit.rebuild_forward_bytes)
+        self.child_rebuild_forward_table: Sequence[Sequence[float]] = ()
         # What a kernel of its backward holds for itself, and the children's, for segments.
         self.backward_workspace_bytes = float(unit.backward_workspace_bytes)
         self.child_backward_workspace_table: Sequence[Sequence[float]] = ()
@@ -206,22 +213,24 @@ class FlatUnit:
         before it: child ``i``'s input (held by the checkpoint, so what child ``i`` saves of
         it is not allocated again), what they all rebuild, and the larger of what the
         rebuild's forward and what their backward hold besides: the gradients made when
-        backward reaches child ``i`` with the most a kernel of theirs holds for itself or
-        child ``i``'s input gradient, or the most one of them was measured to hold in
-        backward (see :func:`rebuild_hold`)."""
+        backward reaches the segment (at child ``j``, its last) with the most a kernel of
+        theirs holds for itself or child ``i``'s input gradient, or the most one of them
+        was measured to hold in backward (see :func:`rebuild_hold`)."""
         inp = self.child_input_bytes[i]
         row = (j - i + 1).bit_length() - 1
         last = j + 1 - (1 << row)
         holds, spaces = self.child_backward_hold_table, self.child_forward_workspace_table
         back_spaces = self.child_backward_workspace_table
+        forwards = self.child_rebuild_forward_table
         return rebuild_hold(
             inp,
             self.rebuilt_before[j + 1] - self.rebuilt_before[i],
             self.child_input_saved_bytes[i],
             max(spaces[row][i], spaces[row][last]),
-            self.child_grads_from_bytes[i],
+            self.child_grads_from_bytes[j],
             max(holds[row][i], holds[row][last]),
             max(back_spaces[row][i], back_spaces[row][last]),
+            max(forwards[row][i], forwards[row][last]),
         )
 
     def segment_seconds(self, i: int, j: int) -> float:
@@ -254,6 +263,7 @@ _TABLE_SLOTS = (
     "child_backward_hold_table",
     "child_forward_workspace_table",
     "child_backward_workspace_table",
+    "child_rebuild_forward_table",
 )
 _NUMBER_SLOTS = tuple(
     name
@@ -273,6 +283,7 @@ def rebuild_hold(
     grads_from_bytes: float,
     backward_hold_bytes: float,
     backward_workspace_bytes: float,
+    rebuild_forward_bytes: float = 0.0,
 ) -> float:
     """What a rebuild holds above what is kept before it, the cost model's one formula for
     a unit and a segment: the input (the checkpoint keeps it, so the part the rebuild
@@ -289,9 +300,11 @@ def rebuild_hold(
 
     >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0, 4.0)
     134.0
+    >>> rebuild_hold(10.0, 100.0, 10.0, 5.0, 2.0, 30.0, 4.0, rebuild_forward_bytes=40.0)
+    142.0
     """
     held = max(
-        grads_from_bytes + max(workspace_bytes, input_bytes),
+        grads_from_bytes + max(workspace_bytes, input_bytes, rebuild_forward_bytes),
         backward_hold_bytes + min(workspace_bytes, backward_workspace_bytes),
     )
     return input_bytes + max(0.0, rebuilt_bytes - input_saved_bytes) + held
@@ -341,6 +354,7 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
             node.grads_from_bytes,
             node.backward_hold_bytes,
             node.backward_workspace_bytes,
+            node.rebuild_forward_bytes,
         )
         if node.is_chain():
             kids = [nodes[c] for c in node.children]
@@ -363,6 +377,9 @@ def flatten(root: UnitCost) -> list[FlatUnit]:
             )
             node.child_backward_workspace_table = _range_max_table(
                 [k.backward_workspace_bytes for k in kids]
+            )
+            node.child_rebuild_forward_table = _range_max_table(
+                [k.rebuild_forward_bytes for k in kids]
             )
             start = 0
             run_start = []
