@@ -309,7 +309,9 @@ def test_a_rebuild_holds_the_gradients_backward_made_before_it_not_its_own() -> 
     model, batch = mlp_blocks(3)
     block = sum(p.numel() * 4 for p in model[0].parameters())
     grads = _grads_from(model, batch, scan_loss, ["0", "1", "2"])
-    assert (grads["0"], grads["1"], grads["2"]) == (2 * block, block, 0)
+    # Beside them backward holds the loss's gradient, the fp32 scalar it starts from.
+    seed = 4
+    assert (grads["0"], grads["1"], grads["2"]) == (2 * block + seed, block + seed, seed)
 
 
 class TiedLM(nn.Module):
@@ -342,6 +344,7 @@ def test_a_tied_weights_gradient_is_held_by_the_rebuilds_of_the_units_before_its
     tied = model.embed.weight.numel() * 4
     block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     grads = _grads_from(model, ids, loss_fn, ["embed", "blocks.0", "blocks.1"])
+    tied += 4  # and the loss's gradient, the fp32 scalar backward starts from
     assert grads["blocks.1"] == tied
     assert grads["blocks.0"] == tied + block
     assert grads["embed"] == tied + 2 * block

@@ -107,16 +107,23 @@ class UnitCost:
     matmul under autocast saves the copy of the weight it multiplies by): a rebuild makes
     them as it saves them, so they are no extra beside what it saves."""
     grads_from_bytes: float = 0.0
-    """Parameter gradients that exist when backward rebuilds this unit: those backward had
-    made when it first reached the unit in the profiled step (``grads_before_backward``),
-    or, where that was not measured, those of the unit and of everything after it in
-    forward order and of its ancestors' own parameters (a bound)."""
+    """Gradients that exist when backward rebuilds this unit beyond the one in flight the
+    static bytes count: the parameter gradients backward had made when it first reached
+    the unit in the profiled step (``grads_before_backward``) or, if more, all it held then
+    less that one (``backward_held_at_reach``: the gradients of a decoder block's other
+    outputs too); where that was not measured, those of the unit and of everything after
+    it in forward order and of its ancestors' own parameters (a bound)."""
     grads_before_backward: int = -1
     """How many of the profiled step's parameter gradients
     (:attr:`~memfit.checkpoint.profiler.Profile.grad_order`) existed when backward first
     reached the unit: its own are not among them unless a later use made them (a tied
     weight). -1: not measured, or the unit ran more than once (its earlier calls' rebuilds
     follow its own gradients)."""
+    backward_held_at_reach: float = 0.0
+    """What backward held when it first reached the unit in the profiled step, measured:
+    the parameter gradients made by then and every activation gradient in flight (a T5
+    decoder block's: its outputs', the position bias's it passes on, the encoder output's
+    that the blocks after it added to). 0: not measured."""
     backward_peak_bytes: float = 0.0
     """The most alive while the subtree ran backward, measured: what it saved that backward
     had not reached yet, and what backward had made and still held (the gradient passed

@@ -109,7 +109,11 @@ def with_backward_costs(
         grads = after[unit.name] + above
         made = unit.grads_before_backward
         # Measured: made_before[made]; else the bound (the unit's own and all after it).
-        made_by_then = made_before[made] if 0 <= made < len(made_before) and grad_order else grads
+        made_by_then = grads
+        if 0 <= made < len(made_before) and grad_order:
+            # Measured, and with them the activation gradients in flight then beyond the one
+            # the static bytes count (a decoder block's: the position bias it passes on).
+            made_by_then = max(made_before[made], unit.backward_held_at_reach - in_flight)
         # What the unit's own backward held, less what the static bytes count already: the
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own

@@ -225,6 +225,7 @@ def build_costs(
         forward_peak_bytes=float(st.forward_peak_bytes),
         forward_unsaved_inputs=tuple((i, float(n)) for i, n in st.forward_unsaved_inputs.items()),
         grads_before_backward=st.grads_before_backward if st.call_count == 1 else -1,
+        backward_held_at_reach=float(st.backward_held_at_reach) if st.call_count == 1 else 0.0,
         can_recompute=not st.not_recomputable_reasons,
         can_select=not st.not_selective_reason,
         sequential=bool(sequential),

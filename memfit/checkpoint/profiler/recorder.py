@@ -639,6 +639,7 @@ class Recorder:
                 up = owner  # backward reaches it and the units around it, if not yet
                 while up is not None and self.stats[up].grads_before_backward < 0:
                     self.stats[up].grads_before_backward = len(self.grad_order)
+                    self.stats[up].backward_held_at_reach = self.bwd_live[0]
                     up = self.parent_name.get(up)
                 for key in feeds:
                     if key not in self.grads_begun and key in self.param_names:

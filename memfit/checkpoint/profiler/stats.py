@@ -72,6 +72,9 @@ class Stats:
     # How many parameter gradients (the first of Recorder.grad_order) backward had begun when
     # it first reached the subtree: those a rebuild of it holds (-1: never reached).
     grads_before_backward: int = -1
+    # What backward held then (bwd_live): those gradients, and every activation gradient in
+    # flight (a decoder block's, of its outputs and of the encoder's output it reads).
+    backward_held_at_reach: int = 0
     # Of saved_bytes_own, what was saved after its last child unit began.
     saved_bytes_after_children: int = 0
     # The most its forward held at once, of what the step's forward ops made, above all the
