@@ -49,7 +49,11 @@ def with_backward_costs(
       ``unit.grads_before_backward`` of ``grad_order`` (the order in which the profiled
       step's backward began each one: a rebuild runs before the unit's own backward, so
       its own gradients are not begun yet, but for a weight used again later, a tied
-      one); where that was not measured, those of the unit and of every unit after it in
+      one), and what else backward held when it first reached the unit beyond the
+      gradient in flight the static bytes count (``unit.backward_held_at_reach`` less
+      those gradients as the profiled step held them: a T5 decoder block's rebuild holds
+      the gradients of the position bias it passes on); where that was not measured,
+      those of the unit and of every unit after it in
       forward order, and (not knowing where in their forward they are used) those of its
       ancestors' own parameters. With ``accumulating`` they are 0: every gradient is
       held already (``StepMemory.accumulated_grad_bytes``); with ``released`` (gradients
@@ -94,12 +98,17 @@ def with_backward_costs(
         total += own[unit.name]
         after[unit.name] = total
 
-    # The gradients made before each point of the profiled step's backward, by how many.
+    # The gradients made before each point of the profiled step's backward, by how many:
+    # as this step holds them (``made_before``: sharded, fp32 for master weights) and as the
+    # profiled step held them (``profiled_before``: what its measured bytes count).
     params = dict(model.named_parameters())
-    made_before = [0.0]
+    made_before, profiled_before = [0.0], [0.0]
     for name in grad_order:
         p = params.get(name)
-        made_before.append(made_before[-1] + (grad_bytes([p]) if p is not None else 0.0))
+        made = grad_bytes([p]) if p is not None else 0.0
+        held = sparse.get(id(p), p.numel() * p.element_size()) if p is not None else 0.0
+        made_before.append(made_before[-1] + made)
+        profiled_before.append(profiled_before[-1] + held)
 
     in_flight = largest_in_flight_bytes(root)
     subtree_grads = {u.name: sum(own[v.name] for v in u.walk()) for u in order}
@@ -111,9 +120,10 @@ def with_backward_costs(
         # Measured: made_before[made]; else the bound (the unit's own and all after it).
         made_by_then = grads
         if 0 <= made < len(made_before) and grad_order:
-            # Measured, and with them the activation gradients in flight then beyond the one
-            # the static bytes count (a decoder block's: the position bias it passes on).
-            made_by_then = max(made_before[made], unit.backward_held_at_reach - in_flight)
+            # Measured, and the activation gradients in flight then beyond the one the
+            # static bytes count (a decoder block's: the position bias it passes on).
+            flying = unit.backward_held_at_reach - profiled_before[made] - in_flight
+            made_by_then = made_before[made] + max(0.0, flying)
         # What the unit's own backward held, less what the static bytes count already: the
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own
