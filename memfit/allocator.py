@@ -120,7 +120,8 @@ def storage_bytes(objects: Iterable[Any]) -> int:
 
 def storage_sizes(objects: Iterable[Any]) -> dict[int, int]:
     """The memory behind the tensors in ``objects``: bytes by the address the allocator
-    handed out (each storage once; empty storages left out).
+    handed out (each storage once; empty storages left out, and tensors with no storage of
+    their own, a subclass that only wraps others).
 
     >>> t = torch.zeros(4)
     >>> storage_sizes([t, t[1:]]) == {t.untyped_storage().data_ptr(): 16}
@@ -130,7 +131,10 @@ def storage_sizes(objects: Iterable[Any]) -> dict[int, int]:
     for t in tensors(list(objects)):
         parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else [t]
         for part in parts:
-            storage = part.untyped_storage()
+            try:
+                storage = part.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
             if storage.nbytes() > 0:
                 sizes.setdefault(storage.data_ptr(), storage.nbytes())
     return sizes

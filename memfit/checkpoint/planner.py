@@ -307,6 +307,7 @@ def solve_profile(
             reserve=reserve,
             frontier=frontier,
             edge=optimal and run is not None,
+            settle_ties=not profiled.counted,
         )
     except BudgetError as exc:
         choice = stored(None) if storing else None

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.allocator import allocator_peak
+from memfit.allocator import allocator_peak, storage_sizes
 from memfit.nested import map_tensors, tensors
 
 OpRecord = tuple[str, tuple[tuple[tuple[int, ...], str], ...]]
@@ -455,25 +455,16 @@ class _SavedByRerun:
     """The storages a rerun saved for backward that were not alive before it (keyed by
     address, with their sizes), and a profiler mark at each save."""
 
-    before: set[int | None]
+    before: set[int]
     sizes: dict[int, int] = field(default_factory=dict)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         with torch.profiler.record_function(_SAVED):
             pass  # the mark's time: the saving op's outputs exist by now
-        key = _address(t)
-        if key is not None and key not in self.before:
-            self.sizes[key] = t.untyped_storage().nbytes()
+        for address, nbytes in storage_sizes([t]).items():
+            if address not in self.before:
+                self.sizes[address] = nbytes
         return t
-
-
-def _address(t: torch.Tensor) -> int | None:
-    """The address of the CPU memory behind ``t``, or None where it has none of its own
-    (a sparse tensor, a subclass without storage)."""
-    try:
-        return t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 def _rerun_with_grad(
@@ -509,7 +500,7 @@ def _workspaces(
     rebuilds: dict[str, int] = {}
     params = list(model.parameters())
     grads = [p.grad for p in params]  # kept as they were, whatever a rerun does
-    weights = {_address(t) for t in [*params, *model.buffers()]}
+    weights = set(storage_sizes([*params, *model.buffers()]))
     try:
         _workspaces_of(calls, unstable, weights, out, back, rebuilds)
     finally:
@@ -521,7 +512,7 @@ def _workspaces(
 def _workspaces_of(
     calls: list[_Call],
     unstable: dict[str, str],
-    weights: set[int | None],
+    weights: set[int],
     out: dict[str, int],
     back: dict[str, int],
     rebuilds: dict[str, int],
@@ -536,7 +527,7 @@ def _workspaces_of(
             (call.args, call.kwargs),
             lambda t: t.requires_grad_(True) if t.is_floating_point() else t,
         )
-        inputs = {_address(t) for t in tensors((args, kwargs))}
+        inputs = set(storage_sizes([args, kwargs]))
         saved = _SavedByRerun(weights | inputs)
         try:
             rerun = functools.partial(

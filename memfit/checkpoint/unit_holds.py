@@ -105,9 +105,9 @@ def with_backward_costs(
     made_before, profiled_before = [0.0], [0.0]
     for name in grad_order:
         p = params.get(name)
-        made = grad_bytes([p]) if p is not None else 0.0
+        this_step = grad_bytes([p]) if p is not None else 0.0
         held = sparse.get(id(p), p.numel() * p.element_size()) if p is not None else 0.0
-        made_before.append(made_before[-1] + made)
+        made_before.append(made_before[-1] + this_step)
         profiled_before.append(profiled_before[-1] + held)
 
     in_flight = largest_in_flight_bytes(root)
@@ -116,14 +116,14 @@ def with_backward_costs(
     def fill(unit: UnitCost, above: float) -> UnitCost:
         children = [fill(c, above + own[unit.name]) for c in unit.children]
         grads = after[unit.name] + above
-        made = unit.grads_before_backward
-        # Measured: made_before[made]; else the bound (the unit's own and all after it).
+        begun = unit.grads_before_backward  # how many, in grad_order
+        # Measured: made_before[begun]; else the bound (the unit's own and all after it).
         made_by_then = grads
-        if 0 <= made < len(made_before) and grad_order:
+        if 0 <= begun < len(made_before) and grad_order:
             # Measured, and the activation gradients in flight then beyond the one the
             # static bytes count (a decoder block's: the position bias it passes on).
-            flying = unit.backward_held_at_reach - profiled_before[made] - in_flight
-            made_by_then = made_before[made] + max(0.0, flying)
+            flying = unit.backward_held_at_reach - profiled_before[begun] - in_flight
+            made_by_then = made_before[begun] + max(0.0, flying)
         # What the unit's own backward held, less what the static bytes count already: the
         # gradient passed in, and with accumulation the parameter gradients (held all step).
         # With accumulation the gradients of the units after it are held already; its own

@@ -25,8 +25,10 @@ How each number is measured:
   measured in the timed step, from the last saved tensor to the unit's end (on CUDA, where
   that would need a device sync per saved tensor, and on fake tensors: the tail ops' share
   of the unit's op time, applied to its forward time).
-* **Times**: forward time from forward pre/post hooks with ``time.perf_counter`` (the
-  device synchronized on CUDA), in uninstrumented steps after the first (which warms up):
+* **Times**: forward time from forward pre/post hooks, in uninstrumented steps after the
+  first (which warms up), read on the step's thread's CPU clock (``time.thread_time``: not
+  the time it waited while other processes ran) or, on CUDA, with ``time.perf_counter``
+  after a device synchronize:
   each unit's time is its median over ``timed_steps`` steps (3 by default).
   Backward time per unit: a pre-hook on every autograd node stamps the time; each node's
   time (until the next node starts) goes to the unit that created it, found from the

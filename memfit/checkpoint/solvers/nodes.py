@@ -214,8 +214,9 @@ class FlatUnit:
         it is not allocated again), what they all rebuild, and the larger of what the
         rebuild's forward and what their backward hold besides: the gradients made when
         backward reaches the segment (at child ``j``, its last) with the most a kernel of
-        theirs holds for itself or child ``i``'s input gradient, or the most one of them
-        was measured to hold in backward (see :func:`rebuild_hold`)."""
+        theirs holds for itself, child ``i``'s input or the most one of their forwards holds
+        above what it saves (``rebuild_forward_bytes``); or the most one of them was
+        measured to hold in backward (see :func:`rebuild_hold`)."""
         inp = self.child_input_bytes[i]
         row = (j - i + 1).bit_length() - 1
         last = j + 1 - (1 << row)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-from memfit.checkpoint.costs import KEEP, SELECTIVE
+from memfit.checkpoint.costs import KEEP, SELECTIVE, UnitCost, counted_times
 from memfit.checkpoint.solvers import limits, messages
 from memfit.checkpoint.solvers.blocks import by_blocks
 from memfit.checkpoint.solvers.fixed import family, family_plan
-from memfit.checkpoint.solvers.nodes import Chains, FlatUnit, find_chains
+from memfit.checkpoint.solvers.nodes import Chains, FlatUnit, find_chains, flatten
 from memfit.checkpoint.solvers.plan_cost import NodePlan, PlanCost, PlanKey, evaluate_nodes
 from memfit.checkpoint.solvers.search import Search
 from memfit.checkpoint.solvers.solution import Solution, solution
@@ -21,6 +21,16 @@ from memfit.errors import BudgetError
 
 # The fixed strategies whose cheapest plan that fits bounds a walk's time.
 _SEEDS = (("full", None), ("sqrt", None), ("uniform", 2), ("uniform", 4), ("uniform", 8))
+
+#: Plans whose recompute is predicted within this share of the fastest plan's are too close
+#: for a profile's timings to order. SegFormer with bf16 emulated on a 2-core CPU that two
+#: other processes kept busy: six profiles chose plans of 139 to 226 recomputed MFLOP for
+#: one budget; the one with the fewest FLOPs was timed 2% to 8% slower than the fastest in
+#: one run of six profiles, more than 10% slower in two profiles of another. Among such
+#: plans the one cheapest by counted FLOPs and bytes
+#: (:func:`~memfit.checkpoint.costs.counted_times`) is taken: it does not depend on the
+#: timings. What this can cost is a recompute this much slower, a few percent of a step.
+TIE_SHARE = 0.15
 
 
 def _seed(
@@ -46,10 +56,13 @@ def solve_optimal(
     reserve: float,
     frontier: bool,
     edge_budget: float | None = None,
+    counted: list[FlatUnit] | None = None,
 ) -> Solution:
     """The cheapest plan that fits ``budget`` (the budget less the reserve), with the
     frontier when ``frontier``; and, given ``edge_budget`` (the budget itself), the cheapest
-    plan within that as the solution's ``edge`` when it recomputes less."""
+    plan within that as the solution's ``edge`` when it recomputes less. ``counted``: the
+    same nodes with counted times (:func:`counted_nodes`), to settle near-ties by
+    (:data:`TIE_SHARE`); None takes the fastest plan as timed."""
     search = Search(nodes, loss)
     chains = find_chains(nodes)
     costs: dict[PlanKey, PlanCost] = {}  # the fixed strategies' plans, evaluated once
@@ -90,10 +103,13 @@ def solve_optimal(
                     other = polish(nodes, other, room, loss)
                     if other.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
                         chosen = other
+        chosen = _settle_tie(nodes, counted, chosen, room, loss)
     exact = search.exact
     edge = None
     if budget is not None and edge_budget is not None and edge_budget > budget:
         edge = _cheaper_within(search, chosen, edge_budget - static)
+        if edge is not None:
+            edge = _settle_tie(nodes, counted, edge, edge_budget - static, loss)
     walked = _frontier_plans(search, chains, bound(), costs) if frontier else []
     sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
     if edge is not None:
@@ -103,6 +119,38 @@ def solve_optimal(
     if budget is None:
         sol.note = messages.NO_BUDGET
     return sol
+
+
+def counted_nodes(root: UnitCost) -> list[FlatUnit] | None:
+    """The nodes of ``root`` with counted times, for :func:`solve_optimal` to settle
+    near-ties by; None where the tree counts no FLOPs (nothing to settle them by)."""
+    if not any(u.fwd_flops > 0 for u in root.walk()):
+        return None
+    return flatten(counted_times(root))
+
+
+def _settle_tie(
+    nodes: list[FlatUnit],
+    counted: list[FlatUnit] | None,
+    chosen: NodePlan,
+    room: float,
+    loss: float,
+) -> NodePlan:
+    """``chosen``, or the plan within ``room`` cheapest by counted costs where that one
+    recomputes fewer FLOPs and its timed recompute is within :data:`TIE_SHARE` of
+    ``chosen``'s. Both trees predict the same bytes (only the times differ), so the counted
+    plan fits as the timed one would; it costs one more search."""
+    if counted is None or chosen.evaluated(nodes).seconds <= 0:
+        return chosen
+    found = Search(counted, loss).cheapest(room)
+    if found is None:
+        return chosen
+    other = NodePlan(found.decision, found.segs)  # evaluated afresh, on the timed nodes
+    mine, theirs = chosen.evaluated(nodes), other.evaluated(nodes)
+    close = theirs.seconds <= mine.seconds * (1 + TIE_SHARE)
+    if theirs.peak(loss) <= room and theirs.flops < mine.flops and close:
+        return other
+    return chosen
 
 
 def _cheaper_within(search: Search, chosen: NodePlan, room: float) -> NodePlan | None:
