@@ -8,7 +8,7 @@ from memfit.checkpoint.costs import UnitCost
 from memfit.checkpoint.solvers import messages
 from memfit.checkpoint.solvers.fixed import family, family_plan, parse_strategy, pick_family
 from memfit.checkpoint.solvers.nodes import find_chains, flatten
-from memfit.checkpoint.solvers.optimal import counted_nodes, solve_optimal
+from memfit.checkpoint.solvers.optimal import solve_optimal
 from memfit.checkpoint.solvers.plan_cost import NodePlan
 from memfit.checkpoint.solvers.solution import Solution, solution
 from memfit.errors import ConfigError
@@ -44,9 +44,10 @@ def solve(
     chosen plan alone. ``edge=True`` (``optimal`` with a reserve): the solution's ``edge``
     is also the cheapest plan within the budget itself when it recomputes less, found by
     the same search (seeded with the chosen plan's time, so it costs a fraction of a
-    second solve). ``settle_ties`` (``optimal``): where the plan with the fewest counted
-    FLOPs and bytes is timed within :data:`~memfit.checkpoint.solvers.optimal.TIE_SHARE`
-    of the fastest, take it: timings that close are noise (one more search); False for a
+    second solve). ``settle_ties`` (``optimal``): where the plan cheapest by counted FLOPs
+    and bytes recomputes fewer FLOPs than the fastest and is timed within
+    :data:`~memfit.checkpoint.solvers.optimal.TIE_SHARE` of it, take it: timings that
+    close are noise (one more search, on trees whose timed walks were exact); False for a
     tree whose times are counted already.
 
     Raises :class:`~memfit.errors.BudgetError` when the strategy cannot fit the budget, and
@@ -96,9 +97,9 @@ def solve(
 
     if name == "optimal":
         edge_budget = float(budget_bytes) if edge and reserve > 0 and budget is not None else None
-        counted = counted_nodes(root) if settle_ties and budget is not None else None
+        tie_root = root if settle_ties else None
         return solve_optimal(
-            nodes, label, budget, static, loss, reserve, frontier, edge_budget, counted
+            nodes, label, budget, static, loss, reserve, frontier, edge_budget, tie_root
         )
     if name == "none":
         plans = [NodePlan.keep_all(nodes)]

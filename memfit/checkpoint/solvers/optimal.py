@@ -56,12 +56,12 @@ def solve_optimal(
     reserve: float,
     frontier: bool,
     edge_budget: float | None = None,
-    counted: list[FlatUnit] | None = None,
+    settle_ties: UnitCost | None = None,
 ) -> Solution:
     """The cheapest plan that fits ``budget`` (the budget less the reserve), with the
     frontier when ``frontier``; and, given ``edge_budget`` (the budget itself), the cheapest
-    plan within that as the solution's ``edge`` when it recomputes less. ``counted``: the
-    same nodes with counted times (:func:`counted_nodes`), to settle near-ties by
+    plan within that as the solution's ``edge`` when it recomputes less. ``settle_ties``: the
+    tree ``nodes`` were flattened from, to settle near-ties by its counted times
     (:data:`TIE_SHARE`); None takes the fastest plan as timed."""
     search = Search(nodes, loss)
     chains = find_chains(nodes)
@@ -75,6 +75,7 @@ def solve_optimal(
             family_plan(nodes, chains, "sqrt", None, None).peak(nodes, loss),
         )
 
+    by_count = None
     if budget is None:
         chosen = search.none
     else:
@@ -103,13 +104,18 @@ def solve_optimal(
                     other = polish(nodes, other, room, loss)
                     if other.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
                         chosen = other
-        chosen = _settle_tie(nodes, counted, chosen, room, loss)
+        # Where the timed walks were exact (on trees too large for that, planning time
+        # comes first, and identical blocks share one median time already).
+        counted = counted_nodes(settle_ties) if settle_ties is not None and search.exact else None
+        if counted is not None:
+            by_count = Search(counted, loss)
+        chosen = _settle_tie(nodes, by_count, chosen, room)
     exact = search.exact
     edge = None
     if budget is not None and edge_budget is not None and edge_budget > budget:
         edge = _cheaper_within(search, chosen, edge_budget - static)
         if edge is not None:
-            edge = _settle_tie(nodes, counted, edge, edge_budget - static, loss)
+            edge = _settle_tie(nodes, by_count, edge, edge_budget - static)
     walked = _frontier_plans(search, chains, bound(), costs) if frontier else []
     sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
     if edge is not None:
@@ -130,25 +136,23 @@ def counted_nodes(root: UnitCost) -> list[FlatUnit] | None:
 
 
 def _settle_tie(
-    nodes: list[FlatUnit],
-    counted: list[FlatUnit] | None,
-    chosen: NodePlan,
-    room: float,
-    loss: float,
+    nodes: list[FlatUnit], by_count: Search | None, chosen: NodePlan, room: float
 ) -> NodePlan:
-    """``chosen``, or the plan within ``room`` cheapest by counted costs where that one
-    recomputes fewer FLOPs and its timed recompute is within :data:`TIE_SHARE` of
-    ``chosen``'s. Both trees predict the same bytes (only the times differ), so the counted
-    plan fits as the timed one would; it costs one more search."""
-    if counted is None or chosen.evaluated(nodes).seconds <= 0:
+    """``chosen``, or the plan within ``room`` cheapest by counted costs (``by_count``: a
+    search of the same nodes with counted times) where that one recomputes fewer FLOPs
+    and its timed recompute is within :data:`TIE_SHARE` of ``chosen``'s. Both trees
+    predict the same bytes (only the times differ), so the counted plan fits as the timed
+    one would. ``chosen`` bounds the search: only plans cheaper by count are followed."""
+    if by_count is None or chosen.evaluated(nodes).seconds <= 0:
         return chosen
-    found = Search(counted, loss).cheapest(room)
-    if found is None:
+    seed = NodePlan(chosen.decision, chosen.segs)  # its counted cost, evaluated afresh
+    found = by_count.cheapest(room, seed)
+    if found is None or found.key() == chosen.key():
         return chosen
     other = NodePlan(found.decision, found.segs)  # evaluated afresh, on the timed nodes
     mine, theirs = chosen.evaluated(nodes), other.evaluated(nodes)
     close = theirs.seconds <= mine.seconds * (1 + TIE_SHARE)
-    if theirs.peak(loss) <= room and theirs.flops < mine.flops and close:
+    if theirs.peak(by_count.loss) <= room and theirs.flops < mine.flops and close:
         return other
     return chosen
 
