@@ -312,6 +312,15 @@ def test_a_near_tie_goes_to_the_plan_cheapest_by_counted_costs(
         mine = plan_cost(counted, sol.decisions, sol.segments, static).recompute_seconds
         # The solver's times are ticks of 2**-40 s (nodes.tick); a byte counts 1e-10 s.
         assert math.isclose(mine, least, rel_tol=0.0, abs_tol=1e-10)
+    # With a reserve, the plan within the budget itself (the edge), settled too, is one a
+    # measured step may take instead: it must still recompute less than the chosen plan.
+    try:
+        reserved = solve(root, "optimal", budget, static_bytes=static, reserve=0.1, edge=True)
+    except BudgetError:
+        return  # nothing fits the budget less the reserve
+    if reserved.edge is not None:
+        assert reserved.edge.predicted_peak_bytes <= budget
+        assert reserved.edge.recompute_seconds < reserved.recompute_seconds
 
 
 def _three_blocks(seconds: list[float], flops: list[float]) -> UnitCost:

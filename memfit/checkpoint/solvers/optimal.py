@@ -115,7 +115,10 @@ def solve_optimal(
     if budget is not None and edge_budget is not None and edge_budget > budget:
         edge = _cheaper_within(search, chosen, edge_budget - static)
         if edge is not None:
-            edge = _settle_tie(nodes, by_count, edge, edge_budget - static)
+            # The edge must recompute less than the chosen plan: settled, only if it still does.
+            settled = _settle_tie(nodes, by_count, edge, edge_budget - static)
+            if settled.evaluated(nodes).seconds < chosen.evaluated(nodes).seconds:
+                edge = settled
     walked = _frontier_plans(search, chains, bound(), costs) if frontier else []
     sol = solution(nodes, chosen, label, budget, static, loss, [*walked, chosen], exact=exact)
     if edge is not None:
